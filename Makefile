@@ -1,0 +1,63 @@
+# torchpar: `make test` and `make demo` do all their own set-up on a fresh machine.
+PYTHON  ?= python3
+VENV    ?= .venv
+PY      := $(VENV)/bin/python
+PIP     := $(VENV)/bin/pip
+TORCH   ?= torch==2.13.0
+NPROC   ?= 2
+# ccache keeps rebuilds on the same machine quick; the build works without it.
+CCACHE  := $(shell command -v ccache 2>/dev/null)
+ifneq ($(CCACHE),)
+export CXX := ccache g++
+endif
+export MAX_JOBS ?= $(NPROC)
+
+SOURCES := setup.py $(shell find csrc -name '*.cpp' -o -name '*.h' -o -name '*.cu' 2>/dev/null)
+
+.PHONY: all deps build test test-cpp demo bench build-cuda clean
+
+all: build
+
+$(VENV)/.deps:
+	$(PYTHON) -m venv $(VENV)
+	$(PIP) install -q --upgrade pip
+	$(PIP) install -q $(TORCH) pytest pytest-timeout numpy ninja setuptools wheel matplotlib
+	@touch $@
+
+deps: $(VENV)/.deps
+
+# Editable install once (no build isolation: it would fetch a CUDA torch), then
+# incremental in-place rebuilds whenever a C++ source changes.
+$(VENV)/.installed: $(VENV)/.deps pyproject.toml
+	$(PIP) install -q --no-build-isolation --no-deps -e .
+	@touch $@
+
+torchpar/_C.stamp: $(VENV)/.installed $(SOURCES)
+	$(PY) setup.py -q build_ext --inplace
+	@touch $@
+
+build: torchpar/_C.stamp
+
+test: build
+	$(PY) -m pytest -q tests
+
+demo: build
+	$(VENV)/bin/torchrun --standalone --nproc_per_node=2 -m torchpar.bench collectives --world-sizes 2 --max-bytes 16M
+
+bench: build
+	$(PY) -m torchpar.bench collectives --json bench-results/collectives.json --plot bench-results/collectives.png
+
+# CUDA build: a separate venv with the CUDA build of torch; compiles every .cu file.
+CUDA_VENV ?= .venv-cuda
+$(CUDA_VENV)/.deps:
+	$(PYTHON) -m venv $(CUDA_VENV)
+	$(CUDA_VENV)/bin/pip install -q torch==2.14.1 nvidia-nccl-cu13 ninja setuptools wheel numpy pytest pytest-timeout
+	@touch $@
+
+build-cuda: $(CUDA_VENV)/.deps
+	NCCL_DIR=$$($(CUDA_VENV)/bin/python -c "import nvidia.nccl, os; print(os.path.dirname(nvidia.nccl.__file__) if nvidia.nccl.__file__ else list(nvidia.nccl.__path__)[0])"); \
+	TORCHPAR_CUDA=1 NCCL_INCLUDE=$$NCCL_DIR/include NCCL_LIB=$$NCCL_DIR/lib \
+	TORCH_CUDA_ARCH_LIST="8.0;9.0" $(CUDA_VENV)/bin/python setup.py -q build_ext --build-temp build/cuda-temp --build-lib build/cuda-lib
+
+clean:
+	rm -rf build torchpar/_C*.so torchpar/_C.stamp *.egg-info

@@ -1,0 +1,181 @@
+"""A pool of rank processes that run test functions under torch.distributed.
+
+Starting a Python process that imports torch costs about a second, so the pool starts
+``world_size`` ranks once and runs many test functions in them. Each rank holds a
+``torchpar`` default group and a ``gloo`` group over the same ranks (the oracle).
+
+A test function is a module-level function ``fn(ctx, *args)``; ``ctx`` has ``rank``,
+``world_size``, ``pg`` (torchpar) and ``gloo``. ``pool.run(fn, *args)`` returns the
+per-rank results or raises with the failing rank's traceback. A call that does not finish
+within its timeout tears the pool down (the next call starts a fresh one).
+"""
+import multiprocessing as mp
+import os
+import tempfile
+import traceback
+from dataclasses import dataclass
+from datetime import timedelta
+
+DEFAULT_TIMEOUT = 60.0
+
+
+@dataclass
+class RankContext:
+    rank: int
+    world_size: int
+    pg: object = None
+    gloo: object = None
+
+
+def _worker(rank, world_size, init_file, backend, conn, pg_timeout):
+    import torch.distributed as dist
+    import torchpar  # noqa: F401
+
+    try:
+        dist.init_process_group(backend, init_method=f"file://{init_file}", rank=rank,
+                                world_size=world_size, timeout=timedelta(seconds=pg_timeout))
+        ctx = RankContext(rank, world_size, dist.group.WORLD,
+                          dist.new_group(backend="gloo", timeout=timedelta(seconds=pg_timeout)))
+        conn.send(("ready", None))
+    except BaseException:  # noqa: BLE001 - report any start-up failure to the parent
+        conn.send(("err", traceback.format_exc()))
+        return
+    while True:
+        msg = conn.recv()
+        if msg is None:
+            break
+        fn, args = msg
+        try:
+            conn.send(("ok", fn(ctx, *args)))
+        except BaseException:  # noqa: BLE001
+            conn.send(("err", traceback.format_exc()))
+    dist.destroy_process_group()
+
+
+class RankPool:
+    def __init__(self, world_size, backend="torchpar", pg_timeout=30.0):
+        self.world_size = world_size
+        self.backend = backend
+        self.pg_timeout = pg_timeout
+        self.procs = []
+        self.conns = []
+        self._tmp = tempfile.TemporaryDirectory(prefix="torchpar-test-")
+        self._start()
+
+    def _start(self):
+        ctx = mp.get_context("spawn")
+        init_file = os.path.join(self._tmp.name, f"init-{os.getpid()}-{id(self)}")
+        for rank in range(self.world_size):
+            parent, child = ctx.Pipe()
+            p = ctx.Process(target=_worker, args=(rank, self.world_size, init_file, self.backend,
+                                                  child, self.pg_timeout), daemon=True)
+            p.start()
+            self.procs.append(p)
+            self.conns.append(parent)
+        self._collect(DEFAULT_TIMEOUT * 2, "start-up")
+
+    def _collect(self, timeout, what):
+        results, errors = [None] * self.world_size, []
+        for rank, conn in enumerate(self.conns):
+            if not conn.poll(timeout):
+                self.close(kill=True)
+                raise TimeoutError(f"rank {rank} did not finish {what} within {timeout:.0f}s")
+            try:
+                status, value = conn.recv()
+            except EOFError:
+                self.close(kill=True)
+                raise RuntimeError(f"rank {rank} died during {what}") from None
+            if status == "ok" or status == "ready":
+                results[rank] = value
+            else:
+                errors.append(f"--- rank {rank} ---\n{value}")
+        if errors:
+            raise AssertionError(f"{what} failed:\n" + "\n".join(errors))
+        return results
+
+    def run(self, fn, *args, timeout=DEFAULT_TIMEOUT):
+        for conn in self.conns:
+            conn.send((fn, args))
+        return self._collect(timeout, fn.__name__)
+
+    @property
+    def alive(self):
+        return bool(self.procs) and all(p.is_alive() for p in self.procs)
+
+    def close(self, kill=False):
+        for conn in self.conns:
+            try:
+                if not kill:
+                    conn.send(None)
+            except (BrokenPipeError, OSError):
+                pass
+        for p in self.procs:
+            p.join(timeout=0 if kill else 10)
+            if p.is_alive():
+                p.kill()
+                p.join()
+        self.procs, self.conns = [], []
+
+
+_pools = {}
+
+
+def get_pool(world_size, backend="torchpar"):
+    """A pool shared by all tests of the session; restarted if a previous test broke it."""
+    key = (world_size, backend)
+    pool = _pools.get(key)
+    if pool is None or not pool.alive:
+        pool = _pools[key] = RankPool(world_size, backend)
+    return pool
+
+
+def close_pools():
+    for pool in _pools.values():
+        pool.close()
+    _pools.clear()
+
+
+def spawn(fn, world_size, *args, timeout=DEFAULT_TIMEOUT):
+    """Run ``fn(rank, world_size, init_file, *args)`` in fresh processes (no process group
+    is created for it), for tests of initialisation, teardown and failures. Returns each
+    rank's result, or raises with the tracebacks of the ranks that failed."""
+    ctx = mp.get_context("spawn")
+    with tempfile.TemporaryDirectory(prefix="torchpar-spawn-") as tmp:
+        init_file = os.path.join(tmp, "init")
+        conns, procs = [], []
+        for rank in range(world_size):
+            parent, child = ctx.Pipe()
+            p = ctx.Process(target=_spawned, args=(fn, rank, world_size, init_file, args, child),
+                            daemon=True)
+            p.start()
+            procs.append(p)
+            conns.append(parent)
+        results, errors = [None] * world_size, []
+        for rank, conn in enumerate(conns):
+            if not conn.poll(timeout):
+                errors.append(f"--- rank {rank} --- no answer within {timeout:.0f}s")
+                continue
+            try:
+                status, value = conn.recv()
+            except EOFError:
+                results[rank] = "died"
+                continue
+            if status == "ok":
+                results[rank] = value
+            else:
+                errors.append(f"--- rank {rank} ---\n{value}")
+        for p in procs:
+            p.join(timeout=5)
+            if p.is_alive():
+                p.kill()
+                p.join()
+        if errors:
+            raise AssertionError("\n".join(errors))
+        return results
+
+
+def _spawned(fn, rank, world_size, init_file, args, conn):
+    try:
+        conn.send(("ok", fn(rank, world_size, init_file, *args)))
+    except BaseException:  # noqa: BLE001
+        conn.send(("err", traceback.format_exc()))
