@@ -5,10 +5,10 @@ PY      := $(VENV)/bin/python
 PIP     := $(VENV)/bin/pip
 TORCH   ?= torch==2.13.0
 NPROC   ?= 2
-# ccache keeps rebuilds on the same machine quick; the build works without it.
-CCACHE  := $(shell command -v ccache 2>/dev/null)
-ifneq ($(CCACHE),)
-export CXX := ccache g++
+# ccache keeps rebuilds on the same machine quick (through Debian's compiler links, which
+# torch's ninja build picks up as plain `c++`); the build works without it.
+ifneq ($(wildcard /usr/lib/ccache/c++),)
+export PATH := /usr/lib/ccache:$(PATH)
 endif
 export MAX_JOBS ?= $(NPROC)
 

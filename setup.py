@@ -20,7 +20,7 @@ def sources(pattern):
 def cpu_flags():
     # at::vec picks its vector width from CPU_CAPABILITY_* macros, which torch's own
     # build sets per kernel file; we build one AVX2 flavour (every x86-64 server since 2013).
-    flags = ["-O3", "-std=c++20", "-fvisibility=hidden", "-Wall", "-Wno-unused-function"]
+    flags = ["-O3", "-std=c++20", "-fvisibility=hidden", "-Wall", "-Wno-unused-function", "-Wno-unknown-pragmas"]
     if os.uname().machine == "x86_64":
         flags += ["-mavx2", "-mfma", "-mf16c", "-DCPU_CAPABILITY_AVX2", "-DCPU_CAPABILITY=AVX2"]
     return flags

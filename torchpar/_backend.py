@@ -8,14 +8,12 @@ BACKEND_NAME = "torchpar"
 
 def _create_backend(dist_backend_opts, backend_options):
     """Called by torch.distributed (extended API) for each new group."""
-    ranks = list(dist_backend_opts.global_ranks_in_group)
     return _C.ProcessGroupTorchpar(
         dist_backend_opts.store,
         dist_backend_opts.group_rank,
         dist_backend_opts.group_size,
         dist_backend_opts.timeout,
         str(dist_backend_opts.group_id),
-        ranks,
     )
 
 

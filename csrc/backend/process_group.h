@@ -1,0 +1,131 @@
+// The "torchpar" torch.distributed backend.
+//
+// Two engines, as in MPI implementations:
+// - collectives run on one worker thread per group, in the order they were issued, since
+//   every rank must execute them in the same order;
+// - point-to-point operations bypass that queue: they are posted straight to the
+//   transport's tag-matching engine, so a collective never waits behind an unrelated irecv.
+//
+// Every call validates its arguments at once, on the calling thread (a bad root or a CUDA
+// tensor is an error at the call site); the work itself runs asynchronously and is waited
+// for through the returned Work. A timeout, a dead peer or an abort by another rank fails
+// the group: that operation and every later one raise, on every live rank.
+#pragma once
+
+#include <torch/csrc/distributed/c10d/Backend.hpp>
+#include <torch/csrc/distributed/c10d/Store.hpp>
+
+#include <condition_variable>
+#include <deque>
+#include <functional>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "backend/work.h"
+#include "collectives/comm.h"
+#include "common/env.h"
+#include "transport/shm/shm_transport.h"
+
+namespace torchpar {
+
+class ProcessGroupTorchpar : public c10d::Backend {
+ public:
+  ProcessGroupTorchpar(const c10::intrusive_ptr<c10d::Store>& store, int rank, int size,
+                       std::chrono::milliseconds timeout, std::string group_name);
+  ~ProcessGroupTorchpar() override;
+
+  const std::string getBackendName() const override { return "torchpar"; }
+  bool supportsCoalescing() const override { return true; }
+  void setTimeout(std::chrono::milliseconds timeout) override { timeout_ = timeout; }
+  void startCoalescing() override;
+  c10::intrusive_ptr<c10d::Work> endCoalescing() override;
+  void shutdown() override;
+  void abort() override;
+
+  // Name of the group's shared-memory segment (already unlinked; for tests and logs).
+  std::string segment_name() const { return transport_->segment_name(); }
+
+  c10::intrusive_ptr<c10d::Work> broadcast(std::vector<at::Tensor>& tensors,
+                                           const c10d::BroadcastOptions& opts) override;
+  c10::intrusive_ptr<c10d::Work> allreduce(std::vector<at::Tensor>& tensors,
+                                           const c10d::AllreduceOptions& opts) override;
+  c10::intrusive_ptr<c10d::Work> allreduce_coalesced(std::vector<at::Tensor>& tensors,
+                                                     const c10d::AllreduceCoalescedOptions& opts) override;
+  c10::intrusive_ptr<c10d::Work> reduce(std::vector<at::Tensor>& tensors,
+                                        const c10d::ReduceOptions& opts) override;
+  c10::intrusive_ptr<c10d::Work> allgather(std::vector<std::vector<at::Tensor>>& outputs,
+                                           std::vector<at::Tensor>& inputs,
+                                           const c10d::AllgatherOptions& opts) override;
+  c10::intrusive_ptr<c10d::Work> _allgather_base(at::Tensor& output, at::Tensor& input,
+                                                 const c10d::AllgatherOptions& opts) override;
+  c10::intrusive_ptr<c10d::Work> allgather_coalesced(std::vector<std::vector<at::Tensor>>& outputs,
+                                                     std::vector<at::Tensor>& inputs,
+                                                     const c10d::AllgatherOptions& opts) override;
+  c10::intrusive_ptr<c10d::Work> allgather_into_tensor_coalesced(std::vector<at::Tensor>& outputs,
+                                                                 std::vector<at::Tensor>& inputs,
+                                                                 const c10d::AllgatherOptions& opts) override;
+  c10::intrusive_ptr<c10d::Work> gather(std::vector<std::vector<at::Tensor>>& outputs,
+                                        std::vector<at::Tensor>& inputs,
+                                        const c10d::GatherOptions& opts) override;
+  c10::intrusive_ptr<c10d::Work> scatter(std::vector<at::Tensor>& outputs,
+                                         std::vector<std::vector<at::Tensor>>& inputs,
+                                         const c10d::ScatterOptions& opts) override;
+  c10::intrusive_ptr<c10d::Work> reduce_scatter(std::vector<at::Tensor>& outputs,
+                                                std::vector<std::vector<at::Tensor>>& inputs,
+                                                const c10d::ReduceScatterOptions& opts) override;
+  c10::intrusive_ptr<c10d::Work> _reduce_scatter_base(at::Tensor& output, at::Tensor& input,
+                                                      const c10d::ReduceScatterOptions& opts) override;
+  c10::intrusive_ptr<c10d::Work> reduce_scatter_tensor_coalesced(
+      std::vector<at::Tensor>& outputs, std::vector<at::Tensor>& inputs,
+      const c10d::ReduceScatterOptions& opts) override;
+  c10::intrusive_ptr<c10d::Work> alltoall_base(at::Tensor& output, at::Tensor& input,
+                                               std::vector<int64_t>& output_split_sizes,
+                                               std::vector<int64_t>& input_split_sizes,
+                                               const c10d::AllToAllOptions& opts) override;
+  c10::intrusive_ptr<c10d::Work> alltoall(std::vector<at::Tensor>& outputs,
+                                          std::vector<at::Tensor>& inputs,
+                                          const c10d::AllToAllOptions& opts) override;
+  c10::intrusive_ptr<c10d::Work> barrier(const c10d::BarrierOptions& opts) override;
+  c10::intrusive_ptr<c10d::Work> send(std::vector<at::Tensor>& tensors, int dst_rank, int tag) override;
+  c10::intrusive_ptr<c10d::Work> recv(std::vector<at::Tensor>& tensors, int src_rank, int tag) override;
+  c10::intrusive_ptr<c10d::Work> recvAnysource(std::vector<at::Tensor>& tensors, int tag) override;
+
+ private:
+  using Task = std::function<void(collectives::Comm&)>;
+  struct Queued {
+    c10::intrusive_ptr<Work> work;
+    const char* name;
+    Task task;
+    std::chrono::milliseconds timeout;
+  };
+
+  c10::intrusive_ptr<c10d::Work> enqueue(c10d::OpType type, const char* name,
+                                         std::vector<at::Tensor> outputs, Task task,
+                                         std::chrono::milliseconds timeout);
+  c10::intrusive_ptr<Work> post_p2p(bool is_send, at::Tensor& tensor, int peer, int tag);
+  void run_worker();
+  std::exception_ptr describe_failure(const char* op, uint64_t seq, std::exception_ptr error,
+                                      bool* fatal) const;
+  std::chrono::milliseconds timeout_for(std::chrono::milliseconds requested) const;
+
+  const std::string group_name_;
+  std::chrono::milliseconds timeout_;
+  Config config_;
+  std::unique_ptr<shm::ShmTransport> transport_;
+
+  std::mutex mu_;
+  std::condition_variable cv_;
+  std::deque<Queued> queue_;
+  bool stopping_ = false;
+  uint64_t next_seq_ = 0;           // worker thread only
+  std::exception_ptr group_error_;  // first fatal error; guarded by mu_
+  std::thread worker_;
+
+  bool coalescing_ = false;  // caller thread only
+  std::vector<c10::intrusive_ptr<Work>> coalesced_;
+};
+
+}  // namespace torchpar

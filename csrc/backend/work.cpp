@@ -1,0 +1,60 @@
+#include "backend/work.h"
+
+#include <ATen/core/jit_type.h>
+
+namespace torchpar {
+
+Work::Work(int rank, c10d::OpType type, const char* title, std::vector<at::Tensor> outputs)
+    : c10d::Work(rank, type, title),
+      outputs_(std::move(outputs)),
+      future_(c10::make_intrusive<c10::ivalue::Future>(c10::ListType::create(c10::TensorType::get()))) {}
+
+void Work::complete(std::exception_ptr error) {
+  finish(error);
+  if (error) {
+    future_->setError(error);
+  } else {
+    future_->markCompleted(c10::IValue(outputs_));
+  }
+}
+
+int Work::sourceRank() const {
+  int r = source_rank_.load();
+  TORCH_CHECK(r >= 0, "sourceRank() is only defined for a completed receive");
+  return r;
+}
+
+bool Work::isCompleted() {
+  std::lock_guard<std::mutex> lock(mutex_);
+  return completed_;
+}
+
+bool Work::isSuccess() const {
+  std::lock_guard<std::mutex> lock(mutex_);
+  return completed_ && !exception_;
+}
+
+GroupWork::GroupWork(int rank, size_t parts)
+    : Work(rank, c10d::OpType::COALESCED, "torchpar:coalesced", {}), pending_(parts + 1) {}
+
+c10::intrusive_ptr<GroupWork> GroupWork::create(int rank, const std::vector<c10::intrusive_ptr<Work>>& parts) {
+  auto group = c10::make_intrusive<GroupWork>(rank, parts.size());
+  for (auto& part : parts) {
+    // The callback holds the group alive until the last part is done.
+    part->getFuture()->addCallback([group](c10::ivalue::Future& f) {
+      group->part_done(f.hasError() ? f.exception_ptr() : nullptr);
+    });
+  }
+  group->part_done(nullptr);  // the +1: no completion before every callback is attached
+  return group;
+}
+
+void GroupWork::part_done(std::exception_ptr error) {
+  if (error) {
+    std::lock_guard<std::mutex> lock(error_mu_);
+    if (!first_error_) first_error_ = error;
+  }
+  if (pending_.fetch_sub(1) == 1) complete(first_error_);
+}
+
+}  // namespace torchpar

@@ -1,0 +1,53 @@
+// The handle torch.distributed returns for a torchpar operation.
+//
+// wait(timeout) blocks until the operation finished and rethrows its error (a
+// torch.distributed.DistBackendError naming the operation, group and rank at fault);
+// isCompleted/isSuccess/exception never block; getFuture() resolves to the list of output
+// tensors; sourceRank() tells where an any-source receive came from.
+#pragma once
+
+#include <ATen/core/ivalue.h>
+#include <torch/csrc/distributed/c10d/Work.hpp>
+
+#include <atomic>
+#include <exception>
+#include <vector>
+
+namespace torchpar {
+
+class Work : public c10d::Work {
+ public:
+  Work(int rank, c10d::OpType type, const char* title, std::vector<at::Tensor> outputs);
+
+  // Finishes the work (successfully when `error` is null) and resolves the future.
+  void complete(std::exception_ptr error = nullptr);
+  void set_source_rank(int rank) { source_rank_.store(rank); }
+
+  c10::intrusive_ptr<c10::ivalue::Future> getFuture() override { return future_; }
+  std::vector<at::Tensor> result() override { return outputs_; }
+  int sourceRank() const override;
+  bool isCompleted() override;
+  bool isSuccess() const override;
+
+ private:
+  std::vector<at::Tensor> outputs_;
+  c10::intrusive_ptr<c10::ivalue::Future> future_;
+  std::atomic<int> source_rank_{-1};
+};
+
+// Completes when every added piece has completed; fails with the first piece's error.
+// Used for coalesced point-to-point batches (batch_isend_irecv).
+class GroupWork : public Work {
+ public:
+  static c10::intrusive_ptr<GroupWork> create(int rank, const std::vector<c10::intrusive_ptr<Work>>& parts);
+  explicit GroupWork(int rank, size_t parts);
+
+ private:
+  void part_done(std::exception_ptr error);
+
+  std::atomic<size_t> pending_;
+  std::mutex error_mu_;
+  std::exception_ptr first_error_;
+};
+
+}  // namespace torchpar

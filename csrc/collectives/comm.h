@@ -1,0 +1,61 @@
+// What a collective algorithm runs over: the group's arena (direct access to every
+// rank's slot, generation-counter barriers) and its point-to-point engine, plus the
+// deadline of the operation. Algorithms never touch segments, rings or sockets.
+#pragma once
+
+#include <c10/core/ScalarType.h>
+
+#include <cstddef>
+#include <cstdint>
+
+#include "common/env.h"
+#include "transport/p2p_engine.h"
+#include "transport/shm/arena.h"
+
+namespace torchpar::collectives {
+
+// Identifies the collective in the descriptor every rank publishes before moving data.
+enum class OpKind : uint32_t {
+  kAllreduce = 1, kBroadcast, kReduce, kAllgather, kGather, kScatter, kReduceScatter,
+  kAlltoall, kBarrier,
+};
+
+const char* name(OpKind kind);
+
+struct Comm {
+  shm::Arena& arena;
+  P2PEngine& p2p;
+  const Config& config;
+  Clock::time_point deadline;
+  uint64_t seq;  // this collective's number in the group; tags its point-to-point messages
+
+  int rank() const { return arena.rank(); }
+  int size() const { return arena.size(); }
+
+  // Point-to-point tag reserved for collective `seq`: the top bit keeps it apart from users' tags.
+  uint64_t p2p_tag() const { return (uint64_t{1} << 63) | (seq << 32); }
+
+  // Waits until every peer has finished reading this rank's slot, then publishes `desc`.
+  void begin(const shm::OpDesc& desc);
+  // Waits until every peer has finished reading this rank's slot.
+  void wait_slot_free();
+  // arrive(): publish the next step. arrive_and_wait(): ... and wait for every peer to reach it.
+  uint32_t arrive() { return arena.arrive(); }
+  void arrive_and_wait() { arena.wait_all(arena.arrive(), deadline); }
+  void wait_for(int peer) { arena.wait_peer(peer, arena.step(), deadline); }
+  // After the first arrive_and_wait of a collective: checks that every rank published the
+  // same descriptor. On a mismatch every rank throws the same error, in step.
+  void check_descriptors();
+};
+
+size_t element_size(c10::ScalarType dtype);
+
+// The piece [begin, end) of `count` elements that rank `r` of `world` owns when work is
+// split across ranks; pieces are multiples of 16 elements (whole vectors) except the last.
+struct Piece {
+  size_t begin, end;
+  size_t size() const { return end - begin; }
+};
+Piece piece_of(size_t count, int world, int r);
+
+}  // namespace torchpar::collectives

@@ -1,0 +1,19 @@
+// Python face of the backend: torchpar._C.ProcessGroupTorchpar, a c10d Backend.
+#include <pybind11/chrono.h>
+
+#include "backend/process_group.h"
+#include "python/bindings.h"
+
+TORCHPAR_PYBIND(backend) {
+  namespace py = pybind11;
+  py::class_<torchpar::ProcessGroupTorchpar, c10d::Backend,
+             c10::intrusive_ptr<torchpar::ProcessGroupTorchpar>>(m, "ProcessGroupTorchpar")
+      .def(py::init([](const c10::intrusive_ptr<c10d::Store>& store, int rank, int size,
+                       std::chrono::milliseconds timeout, std::string group_name) {
+             return c10::make_intrusive<torchpar::ProcessGroupTorchpar>(store, rank, size, timeout,
+                                                                         std::move(group_name));
+           }),
+           py::arg("store"), py::arg("rank"), py::arg("size"), py::arg("timeout"), py::arg("group_name"),
+           py::call_guard<py::gil_scoped_release>())
+      .def_property_readonly("segment_name", &torchpar::ProcessGroupTorchpar::segment_name);
+}

@@ -1,0 +1,357 @@
+#include "transport/p2p_engine.h"
+
+#include <algorithm>
+#include <cstring>
+
+#include "common/error.h"
+#include "transport/shm/flag.h"
+
+namespace torchpar {
+namespace {
+
+constexpr auto kCheckPeriod = std::chrono::milliseconds(50);
+constexpr auto kIdleSleep = std::chrono::milliseconds(50);
+
+bool matches(const Request& r, int source, uint64_t tag) {
+  return (r.peer == -1 || r.peer == source) && r.tag == tag;
+}
+
+std::string describe(const Request& r) {
+  std::string who = r.peer < 0 ? std::string("any rank") : "rank " + std::to_string(r.peer);
+  return std::string(r.kind == Request::Kind::kSend ? "send to " : "recv from ") + who +
+         " (tag " + std::to_string(static_cast<int64_t>(r.tag & 0xffffffffu)) + ", " +
+         std::to_string(r.bytes) + " bytes)";
+}
+
+}  // namespace
+
+P2PEngine::P2PEngine(int rank, int size, Link& link, std::chrono::microseconds spin)
+    : rank_(rank), size_(size), link_(link), spin_(spin), out_(size), in_(size), scratch_(1 << 16) {
+  thread_ = std::thread([this] { run(); });
+}
+
+P2PEngine::~P2PEngine() { stop(); }
+
+void P2PEngine::stop() {
+  if (stop_.exchange(true)) return;
+  link_.notify(rank_);
+  if (thread_.joinable()) thread_.join();
+  fail(std::make_exception_ptr(Error("[torchpar] the process group was destroyed")));
+}
+
+std::exception_ptr P2PEngine::failure() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return failure_;
+}
+
+std::shared_ptr<Request> P2PEngine::isend(int peer, uint64_t tag, const void* data, size_t bytes,
+                                          Clock::time_point deadline) {
+  TP_CHECK(peer >= 0 && peer < size_ && peer != rank_, "invalid destination rank ", peer,
+           " for a group of size ", size_, " (this is rank ", rank_, ")");
+  auto req = std::make_shared<Request>(Request::Kind::kSend, peer, tag, const_cast<void*>(data),
+                                       bytes, deadline);
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (failure_) {
+      req->fail(failure_);
+      return req;
+    }
+    out_[peer].queue.push_back(req);
+  }
+  link_.notify(rank_);
+  return req;
+}
+
+std::shared_ptr<Request> P2PEngine::irecv(int peer, uint64_t tag, void* data, size_t bytes,
+                                          Clock::time_point deadline) {
+  TP_CHECK(peer == -1 || (peer >= 0 && peer < size_ && peer != rank_), "invalid source rank ",
+           peer, " for a group of size ", size_, " (this is rank ", rank_, ")");
+  auto req = std::make_shared<Request>(Request::Kind::kRecv, peer, tag, data, bytes, deadline);
+  std::shared_ptr<Unexpected> done;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (failure_) {
+      req->fail(failure_);
+      return req;
+    }
+    bool matched = false;
+    for (auto it = unexpected_.begin(); it != unexpected_.end(); ++it) {
+      auto& u = *it;
+      if (u->claimed || !matches(*req, u->source, u->tag)) continue;
+      matched = true;
+      if (u->complete) {
+        done = u;
+        unexpected_.erase(it);
+      } else {
+        u->claimed = req;  // still streaming in; delivered when its last byte arrives
+      }
+      break;
+    }
+    if (!matched) posted_.push_back(req);
+  }
+  if (done) deliver(req, done->source, done->data.data(), done->data.size(), done->tag);
+  return req;
+}
+
+void P2PEngine::deliver(const std::shared_ptr<Request>& recv, int source, const char* data,
+                        size_t bytes, uint64_t tag) {
+  if (bytes != recv->bytes) {
+    recv->fail(std::make_exception_ptr(UsageError(detail::message(
+        __FILE__, __LINE__, describe(*recv), ": rank ", source, " sent a message of ", bytes,
+        " bytes with that tag; sizes must match"))));
+    return;
+  }
+  if (bytes) std::memcpy(recv->data, data, bytes);
+  recv->complete(source);
+}
+
+void P2PEngine::fail(std::exception_ptr error) {
+  std::vector<std::shared_ptr<Request>> victims;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (!failure_) failure_ = error;
+    for (auto& box : out_) {
+      victims.insert(victims.end(), box.queue.begin(), box.queue.end());
+      box.queue.clear();
+      box.sent = 0;
+    }
+    victims.insert(victims.end(), posted_.begin(), posted_.end());
+    posted_.clear();
+    for (auto& u : unexpected_) {
+      if (u->claimed) victims.push_back(u->claimed);
+    }
+    unexpected_.clear();
+  }
+  for (auto& in : in_) {
+    if (in.recv) victims.push_back(in.recv);
+  }
+  for (auto& r : victims) r->fail(error);
+}
+
+void P2PEngine::run() {
+  auto idle_since = Clock::now();
+  auto last_check = Clock::now();
+  while (!stop_.load(std::memory_order_acquire)) {
+    uint32_t seen = link_.activity();
+    bool progressed = false;
+    if (!failure()) {
+      for (int peer = 0; peer < size_; ++peer) {
+        if (peer == rank_) continue;
+        progressed |= pump_out(peer);
+        progressed |= pump_in(peer);
+      }
+    }
+    auto now = Clock::now();
+    if (now - last_check >= kCheckPeriod) {
+      last_check = now;
+      check_deadlines_and_peers();
+    }
+    if (progressed) {
+      idle_since = now;
+      continue;
+    }
+    if (now - idle_since < spin_) {
+      shm::cpu_relax();
+      continue;
+    }
+    link_.sleep_until_activity(seen, std::chrono::duration_cast<std::chrono::microseconds>(kIdleSleep));
+  }
+}
+
+bool P2PEngine::pump_out(int peer) {
+  Outbox& box = out_[peer];
+  bool progressed = false;
+  while (true) {
+    std::shared_ptr<Request> req;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      if (box.queue.empty()) break;
+      req = box.queue.front();
+    }
+    if (box.sent == 0) box.header = WireHeader{req->tag, req->bytes};
+    size_t total = sizeof(WireHeader) + req->bytes;
+    while (box.sent < total) {
+      size_t n;
+      if (box.sent < sizeof(WireHeader)) {
+        n = link_.write_some(peer, reinterpret_cast<char*>(&box.header) + box.sent,
+                             sizeof(WireHeader) - box.sent);
+      } else {
+        size_t off = box.sent - sizeof(WireHeader);
+        n = link_.write_some(peer, static_cast<char*>(req->data) + off, req->bytes - off);
+      }
+      if (n == 0) break;
+      box.sent += n;
+      progressed = true;
+    }
+    if (progressed) link_.notify(peer);
+    if (box.sent < total) break;  // the pipe is full; the peer will notify us as it drains
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      box.queue.pop_front();
+      box.sent = 0;
+    }
+    req->complete(peer);
+  }
+  return progressed;
+}
+
+bool P2PEngine::pump_in(int peer) {
+  Inbox& in = in_[peer];
+  bool progressed = false;
+  while (true) {
+    if (!in.in_payload) {
+      size_t n = link_.read_some(peer, reinterpret_cast<char*>(&in.header) + in.header_got,
+                                 sizeof(WireHeader) - in.header_got);
+      if (n == 0) break;
+      progressed = true;
+      in.header_got += n;
+      if (in.header_got < sizeof(WireHeader)) continue;
+      on_header(peer, in);
+      continue;
+    }
+    size_t want = in.header.bytes - in.got;
+    size_t n;
+    if (in.target != nullptr) {
+      n = link_.read_some(peer, in.target + in.got, want);
+    } else {
+      n = link_.read_some(peer, scratch_.data(), std::min(want, scratch_.size()));
+    }
+    if (want > 0 && n == 0) break;
+    progressed = progressed || n > 0;
+    in.got += n;
+    if (in.got == in.header.bytes) on_payload_done(peer, in);
+  }
+  if (progressed) link_.notify(peer);
+  return progressed;
+}
+
+void P2PEngine::on_header(int peer, Inbox& in) {
+  in.in_payload = true;
+  in.got = 0;
+  in.target = nullptr;
+  std::shared_ptr<Request> recv;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    for (auto it = posted_.begin(); it != posted_.end(); ++it) {
+      if (matches(**it, peer, in.header.tag)) {
+        recv = *it;
+        posted_.erase(it);
+        break;
+      }
+    }
+    if (!recv) {
+      auto u = std::make_shared<Unexpected>();
+      u->source = peer;
+      u->tag = in.header.tag;
+      u->data.resize(in.header.bytes);
+      unexpected_.push_back(u);
+      in.unexpected = u;
+      in.target = u->data.data();
+    }
+  }
+  if (recv) {
+    if (recv->bytes == in.header.bytes) {
+      in.recv = recv;
+      in.target = static_cast<char*>(recv->data);
+    } else {
+      // Fail this receive only; the payload is read and dropped so the pipe stays in step.
+      deliver(recv, peer, nullptr, in.header.bytes, in.header.tag);
+    }
+  }
+  if (in.header.bytes == 0) on_payload_done(peer, in);
+}
+
+void P2PEngine::on_payload_done(int peer, Inbox& in) {
+  if (in.recv) {
+    in.recv->complete(peer);
+  } else if (in.unexpected) {
+    std::shared_ptr<Request> claimed;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      in.unexpected->complete = true;
+      claimed = in.unexpected->claimed;
+      if (claimed) unexpected_.remove(in.unexpected);
+    }
+    if (claimed) {
+      deliver(claimed, peer, in.unexpected->data.data(), in.unexpected->data.size(),
+              in.unexpected->tag);
+    }
+  }
+  in = Inbox{};
+}
+
+void P2PEngine::check_deadlines_and_peers() {
+  auto now = Clock::now();
+  std::vector<std::shared_ptr<Request>> expired;
+  std::vector<bool> watch(size_, false);
+  bool stream_broken = false;
+  std::string broken_what;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (failure_) return;
+    for (int peer = 0; peer < size_; ++peer) {
+      auto& q = out_[peer].queue;
+      for (auto it = q.begin(); it != q.end();) {
+        bool started = it == q.begin() && out_[peer].sent > 0;
+        if ((*it)->deadline <= now && !started) {
+          expired.push_back(*it);
+          it = q.erase(it);
+          continue;
+        }
+        if ((*it)->deadline <= now) {
+          stream_broken = true;
+          broken_what = describe(**it);
+        }
+        watch[peer] = true;
+        ++it;
+      }
+    }
+    for (auto it = posted_.begin(); it != posted_.end();) {
+      if ((*it)->deadline <= now) {
+        expired.push_back(*it);
+        it = posted_.erase(it);
+        continue;
+      }
+      if ((*it)->peer >= 0) {
+        watch[(*it)->peer] = true;
+      } else {
+        std::fill(watch.begin(), watch.end(), true);
+      }
+      ++it;
+    }
+    for (auto& u : unexpected_) {
+      if (u->claimed && !u->complete) watch[u->source] = true;
+    }
+  }
+  for (int peer = 0; peer < size_; ++peer) {
+    if (in_[peer].recv) {
+      watch[peer] = true;
+      if (in_[peer].recv->deadline <= now) {
+        stream_broken = true;
+        broken_what = describe(*in_[peer].recv);
+      }
+    }
+  }
+  for (auto& r : expired) {
+    r->fail(std::make_exception_ptr(TimeoutError(detail::message(
+        __FILE__, __LINE__, describe(*r), " timed out: rank ",
+        r->peer < 0 ? std::string("(any)") : std::to_string(r->peer),
+        " did not ", r->kind == Request::Kind::kSend ? "receive" : "send", " it in time"))));
+  }
+  if (stream_broken) {
+    fail(std::make_exception_ptr(TimeoutError(detail::message(
+        __FILE__, __LINE__, broken_what, " timed out part-way through the message"))));
+    return;
+  }
+  for (int peer = 0; peer < size_; ++peer) {
+    if (!watch[peer] || peer == rank_) continue;
+    try {
+      link_.check_peer(peer);
+    } catch (const Error&) {
+      fail(std::current_exception());
+      return;
+    }
+  }
+}
+
+}  // namespace torchpar

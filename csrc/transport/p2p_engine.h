@@ -1,0 +1,101 @@
+// Tag-matched asynchronous send and receive between the ranks of a group.
+//
+// Matching follows MPI: a message from `src` with `tag` goes to the first posted receive
+// (in posting order) that names that source (or any source) and tag; messages from one
+// source are matched in the order they were sent. A message that arrives before its
+// receive is posted is buffered, so a pipe never stalls on it: any pattern in which every
+// rank posts all its sends and receives before waiting completes. A send completes once
+// its bytes are in the pipe; a message may be far larger than the pipe.
+//
+// One progress thread drives all pipes; callers only post and wait.
+#pragma once
+
+#include <atomic>
+#include <cstdint>
+#include <deque>
+#include <exception>
+#include <list>
+#include <memory>
+#include <mutex>
+#include <thread>
+#include <vector>
+
+#include "transport/link.h"
+#include "transport/request.h"
+
+namespace torchpar {
+
+class P2PEngine {
+ public:
+  P2PEngine(int rank, int size, Link& link, std::chrono::microseconds spin);
+  ~P2PEngine();
+  P2PEngine(const P2PEngine&) = delete;
+  P2PEngine& operator=(const P2PEngine&) = delete;
+
+  std::shared_ptr<Request> isend(int peer, uint64_t tag, const void* data, size_t bytes,
+                                 Clock::time_point deadline);
+  // `peer` = -1 receives from any source; Request::source() then tells which.
+  std::shared_ptr<Request> irecv(int peer, uint64_t tag, void* data, size_t bytes,
+                                 Clock::time_point deadline);
+
+  // Fails every pending request, and every later one, with `error`.
+  void fail(std::exception_ptr error);
+  // Stops the progress thread; pending requests fail.
+  void stop();
+
+ private:
+  struct WireHeader {
+    uint64_t tag;
+    uint64_t bytes;
+  };
+  // A message that arrived before a receive matched it.
+  struct Unexpected {
+    int source;
+    uint64_t tag;
+    std::vector<char> data;
+    bool complete = false;
+    std::shared_ptr<Request> claimed;  // a receive waiting for the rest of it
+  };
+  struct Outbox {
+    std::deque<std::shared_ptr<Request>> queue;  // guarded by mu_
+    WireHeader header{};
+    size_t sent = 0;  // bytes of header + payload of queue.front() already written
+  };
+  struct Inbox {
+    WireHeader header{};
+    size_t header_got = 0;
+    bool in_payload = false;
+    size_t got = 0;
+    char* target = nullptr;  // where the payload goes; null: discard
+    std::shared_ptr<Request> recv;
+    std::shared_ptr<Unexpected> unexpected;
+  };
+
+  void run();
+  bool pump_out(int peer);
+  bool pump_in(int peer);
+  void on_header(int peer, Inbox& in);
+  void on_payload_done(int peer, Inbox& in);
+  void check_deadlines_and_peers();
+  static void deliver(const std::shared_ptr<Request>& recv, int source, const char* data,
+                      size_t bytes, uint64_t tag);
+  std::exception_ptr failure() const;
+
+  const int rank_;
+  const int size_;
+  Link& link_;
+  const std::chrono::microseconds spin_;
+
+  mutable std::mutex mu_;
+  std::vector<Outbox> out_;
+  std::vector<Inbox> in_;  // progress thread only
+  std::list<std::shared_ptr<Request>> posted_;       // receives not yet matched
+  std::list<std::shared_ptr<Unexpected>> unexpected_;  // in arrival order
+  std::exception_ptr failure_;
+  std::vector<char> scratch_;  // progress thread only
+
+  std::atomic<bool> stop_{false};
+  std::thread thread_;
+};
+
+}  // namespace torchpar

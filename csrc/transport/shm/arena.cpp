@@ -1,0 +1,57 @@
+#include "transport/shm/arena.h"
+
+#include <algorithm>
+
+#include "common/error.h"
+
+namespace torchpar::shm {
+namespace {
+
+// A healthy peer wakes us by posting; these bounds only pace the health checks.
+constexpr auto kMaxSleep = std::chrono::milliseconds(20);
+constexpr auto kLivenessPeriod = std::chrono::milliseconds(100);
+
+}  // namespace
+
+uint32_t Arena::arrive() {
+  blocks_[rank_].step.post(++step_);
+  return step_;
+}
+
+void Arena::wait_peer(int peer, uint32_t target, Clock::time_point deadline) const {
+  Flag& flag = blocks_[peer].step;
+  if (reached(flag.load(), target)) return;
+  auto start = Clock::now();
+  while (Clock::now() - start < spin_) {
+    for (int i = 0; i < 64; ++i) {
+      if (reached(flag.load(), target)) return;
+      cpu_relax();
+    }
+  }
+  auto last_check = Clock::time_point{};
+  while (true) {
+    uint32_t seen = flag.load();
+    if (reached(seen, target)) return;
+    auto now = Clock::now();
+    monitor_->check_aborted();
+    if (now - last_check >= kLivenessPeriod) {
+      monitor_->check(peer);
+      last_check = now;
+    }
+    if (now >= deadline) {
+      TP_THROW_TIMEOUT("timed out waiting for rank ", peer, " (it is at step ", seen,
+                       ", this rank waits for step ", target, ")");
+    }
+    auto left = std::chrono::duration_cast<std::chrono::microseconds>(deadline - now);
+    flag.sleep_while(
+        seen, std::min<std::chrono::microseconds>(left, kMaxSleep));
+  }
+}
+
+void Arena::wait_all(uint32_t target, Clock::time_point deadline) const {
+  for (int peer = 0; peer < size_; ++peer) {
+    if (peer != rank_) wait_peer(peer, target, deadline);
+  }
+}
+
+}  // namespace torchpar::shm

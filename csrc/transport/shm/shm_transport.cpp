@@ -1,0 +1,117 @@
+#include "transport/shm/shm_transport.h"
+
+#include <unistd.h>
+
+#include <random>
+#include <sstream>
+#include <thread>
+
+#include "common/error.h"
+
+namespace torchpar::shm {
+namespace {
+
+const char* kSegmentKey = "torchpar/shm/segment";
+
+std::string unique_segment_name() {
+  std::random_device rd;
+  std::ostringstream os;
+  os << "/torchpar-" << ::getpid() << "-" << std::hex << rd() << rd();
+  return os.str();
+}
+
+}  // namespace
+
+ShmTransport::ShmTransport(int rank, int size, Rendezvous& rendezvous, const Config& config,
+                           std::chrono::milliseconds timeout)
+    : rank_(rank), size_(size) {
+  map_segment(rendezvous, config, timeout);
+  p2p_ = std::make_unique<P2PEngine>(rank_, size_, *this, std::chrono::microseconds(config.spin_us));
+}
+
+ShmTransport::~ShmTransport() {
+  if (p2p_) p2p_->stop();
+}
+
+void ShmTransport::map_segment(Rendezvous& rendezvous, const Config& config,
+                               std::chrono::milliseconds timeout) {
+  Layout layout(size_, config.slot_bytes, config.ring_bytes);
+  if (rank_ == 0) {
+    segment_ = Segment::create(unique_segment_name(), layout.total);
+    header_ = reinterpret_cast<SegmentHeader*>(segment_.data());
+    header_->world = size_;
+    header_->slot_bytes = layout.slot_bytes;
+    header_->ring_bytes = layout.ring_bytes;
+    header_->magic = kMagic;
+    rendezvous.set(kSegmentKey, segment_.name());
+  } else {
+    segment_ = Segment::open(rendezvous.get(kSegmentKey));
+    header_ = reinterpret_cast<SegmentHeader*>(segment_.data());
+    TP_CHECK(segment_.size() >= layout.total && header_->magic == kMagic &&
+                 header_->world == static_cast<uint32_t>(size_),
+             "shared-memory segment ", segment_.name(), " does not match this group (world ",
+             size_, "); do all ranks run the same torchpar version and TORCHPAR_SHM_* settings?");
+    TP_CHECK(header_->slot_bytes == layout.slot_bytes && header_->ring_bytes == layout.ring_bytes,
+             "TORCHPAR_SHM_SLOT_BYTES / TORCHPAR_SHM_RING_BYTES differ between rank 0 (",
+             header_->slot_bytes, " / ", header_->ring_bytes, ") and rank ", rank_, " (",
+             layout.slot_bytes, " / ", layout.ring_bytes, ")");
+  }
+  char* base = segment_.data();
+  blocks_ = reinterpret_cast<RankBlock*>(base + layout.ranks_offset);
+  blocks_[rank_].pid = static_cast<int32_t>(::getpid());
+  header_->mapped.fetch_add(1, std::memory_order_acq_rel);
+
+  // Every rank needs every pid (liveness checks); rank 0 then removes the name, so from
+  // here on nothing in /dev/shm outlives the processes, whatever happens to them.
+  auto deadline = Clock::now() + timeout;
+  while (header_->mapped.load(std::memory_order_acquire) < static_cast<uint32_t>(size_)) {
+    if (Clock::now() >= deadline) {
+      std::string missing;
+      for (int r = 0; r < size_; ++r) {
+        if (blocks_[r].pid == 0) missing += (missing.empty() ? "" : ", ") + std::to_string(r);
+      }
+      TP_THROW_TIMEOUT("timed out setting up shared memory: rank(s) ", missing,
+                       " never mapped segment ", segment_.name());
+    }
+    std::this_thread::sleep_for(std::chrono::microseconds(200));
+  }
+  if (rank_ == 0) segment_.unlink();
+
+  monitor_ = Monitor(rank_, header_, blocks_, size_);
+  arena_ = Arena(rank_, size_, blocks_, base + layout.slots_offset, layout.slot_bytes, &monitor_,
+                 std::chrono::microseconds(config.spin_us));
+  for (int peer = 0; peer < size_; ++peer) {
+    auto ring_at = [&](int src, int dst) {
+      char* at = base + layout.ring_offset(src, dst);
+      return Ring(reinterpret_cast<RingHeader*>(at), at + align_up(sizeof(RingHeader), 4096),
+                  layout.ring_bytes);
+    };
+    send_rings_.push_back(ring_at(rank_, peer));
+    recv_rings_.push_back(ring_at(peer, rank_));
+  }
+}
+
+void ShmTransport::abort(const std::string& reason) {
+  monitor_.abort(reason);
+  if (p2p_) p2p_->fail(std::make_exception_ptr(Error(reason)));
+}
+
+size_t ShmTransport::write_some(int peer, const void* data, size_t n) {
+  return send_rings_[peer].write_some(data, n);
+}
+
+size_t ShmTransport::read_some(int peer, void* data, size_t n) {
+  return recv_rings_[peer].read_some(data, n);
+}
+
+void ShmTransport::notify(int peer) { blocks_[peer].doorbell.bump(); }
+
+uint32_t ShmTransport::activity() const { return blocks_[rank_].doorbell.load(); }
+
+void ShmTransport::sleep_until_activity(uint32_t seen, std::chrono::microseconds max_sleep) {
+  blocks_[rank_].doorbell.sleep_while(seen, max_sleep);
+}
+
+void ShmTransport::check_peer(int peer) { monitor_.check(peer); }
+
+}  // namespace torchpar::shm

@@ -1,0 +1,61 @@
+// Shared-memory transport for a group whose ranks all live on one host: one segment per
+// group holds the collective arena and a point-to-point ring per ordered pair of ranks.
+#pragma once
+
+#include <chrono>
+#include <memory>
+#include <string>
+
+#include "common/env.h"
+#include "transport/link.h"
+#include "transport/p2p_engine.h"
+#include "transport/rendezvous.h"
+#include "transport/shm/arena.h"
+#include "transport/shm/monitor.h"
+#include "transport/shm/ring.h"
+#include "transport/shm/segment.h"
+
+namespace torchpar::shm {
+
+class ShmTransport final : public Link {
+ public:
+  // Collective over the group: every rank constructs its transport with the same
+  // rendezvous; returns once all ranks have mapped the segment (and it is unlinked).
+  ShmTransport(int rank, int size, Rendezvous& rendezvous, const Config& config,
+               std::chrono::milliseconds timeout);
+  ~ShmTransport() override;
+
+  int rank() const { return rank_; }
+  int size() const { return size_; }
+  Arena& arena() { return arena_; }
+  P2PEngine& p2p() { return *p2p_; }
+  const Monitor& monitor() const { return monitor_; }
+  const std::string& segment_name() const { return segment_.name(); }
+
+  // Marks the group failed for every rank (first reason wins) and fails pending requests.
+  void abort(const std::string& reason);
+
+  // Link
+  size_t write_some(int peer, const void* data, size_t n) override;
+  size_t read_some(int peer, void* data, size_t n) override;
+  void notify(int peer) override;
+  uint32_t activity() const override;
+  void sleep_until_activity(uint32_t seen, std::chrono::microseconds max_sleep) override;
+  void check_peer(int peer) override;
+
+ private:
+  void map_segment(Rendezvous& rendezvous, const Config& config, std::chrono::milliseconds timeout);
+
+  const int rank_;
+  const int size_;
+  Segment segment_;
+  SegmentHeader* header_ = nullptr;
+  RankBlock* blocks_ = nullptr;
+  std::vector<Ring> send_rings_;  // [peer]: this rank -> peer
+  std::vector<Ring> recv_rings_;  // [peer]: peer -> this rank
+  Monitor monitor_;
+  Arena arena_;
+  std::unique_ptr<P2PEngine> p2p_;
+};
+
+}  // namespace torchpar::shm
