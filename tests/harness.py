@@ -27,7 +27,17 @@ class RankContext:
     gloo: object = None
 
 
-def _worker(rank, world_size, init_file, backend, conn, pg_timeout):
+# Small internal buffers, so that modest test tensors already cross every chunk, slot and
+# ring boundary (the defaults are megabytes).
+SMALL_BUFFERS = {
+    "TORCHPAR_SHM_SLOT_BYTES": "64K",
+    "TORCHPAR_SHM_RING_BYTES": "16K",
+    "TORCHPAR_ONESHOT_MAX_BYTES": "16K",
+}
+
+
+def _worker(rank, world_size, init_file, backend, conn, pg_timeout, env):
+    os.environ.update(env or {})
     import torch.distributed as dist
     import torchpar  # noqa: F401
 
@@ -53,8 +63,9 @@ def _worker(rank, world_size, init_file, backend, conn, pg_timeout):
 
 
 class RankPool:
-    def __init__(self, world_size, backend="torchpar", pg_timeout=30.0):
+    def __init__(self, world_size, backend="torchpar", pg_timeout=30.0, env=None):
         self.world_size = world_size
+        self.env = dict(env or {})
         self.backend = backend
         self.pg_timeout = pg_timeout
         self.procs = []
@@ -68,7 +79,7 @@ class RankPool:
         for rank in range(self.world_size):
             parent, child = ctx.Pipe()
             p = ctx.Process(target=_worker, args=(rank, self.world_size, init_file, self.backend,
-                                                  child, self.pg_timeout), daemon=True)
+                                                  child, self.pg_timeout, self.env), daemon=True)
             p.start()
             self.procs.append(p)
             self.conns.append(parent)
@@ -120,12 +131,15 @@ class RankPool:
 _pools = {}
 
 
-def get_pool(world_size, backend="torchpar"):
-    """A pool shared by all tests of the session; restarted if a previous test broke it."""
-    key = (world_size, backend)
+def get_pool(world_size, backend="torchpar", env=None):
+    """A pool shared by all tests of the session; restarted if a previous test broke it.
+    ``env`` (e.g. SMALL_BUFFERS) is set in the ranks before their groups are created."""
+    key = (world_size, backend, tuple(sorted((env or {}).items())))
     pool = _pools.get(key)
     if pool is None or not pool.alive:
-        pool = _pools[key] = RankPool(world_size, backend)
+        if pool is not None:
+            pool.close(kill=True)
+        pool = _pools[key] = RankPool(world_size, backend, env=env)
     return pool
 
 

@@ -103,9 +103,13 @@ void reduce_native(T* dst, const T* const* srcs, int n, size_t count, Op op, int
   for (; i < count; ++i) {
     T acc = srcs[0][i];
     for (int s = 1; s < n; ++s) acc = static_cast<T>(op(acc, srcs[s][i]));
+    if constexpr (std::is_floating_point_v<T>) {
+      if (divisor != 1) acc = divide(acc, divisor);
+    }
     dst[i] = acc;
   }
   if constexpr (!std::is_floating_point_v<T>) {
+    // at::vec has no integer division; truncate after the vector loop.
     if (divisor != 1) {
       for (size_t j = 0; j < count; ++j) dst[j] = divide(dst[j], divisor);
     }

@@ -1,0 +1,278 @@
+"""Every collective x dtype x reduce op x size x world size, against gloo and exact references.
+
+The ranks run with small internal buffers (harness.SMALL_BUFFERS), so the sizes here cross
+the one-shot/chunked switch, chunk boundaries and ring wrap-around.
+"""
+import pytest
+import torch
+import torch.distributed as dist
+
+from collective_cases import (DTYPES, OPS, SIZES, assert_equal, gloo_agrees, make_input, op_applies,
+                              reduce_op, reference, strided)
+from harness import SMALL_BUFFERS, get_pool
+
+pytestmark = pytest.mark.timeout(300)
+
+WORLD_SIZES = [1, 2, 3, 4]
+
+
+def pool(world_size):
+    return get_pool(world_size, env=SMALL_BUFFERS)
+
+
+def ids(dtypes):
+    return [str(d).replace("torch.", "") for d in dtypes]
+
+
+# ----------------------------------------------------------------------------------------
+# Rank-side checks (module-level so the pool can run them)
+
+def _all_reduce(ctx, dtype):
+    for n in SIZES:
+        inputs = [make_input(r, n, dtype) for r in range(ctx.world_size)]
+        for op in OPS:
+            if not op_applies(op, dtype):
+                continue
+            what = f"all_reduce {op} n={n}"
+            expected = reference(inputs, op)
+            t = inputs[ctx.rank].clone()
+            dist.all_reduce(t, op=reduce_op(op), group=ctx.pg)
+            assert_equal(t, expected, what)
+            nc = strided(inputs[ctx.rank])
+            dist.all_reduce(nc, op=reduce_op(op), group=ctx.pg)
+            assert_equal(nc, expected, what + " (non-contiguous)")
+    return True
+
+
+def _all_reduce_vs_gloo(ctx, dtype):
+    """gloo as the oracle, on the dtypes and ops it supports."""
+    checked = 0
+    for n in SIZES:
+        for op in ("SUM", "PRODUCT", "MIN", "MAX", "BAND", "BOR", "BXOR"):
+            if not op_applies(op, dtype):
+                continue
+            ours = make_input(ctx.rank, n, dtype, salt=1)
+            theirs = ours.clone()
+            try:
+                dist.all_reduce(theirs, op=reduce_op(op), group=ctx.gloo)
+            except (RuntimeError, ValueError):
+                continue  # gloo does not support this dtype/op
+            dist.all_reduce(ours, op=reduce_op(op), group=ctx.pg)
+            assert torch.equal(ours, theirs), f"all_reduce {op} n={n} differs from gloo"
+            checked += 1
+    return checked
+
+
+def _broadcast(ctx, dtype):
+    for n in SIZES:
+        for root in range(ctx.world_size):
+            src = make_input(root, n, dtype)
+            t = src.clone() if ctx.rank == root else torch.zeros(n, dtype=dtype)
+            dist.broadcast(t, src=root, group=ctx.pg)
+            assert_equal(t, src, f"broadcast root={root} n={n}")
+            nc = strided(src if ctx.rank == root else torch.zeros(n, dtype=dtype))
+            dist.broadcast(nc, src=root, group=ctx.pg)
+            assert_equal(nc, src, f"broadcast root={root} n={n} (non-contiguous)")
+    return True
+
+
+def _reduce(ctx, dtype):
+    root = ctx.world_size - 1
+    for n in SIZES:
+        inputs = [make_input(r, n, dtype) for r in range(ctx.world_size)]
+        for op in OPS:
+            if not op_applies(op, dtype):
+                continue
+            t = inputs[ctx.rank].clone()
+            dist.reduce(t, dst=root, op=reduce_op(op), group=ctx.pg)
+            if ctx.rank == root:
+                assert_equal(t, reference(inputs, op), f"reduce {op} n={n}")
+            else:
+                assert torch.equal(t, inputs[ctx.rank]), "reduce changed a non-root tensor"
+    return True
+
+
+def _all_gather(ctx, dtype):
+    for n in SIZES:
+        inputs = [make_input(r, n, dtype) for r in range(ctx.world_size)]
+        outs = [torch.zeros(n, dtype=dtype) for _ in range(ctx.world_size)]
+        dist.all_gather(outs, inputs[ctx.rank], group=ctx.pg)
+        for r in range(ctx.world_size):
+            assert_equal(outs[r], inputs[r], f"all_gather n={n} from rank {r}")
+        flat = torch.zeros(n * ctx.world_size, dtype=dtype)
+        dist.all_gather_into_tensor(flat, strided(inputs[ctx.rank]), group=ctx.pg)
+        assert_equal(flat, torch.cat(inputs), f"all_gather_into_tensor n={n}")
+        gl = torch.zeros(n * ctx.world_size, dtype=dtype)
+        if gloo_agrees(lambda: dist.all_gather_into_tensor(gl, inputs[ctx.rank], group=ctx.gloo)) is not None:
+            assert torch.equal(gl, flat), "all_gather_into_tensor differs from gloo"
+    return True
+
+
+def _reduce_scatter(ctx, dtype):
+    w = ctx.world_size
+    for n in SIZES:
+        full = [make_input(r, n * w, dtype) for r in range(w)]
+        for op in OPS:
+            if not op_applies(op, dtype):
+                continue
+            expected = reference([f[ctx.rank * n:(ctx.rank + 1) * n] for f in full], op)
+            out = torch.zeros(n, dtype=dtype)
+            dist.reduce_scatter_tensor(out, full[ctx.rank].clone(), op=reduce_op(op), group=ctx.pg)
+            assert_equal(out, expected, f"reduce_scatter_tensor {op} n={n}")
+            out_list = strided(torch.zeros(n, dtype=dtype))
+            pieces = list(full[ctx.rank].clone().chunk(w)) if n else [torch.zeros(0, dtype=dtype)] * w
+            dist.reduce_scatter(out_list, pieces, op=reduce_op(op), group=ctx.pg)
+            assert_equal(out_list, expected, f"reduce_scatter {op} n={n}")
+    return True
+
+
+def _gather_scatter(ctx, dtype):
+    w = ctx.world_size
+    for n in SIZES:
+        for root in {0, w - 1}:
+            inputs = [make_input(r, n, dtype) for r in range(w)]
+            outs = [torch.zeros(n, dtype=dtype) for _ in range(w)] if ctx.rank == root else None
+            dist.gather(inputs[ctx.rank], gather_list=outs, dst=root, group=ctx.pg)
+            if ctx.rank == root:
+                for r in range(w):
+                    assert_equal(outs[r], inputs[r], f"gather root={root} n={n} from {r}")
+            out = torch.zeros(n, dtype=dtype)
+            dist.scatter(out, scatter_list=inputs if ctx.rank == root else None, src=root, group=ctx.pg)
+            assert_equal(out, inputs[ctx.rank], f"scatter root={root} n={n}")
+    return True
+
+
+def _all_to_all(ctx, dtype, scale):
+    w = ctx.world_size
+    # Uneven splits: rank q sends (q + r) * scale + 1 rows to rank r.
+    send = [(ctx.rank + r) * scale + 1 for r in range(w)]
+    recv = [(q + ctx.rank) * scale + 1 for q in range(w)]
+    mine = [make_input(ctx.rank * 100 + r, send[r] * 3, dtype).view(-1, 3) for r in range(w)]
+    inp = torch.cat(mine)
+    out = torch.zeros(sum(recv), 3, dtype=dtype)
+    dist.all_to_all_single(out, inp, output_split_sizes=recv, input_split_sizes=send, group=ctx.pg)
+    expected = torch.cat([make_input(q * 100 + ctx.rank, recv[q] * 3, dtype).view(-1, 3) for q in range(w)])
+    assert_equal(out, expected, f"all_to_all_single scale={scale}")
+    outs = [torch.zeros(recv[q], 3, dtype=dtype) for q in range(w)]
+    dist.all_to_all(outs, mine, group=ctx.pg)
+    assert_equal(torch.cat(outs), expected, f"all_to_all scale={scale}")
+    even_in = make_input(ctx.rank, 4 * w, dtype)
+    even_out = torch.zeros(4 * w, dtype=dtype)
+    dist.all_to_all_single(even_out, even_in, group=ctx.pg)
+    exp = torch.cat([make_input(q, 4 * w, dtype)[4 * ctx.rank:4 * ctx.rank + 4] for q in range(w)])
+    assert_equal(even_out, exp, "all_to_all_single even")
+    return True
+
+
+def _coalesced(ctx):
+    w = ctx.world_size
+    ts = [make_input(ctx.rank, n, torch.float32, salt=3) for n in (5, 0, 1000, 7)]
+    expected = [reference([make_input(r, t.numel(), torch.float32, salt=3) for r in range(w)], "SUM") for t in ts]
+    with dist._coalescing_manager(group=ctx.pg):
+        for t in ts:
+            dist.all_reduce(t, group=ctx.pg)
+    for t, e in zip(ts, expected):
+        assert_equal(t, e, "coalesced all_reduce")
+    ins = [make_input(ctx.rank, n, torch.float64, salt=4) for n in (3, 100)]
+    outs = [torch.zeros(i.numel() * w, dtype=torch.float64) for i in ins]
+    with dist._coalescing_manager(group=ctx.pg):
+        for o, i in zip(outs, ins):
+            dist.all_gather_into_tensor(o, i, group=ctx.pg)
+    for o, i in zip(outs, ins):
+        assert_equal(o, torch.cat([make_input(r, i.numel(), torch.float64, salt=4) for r in range(w)]), "coalesced all_gather")
+    rs_in = [make_input(ctx.rank, 6 * w, torch.float32, salt=5)]
+    rs_out = [torch.zeros(6)]
+    with dist._coalescing_manager(group=ctx.pg):
+        dist.reduce_scatter_tensor(rs_out[0], rs_in[0], group=ctx.pg)
+    exp = reference([make_input(r, 6 * w, torch.float32, salt=5)[6 * ctx.rank:6 * ctx.rank + 6] for r in range(w)], "SUM")
+    assert_equal(rs_out[0], exp, "coalesced reduce_scatter")
+    return True
+
+
+def _complex(ctx):
+    w = ctx.world_size
+    vals = [torch.complex(make_input(r, 9, torch.float32), make_input(r + 10, 9, torch.float32)) for r in range(w)]
+    t = vals[ctx.rank].clone()
+    dist.all_reduce(t, group=ctx.pg)
+    torch.testing.assert_close(t, sum(vals))
+    b = vals[0].clone() if ctx.rank == 0 else torch.zeros(9, dtype=torch.complex64)
+    dist.broadcast(b, 0, group=ctx.pg)
+    torch.testing.assert_close(b, vals[0])
+    return True
+
+
+def _barrier_and_order(ctx):
+    # Many back-to-back small collectives of different kinds: generations never drift.
+    t = torch.zeros(1)
+    for i in range(200):
+        dist.barrier(group=ctx.pg)
+        t.fill_(1)
+        dist.all_reduce(t, group=ctx.pg)
+        assert t.item() == ctx.world_size
+    return True
+
+
+# ----------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("world_size", WORLD_SIZES)
+@pytest.mark.parametrize("dtype", DTYPES, ids=ids(DTYPES))
+def test_all_reduce_matches_reference_for_every_op_and_size(world_size, dtype):
+    pool(world_size).run(_all_reduce, dtype)
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+@pytest.mark.parametrize("dtype", DTYPES, ids=ids(DTYPES))
+def test_all_reduce_matches_gloo(world_size, dtype):
+    pool(world_size).run(_all_reduce_vs_gloo, dtype)
+
+
+@pytest.mark.parametrize("world_size", WORLD_SIZES)
+@pytest.mark.parametrize("dtype", DTYPES, ids=ids(DTYPES))
+def test_broadcast_from_every_root(world_size, dtype):
+    pool(world_size).run(_broadcast, dtype)
+
+
+@pytest.mark.parametrize("world_size", WORLD_SIZES)
+@pytest.mark.parametrize("dtype", DTYPES, ids=ids(DTYPES))
+def test_reduce_writes_only_the_root(world_size, dtype):
+    pool(world_size).run(_reduce, dtype)
+
+
+@pytest.mark.parametrize("world_size", WORLD_SIZES)
+@pytest.mark.parametrize("dtype", DTYPES, ids=ids(DTYPES))
+def test_all_gather_list_and_into_tensor(world_size, dtype):
+    pool(world_size).run(_all_gather, dtype)
+
+
+@pytest.mark.parametrize("world_size", WORLD_SIZES)
+@pytest.mark.parametrize("dtype", DTYPES, ids=ids(DTYPES))
+def test_reduce_scatter_list_and_tensor(world_size, dtype):
+    pool(world_size).run(_reduce_scatter, dtype)
+
+
+@pytest.mark.parametrize("world_size", WORLD_SIZES)
+@pytest.mark.parametrize("dtype", DTYPES, ids=ids(DTYPES))
+def test_gather_and_scatter(world_size, dtype):
+    pool(world_size).run(_gather_scatter, dtype)
+
+
+@pytest.mark.parametrize("world_size", WORLD_SIZES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.int64, torch.bool], ids=ids([torch.float32, torch.bfloat16, torch.int64, torch.bool]))
+@pytest.mark.parametrize("scale", [0, 1, 2000], ids=["tiny", "small", "past-slot"])
+def test_all_to_all_with_uneven_splits(world_size, dtype, scale):
+    pool(world_size).run(_all_to_all, dtype, scale)
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 4])
+def test_coalesced_variants(world_size):
+    pool(world_size).run(_coalesced)
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_complex_through_real_view(world_size):
+    pool(world_size).run(_complex)
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_many_collectives_stay_in_step(world_size):
+    pool(world_size).run(_barrier_and_order)
