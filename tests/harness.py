@@ -81,6 +81,7 @@ class RankPool:
             p = ctx.Process(target=_worker, args=(rank, self.world_size, init_file, self.backend,
                                                   child, self.pg_timeout, self.env), daemon=True)
             p.start()
+            child.close()  # only the rank holds its end: its death then reads as EOF here
             self.procs.append(p)
             self.conns.append(parent)
         self._collect(DEFAULT_TIMEOUT * 2, "start-up")
@@ -162,6 +163,7 @@ def spawn(fn, world_size, *args, timeout=DEFAULT_TIMEOUT):
             p = ctx.Process(target=_spawned, args=(fn, rank, world_size, init_file, args, child),
                             daemon=True)
             p.start()
+            child.close()
             procs.append(p)
             conns.append(parent)
         results, errors = [None] * world_size, []

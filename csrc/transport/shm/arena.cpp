@@ -19,6 +19,8 @@ uint32_t Arena::arrive() {
 }
 
 void Arena::wait_peer(int peer, uint32_t target, Clock::time_point deadline) const {
+  // A peer may have published the step and then failed the group; never run on past an abort.
+  monitor_->check_aborted();
   Flag& flag = blocks_[peer].step;
   if (reached(flag.load(), target)) return;
   auto start = Clock::now();

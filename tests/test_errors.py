@@ -1,0 +1,222 @@
+"""Bad input and failures: a clear Python exception on every live rank, never a hang, and
+no shared-memory segment left behind."""
+import os
+import time
+from datetime import timedelta
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from harness import SMALL_BUFFERS, get_pool, spawn
+
+pytestmark = pytest.mark.timeout(120)
+
+
+def pool(world_size):
+    return get_pool(world_size, env=SMALL_BUFFERS)
+
+
+def torchpar_segments():
+    return sorted(n for n in os.listdir("/dev/shm") if n.startswith("torchpar-"))
+
+
+def expect_error(fn, *words):
+    try:
+        fn()
+    except Exception as e:  # noqa: BLE001
+        msg = str(e)
+        for w in words:
+            assert w in msg, f"error message lacks {w!r}: {msg}"
+        return msg
+    raise AssertionError(f"expected an error mentioning {words}")
+
+
+def still_usable(ctx):
+    t = torch.ones(4)
+    dist.all_reduce(t, group=ctx.pg)
+    assert t[0].item() == ctx.world_size
+
+
+# ---------------------------------------------------------------- mismatches across ranks
+
+def _count_mismatch(ctx):
+    t = torch.ones(10 + 5 * ctx.rank)
+    expect_error(lambda: dist.all_reduce(t, group=ctx.pg), "mismatch", "rank 0 called all_reduce of 10",
+                 "rank 1 called all_reduce of 15")
+    big = torch.ones(30000 + ctx.rank)  # chunked path on one rank count, checked before data moves
+    expect_error(lambda: dist.all_reduce(big, group=ctx.pg), "mismatch")
+    still_usable(ctx)
+    return True
+
+
+def _dtype_mismatch(ctx):
+    t = torch.ones(8, dtype=torch.float32 if ctx.rank == 0 else torch.float64)
+    expect_error(lambda: dist.all_reduce(t, group=ctx.pg), "mismatch", "Float", "Double")
+    g = torch.ones(8, dtype=torch.int32 if ctx.rank == 0 else torch.int64)
+    out = torch.zeros(8 * ctx.world_size, dtype=g.dtype)
+    expect_error(lambda: dist.all_gather_into_tensor(out, g, group=ctx.pg), "mismatch")
+    still_usable(ctx)
+    return True
+
+
+def _op_mismatch(ctx):
+    t = torch.ones(8)
+    if ctx.rank == 0:
+        expect_error(lambda: dist.all_reduce(t, group=ctx.pg), "mismatch", "broadcast")
+    else:
+        expect_error(lambda: dist.broadcast(t, src=0, group=ctx.pg), "mismatch", "all_reduce")
+    r = torch.ones(8)
+    expect_error(lambda: dist.all_reduce(r, op=dist.ReduceOp.MAX if ctx.rank else dist.ReduceOp.SUM,
+                                         group=ctx.pg), "mismatch", "MAX", "SUM")
+    still_usable(ctx)
+    return True
+
+
+def _split_mismatch(ctx):
+    w = ctx.world_size
+    send = [2] * w
+    recv = [3 if ctx.rank == 1 else 2] * w  # rank 1 expects 3 rows from everyone
+    inp = torch.ones(sum(send))
+    out = torch.zeros(sum(recv))
+    expect_error(lambda: dist.all_to_all_single(out, inp, recv, send, group=ctx.pg), "split sizes disagree")
+    still_usable(ctx)
+    return True
+
+
+def _recv_size_mismatch(ctx):
+    if ctx.rank == 0:
+        dist.send(torch.ones(10), dst=1, group=ctx.pg)
+    elif ctx.rank == 1:
+        expect_error(lambda: dist.recv(torch.empty(12), src=0, group=ctx.pg), "48 bytes", "40 bytes")
+    still_usable(ctx)
+    return True
+
+
+# ---------------------------------------------------------------- bad arguments (caller side)
+
+def _bad_arguments(ctx):
+    t = torch.ones(4)
+    expect_error(lambda: dist.broadcast(t, src=ctx.world_size + 3, group=ctx.pg))
+    expect_error(lambda: dist.send(t, dst=ctx.world_size + 3, group=ctx.pg))
+    expect_error(lambda: dist.all_reduce(torch.ones(4, dtype=torch.float32), op=dist.ReduceOp.BAND, group=ctx.pg),
+                 "bitwise")
+    expect_error(lambda: dist.all_to_all_single(torch.zeros(4), torch.ones(5), group=ctx.pg), "divide")
+    expect_error(lambda: dist.all_to_all_single(torch.zeros(8), torch.ones(8), [1] * ctx.world_size,
+                                                [3] * ctx.world_size, group=ctx.pg), "sum")
+    expect_error(lambda: dist.all_gather_into_tensor(torch.zeros(3), torch.ones(2), group=ctx.pg), "elements")
+    # torch routes meta tensors to its own no-op kernels; call the backend directly.
+    backend = ctx.pg._get_backend(torch.device("cpu"))
+    expect_error(lambda: backend.allreduce([torch.ones(4, device="meta")]), "is on meta", "CPU tensors only")
+    expect_error(lambda: backend.allreduce([torch.ones(4).to_sparse()]), "dense")
+    expect_error(lambda: backend.send([t], ctx.rank, 0), "itself")
+    expect_error(lambda: backend.send([t], ctx.world_size, 0), "invalid destination rank")
+    still_usable(ctx)
+    return True
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_element_count_mismatch_raises_on_every_rank(world_size):
+    pool(world_size).run(_count_mismatch)
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_dtype_mismatch_raises_on_every_rank(world_size):
+    pool(world_size).run(_dtype_mismatch)
+
+
+def test_different_collectives_raise_on_every_rank():
+    pool(2).run(_op_mismatch)
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_all_to_all_split_disagreement_raises_on_every_rank(world_size):
+    pool(world_size).run(_split_mismatch)
+
+
+def test_recv_of_the_wrong_size_raises():
+    pool(2).run(_recv_size_mismatch)
+
+
+@pytest.mark.parametrize("world_size", [2])
+def test_bad_arguments_raise_at_the_call(world_size):
+    pool(world_size).run(_bad_arguments)
+
+
+# ---------------------------------------------------------------- failures (fresh processes)
+
+def _init(rank, world_size, init_file, timeout_s):
+    import torchpar  # noqa: F401
+    dist.init_process_group("torchpar", init_method=f"file://{init_file}", rank=rank, world_size=world_size,
+                            timeout=timedelta(seconds=timeout_s))
+
+
+def _peer_never_arrives(rank, world_size, init_file):
+    _init(rank, world_size, init_file, 3)
+    t = torch.ones(4)
+    if rank != world_size - 1:
+        start = time.monotonic()
+        msg = expect_error(lambda: dist.all_reduce(t), "all_reduce", f"rank {world_size - 1}")
+        assert time.monotonic() - start < 20
+        assert "timed out" in msg or "aborted" in msg, msg
+        # The group has failed: later operations fail at once.
+        expect_error(lambda: dist.all_reduce(t), "no longer usable")
+    else:
+        time.sleep(6)  # past the timeout, then arrive late: the group was aborted meanwhile
+        expect_error(lambda: dist.all_reduce(t), "aborted by rank")
+    dist.destroy_process_group()
+    return True
+
+
+def _peer_dies(rank, world_size, init_file):
+    _init(rank, world_size, init_file, 60)
+    t = torch.ones(100_000)
+    dist.all_reduce(t)
+    if rank == 1:
+        os._exit(3)
+    start = time.monotonic()
+    expect_error(lambda: [dist.all_reduce(t) for _ in range(3)], "rank 1", "exited")
+    assert time.monotonic() - start < 15, "a dead peer must be noticed long before the 60 s timeout"
+    dist.destroy_process_group()
+    return True
+
+
+def _peer_dies_during_recv(rank, world_size, init_file):
+    _init(rank, world_size, init_file, 60)
+    if rank == 1:
+        time.sleep(0.5)
+        os._exit(3)
+    start = time.monotonic()
+    expect_error(lambda: dist.recv(torch.empty(5), src=1), "rank 1", "exited")
+    assert time.monotonic() - start < 15
+    return True
+
+
+def _p2p_timeout(rank, world_size, init_file):
+    _init(rank, world_size, init_file, 2)
+    if rank == 0:
+        expect_error(lambda: dist.recv(torch.empty(5), src=1, tag=3), "timed out", "rank 1")
+    else:
+        time.sleep(3)
+    return True
+
+
+def test_peer_that_never_arrives_times_out_on_every_rank():
+    before = torchpar_segments()
+    assert spawn(_peer_never_arrives, 3, timeout=60) == [True] * 3
+    assert torchpar_segments() == before
+
+
+def test_dead_peer_fails_the_collective_quickly():
+    results = spawn(_peer_dies, 3, timeout=60)
+    assert results[0] is True and results[2] is True and results[1] == "died"
+    assert torchpar_segments() == []
+
+
+def test_dead_peer_fails_a_pending_recv():
+    results = spawn(_peer_dies_during_recv, 2, timeout=60)
+    assert results[0] is True
+
+
+def test_recv_without_a_sender_times_out():
+    assert spawn(_p2p_timeout, 2, timeout=60) == [True, True]

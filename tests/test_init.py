@@ -1,0 +1,119 @@
+"""Initialisation the standard ways, sub-groups, teardown, and shared-memory hygiene."""
+import os
+import socket
+from datetime import timedelta
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from harness import spawn
+
+pytestmark = pytest.mark.timeout(120)
+
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def check_group(group=None):
+    t = torch.ones(3) * (dist.get_rank() + 1)
+    dist.all_reduce(t, group=group)
+    n = dist.get_world_size(group)
+    ranks = dist.get_process_group_ranks(group) if group is not None else range(n)
+    assert t[0].item() == sum(r + 1 for r in ranks)
+
+
+def _init_with(rank, world_size, init_file, method, port):
+    import torchpar  # noqa: F401
+    kwargs = dict(rank=rank, world_size=world_size, timeout=timedelta(seconds=30))
+    if method == "env":
+        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world_size))
+        dist.init_process_group("torchpar", init_method="env://", timeout=timedelta(seconds=30))
+    elif method == "tcp":
+        dist.init_process_group("torchpar", init_method=f"tcp://127.0.0.1:{port}", **kwargs)
+    elif method == "file":
+        dist.init_process_group("torchpar", init_method=f"file://{init_file}", **kwargs)
+    else:
+        store = dist.TCPStore("127.0.0.1", port, world_size, is_master=rank == 0, timeout=timedelta(seconds=30))
+        dist.init_process_group("torchpar", store=store, **kwargs)
+    assert dist.get_backend() == "torchpar"
+    check_group()
+    dist.destroy_process_group()
+    return True
+
+
+@pytest.mark.parametrize("method", ["env", "tcp", "file", "store"])
+def test_init_process_group_every_way(method):
+    assert spawn(_init_with, 2, method, free_port()) == [True, True]
+
+
+def _sub_groups(rank, world_size, init_file):
+    import torchpar  # noqa: F401
+    dist.init_process_group("torchpar", init_method=f"file://{init_file}", rank=rank, world_size=world_size)
+    low = dist.new_group([0, 1])
+    high = dist.new_group([2, 3])
+    odd = dist.new_group([1, 3])
+    mine = low if rank < 2 else high
+    # The pairs run different numbers of collectives, interleaved with the world group:
+    # each group keeps its own order.
+    for _ in range(3 if rank < 2 else 5):
+        check_group(mine)
+    check_group()
+    if rank in (1, 3):
+        check_group(odd)
+        t = torch.full((4,), float(rank))
+        dist.broadcast(t, src=3, group=odd)
+        assert (t == 3).all()
+    check_group()
+    dist.destroy_process_group()
+    return True
+
+
+def test_sub_groups_are_independent():
+    assert spawn(_sub_groups, 4) == [True] * 4
+
+
+def _reinit(rank, world_size, init_file):
+    import torchpar  # noqa: F401
+    for round_ in range(2):
+        dist.init_process_group("torchpar", init_method=f"file://{init_file}.{round_}", rank=rank,
+                                world_size=world_size)
+        check_group()
+        backend = dist.group.WORLD._get_backend(torch.device("cpu"))
+        # The segment is unlinked as soon as every rank has mapped it.
+        assert not os.path.exists("/dev/shm" + backend.segment_name)
+        dist.destroy_process_group()
+    return True
+
+
+def test_destroy_then_init_again_leaves_nothing_in_dev_shm():
+    before = sorted(os.listdir("/dev/shm"))
+    assert spawn(_reinit, 3) == [True] * 3
+    assert [n for n in os.listdir("/dev/shm") if n.startswith("torchpar-")] == \
+        [n for n in before if n.startswith("torchpar-")]
+
+
+def _world_of_one(rank, world_size, init_file):
+    import torchpar  # noqa: F401
+    dist.init_process_group("torchpar", init_method=f"file://{init_file}", rank=0, world_size=1)
+    t = torch.arange(5.0)
+    dist.all_reduce(t)
+    out = torch.empty(5)
+    dist.all_gather_into_tensor(out, t)
+    assert torch.equal(out, torch.arange(5.0))
+    dist.barrier()
+    dist.destroy_process_group()
+    return True
+
+
+def test_world_of_one():
+    assert spawn(_world_of_one, 1) == [True]
+
+
+def test_backend_is_registered_for_cpu_and_cuda():
+    import torchpar  # noqa: F401
+    assert "torchpar" in dist.Backend.backend_list
+    assert dist.Backend.backend_capability["torchpar"] == ["cpu", "cuda"]

@@ -1,0 +1,235 @@
+"""Point-to-point: tag matching, any-source receives, async work handles, and every
+pattern in which each rank posts all its sends and receives before waiting."""
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from harness import SMALL_BUFFERS, get_pool
+
+pytestmark = pytest.mark.timeout(120)
+
+# Far larger than the test pools' 16 KiB rings.
+BIG = 100_003
+
+
+def pool(world_size):
+    return get_pool(world_size, env=SMALL_BUFFERS)
+
+
+def payload(src, dst, n, tag=0):
+    return torch.arange(n, dtype=torch.float32) + 1000 * src + 10 * dst + tag
+
+
+def _ring(ctx, n):
+    w, r = ctx.world_size, ctx.rank
+    right, left = (r + 1) % w, (r - 1) % w
+    out = torch.empty(n)
+    reqs = [dist.irecv(out, src=left, group=ctx.pg), dist.isend(payload(r, right, n), dst=right, group=ctx.pg)]
+    for q in reqs:
+        q.wait()
+    assert torch.equal(out, payload(left, r, n))
+    return True
+
+
+def _all_pairs_posted_first(ctx, n):
+    """Every rank posts sends to and receives from every peer, then waits on all."""
+    w, r = ctx.world_size, ctx.rank
+    outs = {q: torch.empty(n) for q in range(w) if q != r}
+    reqs = [dist.isend(payload(r, q, n), dst=q, group=ctx.pg) for q in range(w) if q != r]
+    reqs += [dist.irecv(outs[q], src=q, group=ctx.pg) for q in outs]
+    for q in reqs:
+        q.wait()
+    for q, t in outs.items():
+        assert torch.equal(t, payload(q, r, n))
+    return True
+
+
+def _batch_isend_irecv(ctx, n):
+    w, r = ctx.world_size, ctx.rank
+    right, left = (r + 1) % w, (r - 1) % w
+    a, b = torch.empty(n), torch.empty(n)
+    ops = [dist.P2POp(dist.isend, payload(r, right, n), right, group=ctx.pg),
+           dist.P2POp(dist.irecv, a, left, group=ctx.pg),
+           dist.P2POp(dist.isend, payload(r, left, n, tag=1), left, group=ctx.pg),
+           dist.P2POp(dist.irecv, b, right, group=ctx.pg)]
+    for q in dist.batch_isend_irecv(ops):
+        q.wait()
+    assert torch.equal(a, payload(left, r, n))
+    assert torch.equal(b, payload(right, r, n, tag=1))
+    return True
+
+
+def _one_f_one_b_exchange(ctx, n, micro):
+    """Pipeline-style: each stage sends activations forward and gradients backward,
+    posting both before waiting, for several micro-batches."""
+    w, r = ctx.world_size, ctx.rank
+    for m in range(micro):
+        reqs, fwd, bwd = [], None, None
+        if r + 1 < w:
+            reqs.append(dist.isend(payload(r, r + 1, n, m), dst=r + 1, group=ctx.pg))
+            bwd = torch.empty(n)
+            reqs.append(dist.irecv(bwd, src=r + 1, group=ctx.pg))
+        if r > 0:
+            reqs.append(dist.isend(payload(r, r - 1, n, m), dst=r - 1, group=ctx.pg))
+            fwd = torch.empty(n)
+            reqs.append(dist.irecv(fwd, src=r - 1, group=ctx.pg))
+        for q in reqs:
+            q.wait()
+        if fwd is not None:
+            assert torch.equal(fwd, payload(r - 1, r, n, m))
+        if bwd is not None:
+            assert torch.equal(bwd, payload(r + 1, r, n, m))
+    return True
+
+
+def _tags_match_out_of_order(ctx):
+    if ctx.rank == 0:
+        for tag in (1, 2, 3):
+            dist.send(payload(0, 1, 50, tag), dst=1, tag=tag, group=ctx.pg)
+    elif ctx.rank == 1:
+        # Blocking receives in the opposite order: earlier messages are buffered, not stalled.
+        for tag in (3, 1, 2):
+            t = torch.empty(50)
+            dist.recv(t, src=0, tag=tag, group=ctx.pg)
+            assert torch.equal(t, payload(0, 1, 50, tag)), f"tag {tag}"
+    return True
+
+
+def _same_tag_keeps_order(ctx):
+    if ctx.rank == 0:
+        works = [dist.isend(torch.full((BIG,), float(i)), dst=1, group=ctx.pg) for i in range(4)]
+        for q in works:
+            q.wait()
+    elif ctx.rank == 1:
+        outs = [torch.empty(BIG) for _ in range(4)]
+        works = [dist.irecv(o, src=0, group=ctx.pg) for o in outs]
+        for q in works:
+            q.wait()
+        for i, o in enumerate(outs):
+            assert (o == i).all()
+    return True
+
+
+def _any_source(ctx):
+    w, r = ctx.world_size, ctx.rank
+    if r == 0:
+        seen = set()
+        for _ in range(w - 1):
+            t = torch.empty(20)
+            src = dist.recv(t, group=ctx.pg)  # any source
+            assert torch.equal(t, payload(src, 0, 20)), f"payload from {src}"
+            seen.add(src)
+        assert seen == set(range(1, w))
+        work = dist.irecv(torch.empty(20), tag=5, group=ctx.pg)
+        work.wait()
+        assert work._source_rank() == 1
+    else:
+        dist.send(payload(r, 0, 20), dst=0, group=ctx.pg)
+        if r == 1:
+            dist.send(payload(r, 0, 20), dst=0, tag=5, group=ctx.pg)
+    return True
+
+
+def _async_returns_before_peer_arrives(ctx):
+    if ctx.rank == 0:
+        t = torch.empty(10)
+        work = dist.irecv(t, src=1, group=ctx.pg)
+        assert not work.is_completed()  # rank 1 is still asleep
+        fut = work.get_future()
+        work.wait()
+        assert work.is_success() and torch.equal(t, payload(1, 0, 10))
+        assert torch.equal(fut.value()[0], t)
+        a = torch.ones(8)
+        w2 = dist.all_reduce(a, async_op=True, group=ctx.pg)
+        assert not w2.is_completed()
+        assert w2.get_future().wait()[0].sum().item() == 8 * ctx.world_size
+    else:
+        time.sleep(0.5)
+        if ctx.rank == 1:
+            dist.send(payload(1, 0, 10), dst=0, group=ctx.pg)
+        time.sleep(0.5)
+        a = torch.ones(8)
+        dist.all_reduce(a, group=ctx.pg)
+    return True
+
+
+def _collective_does_not_wait_for_p2p(ctx):
+    """An irecv posted before a collective must not hold the collective back."""
+    if ctx.rank == 0:
+        late = torch.empty(5)
+        work = dist.irecv(late, src=1, tag=9, group=ctx.pg)
+        t = torch.ones(3)
+        dist.all_reduce(t, group=ctx.pg)
+        assert t[0].item() == ctx.world_size
+        work.wait()
+        assert torch.equal(late, payload(1, 0, 5))
+    else:
+        t = torch.ones(3)
+        dist.all_reduce(t, group=ctx.pg)
+        if ctx.rank == 1:
+            dist.send(payload(1, 0, 5), dst=0, tag=9, group=ctx.pg)
+    return True
+
+
+def _non_contiguous_and_dtypes(ctx):
+    if ctx.world_size < 2 or ctx.rank > 1:
+        return True
+    for dtype in (torch.float16, torch.bfloat16, torch.int8, torch.bool, torch.complex64, torch.float64):
+        src = (torch.arange(24).view(4, 6) % 3).to(dtype)
+        if ctx.rank == 0:
+            dist.send(src.t(), dst=1, group=ctx.pg)  # non-contiguous send
+        else:
+            out = torch.zeros(12, 4, dtype=dtype)[::2]  # non-contiguous receive
+            dist.recv(out, src=0, group=ctx.pg)
+            assert torch.equal(out, src.t()), dtype
+    return True
+
+
+@pytest.mark.parametrize("world_size", [2, 3, 4])
+@pytest.mark.parametrize("n", [0, 1, BIG], ids=["empty", "one", "larger-than-ring"])
+def test_ring_exchange(world_size, n):
+    pool(world_size).run(_ring, n)
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+@pytest.mark.parametrize("n", [7, BIG], ids=["small", "larger-than-ring"])
+def test_every_pair_posted_before_waiting(world_size, n):
+    pool(world_size).run(_all_pairs_posted_first, n)
+
+
+@pytest.mark.parametrize("world_size", [2, 3, 4])
+def test_batch_isend_irecv(world_size):
+    pool(world_size).run(_batch_isend_irecv, BIG)
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_one_f_one_b_exchanges(world_size):
+    pool(world_size).run(_one_f_one_b_exchange, BIG, 4)
+
+
+def test_tags_match_whatever_the_receive_order():
+    pool(2).run(_tags_match_out_of_order)
+
+
+def test_messages_with_one_tag_arrive_in_order():
+    pool(2).run(_same_tag_keeps_order)
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_receive_from_any_source_reports_the_sender(world_size):
+    pool(world_size).run(_any_source)
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_async_operations_return_before_the_peer_arrives(world_size):
+    pool(world_size).run(_async_returns_before_peer_arrives)
+
+
+def test_collectives_do_not_queue_behind_receives():
+    pool(3).run(_collective_does_not_wait_for_p2p)
+
+
+def test_send_recv_non_contiguous_and_every_dtype():
+    pool(2).run(_non_contiguous_and_dtypes)
