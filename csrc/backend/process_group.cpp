@@ -119,55 +119,79 @@ std::chrono::milliseconds ProcessGroupTorchpar::timeout_for(std::chrono::millise
 
 c10::intrusive_ptr<c10d::Work> ProcessGroupTorchpar::enqueue(OpType type, const char* name,
                                                              std::vector<at::Tensor> outputs, Task task,
-                                                             std::chrono::milliseconds timeout) {
+                                                             std::chrono::milliseconds timeout, bool async_op) {
   auto work = c10::make_intrusive<Work>(getRank(), type, name, std::move(outputs));
+  Queued item{work, name, std::move(task), timeout_for(timeout)};
   {
     std::lock_guard<std::mutex> lock(mu_);
     TORCH_CHECK(!stopping_, "torchpar ", name, ": group '", group_name_, "' has been shut down");
-    queue_.push_back(Queued{work, name, std::move(task), timeout_for(timeout)});
+    if (async_op || busy_ || !queue_.empty()) {
+      queue_.push_back(std::move(item));
+      cv_.notify_all();
+      return work;
+    }
+    busy_ = true;
   }
-  cv_.notify_one();
+  execute(item);
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    busy_ = false;
+  }
+  cv_.notify_all();
   return work;
 }
 
 void ProcessGroupTorchpar::run_worker() {
   while (true) {
     Queued item;
-    std::exception_ptr failed;
     {
       std::unique_lock<std::mutex> lock(mu_);
-      cv_.wait(lock, [&] { return stopping_ || !queue_.empty(); });
+      cv_.wait(lock, [&] { return (stopping_ || !queue_.empty()) && !busy_; });
       if (queue_.empty()) return;
       item = std::move(queue_.front());
       queue_.pop_front();
-      failed = group_error_;
+      busy_ = true;
     }
-    uint64_t seq = next_seq_++;
-    if (failed) {
-      item.work->complete(failed);
-      continue;
+    execute(item);
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      busy_ = false;
     }
-    std::exception_ptr error;
-    try {
-      Comm comm{transport_->arena(), transport_->p2p(), config_, Clock::now() + item.timeout, seq};
-      item.task(comm);
-    } catch (...) {
-      bool fatal = false;
-      error = describe_failure(item.name, seq, std::current_exception(), &fatal);
-      if (fatal) {
-        std::string reason;
-        try {
-          std::rethrow_exception(error);
-        } catch (const std::exception& e) {
-          reason = e.what();
-        }
-        transport_->abort(reason);
-        std::lock_guard<std::mutex> lock(mu_);
-        if (!group_error_) group_error_ = error;
-      }
-    }
-    item.work->complete(error);
+    cv_.notify_all();
   }
+}
+
+void ProcessGroupTorchpar::execute(Queued& item) {
+  uint64_t seq = next_seq_++;
+  std::exception_ptr failed;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    failed = group_error_;
+  }
+  if (failed) {
+    item.work->complete(failed);
+    return;
+  }
+  std::exception_ptr error;
+  try {
+    Comm comm{transport_->arena(), transport_->p2p(), config_, Clock::now() + item.timeout, seq};
+    item.task(comm);
+  } catch (...) {
+    bool fatal = false;
+    error = describe_failure(item.name, seq, std::current_exception(), &fatal);
+    if (fatal) {
+      std::string reason;
+      try {
+        std::rethrow_exception(error);
+      } catch (const std::exception& e) {
+        reason = e.what();
+      }
+      transport_->abort(reason);
+      std::lock_guard<std::mutex> lock(mu_);
+      if (!group_error_) group_error_ = error;
+    }
+  }
+  item.work->complete(error);
 }
 
 std::exception_ptr ProcessGroupTorchpar::describe_failure(const char* op, uint64_t seq,
@@ -205,7 +229,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupTorchpar::broadcast(std::vector<at::T
     Staged s = c.rank() == root ? Staged::input(t) : Staged::output(t);
     collectives::broadcast(c, s.data(), s.count(), s.dtype(), root);
     s.finish();
-  }, opts.timeout);
+  }, opts);
 }
 
 c10::intrusive_ptr<c10d::Work> ProcessGroupTorchpar::allreduce(std::vector<at::Tensor>& tensors,
@@ -219,7 +243,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupTorchpar::allreduce(std::vector<at::T
     s.user = t;
     collectives::allreduce(c, s.data(), s.count(), s.dtype(), op);
     s.finish();
-  }, opts.timeout);
+  }, opts);
 }
 
 c10::intrusive_ptr<c10d::Work> ProcessGroupTorchpar::allreduce_coalesced(
@@ -245,7 +269,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupTorchpar::allreduce_coalesced(
       t.copy_(s.user.narrow(0, off, t.numel()).view(t.sizes()));
       off += t.numel();
     }
-  }, opts.timeout);
+  }, opts);
 }
 
 c10::intrusive_ptr<c10d::Work> ProcessGroupTorchpar::reduce(std::vector<at::Tensor>& tensors,
@@ -261,7 +285,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupTorchpar::reduce(std::vector<at::Tens
     s.user = t;
     collectives::reduce(c, s.data(), s.count(), s.dtype(), op, root);
     if (c.rank() == root) s.finish();
-  }, opts.timeout);
+  }, opts);
 }
 
 c10::intrusive_ptr<c10d::Work> ProcessGroupTorchpar::allgather(std::vector<std::vector<at::Tensor>>& outputs,
@@ -284,7 +308,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupTorchpar::allgather(std::vector<std::
     auto ptrs = data_ptrs(staged);
     collectives::allgather(c, s.data(), ptrs.data(), s.count(), s.dtype());
     for (auto& o : staged) o.finish();
-  }, opts.timeout);
+  }, opts);
 }
 
 c10::intrusive_ptr<c10d::Work> ProcessGroupTorchpar::_allgather_base(at::Tensor& output, at::Tensor& input,
@@ -304,7 +328,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupTorchpar::_allgather_base(at::Tensor&
     for (int r = 0; r < c.size(); ++r) ptrs.push_back(static_cast<char*>(o.data()) + r * bytes);
     collectives::allgather(c, s.data(), ptrs.data(), s.count(), s.dtype());
     o.finish();
-  }, opts.timeout);
+  }, opts);
 }
 
 c10::intrusive_ptr<c10d::Work> ProcessGroupTorchpar::allgather_coalesced(
@@ -360,7 +384,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupTorchpar::gather(std::vector<std::vec
     if (ptrs.empty()) ptrs.resize(c.size(), nullptr);
     collectives::gather(c, s.data(), ptrs.data(), s.count(), s.dtype(), root);
     for (auto& o : staged) o.finish();
-  }, opts.timeout);
+  }, opts);
 }
 
 c10::intrusive_ptr<c10d::Work> ProcessGroupTorchpar::scatter(std::vector<at::Tensor>& outputs,
@@ -391,7 +415,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupTorchpar::scatter(std::vector<at::Ten
     for (size_t r = 0; r < staged.size(); ++r) ptrs[r] = staged[r].data();
     collectives::scatter(c, ptrs.data(), o.data(), o.count(), o.dtype(), root);
     o.finish();
-  }, opts.timeout);
+  }, opts);
 }
 
 c10::intrusive_ptr<c10d::Work> ProcessGroupTorchpar::reduce_scatter(
@@ -416,7 +440,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupTorchpar::reduce_scatter(
     for (auto& s : staged) ptrs.push_back(s.data());
     collectives::reduce_scatter(c, ptrs.data(), o.data(), o.count(), o.dtype(), op);
     o.finish();
-  }, opts.timeout);
+  }, opts);
 }
 
 c10::intrusive_ptr<c10d::Work> ProcessGroupTorchpar::_reduce_scatter_base(at::Tensor& output, at::Tensor& input,
@@ -438,7 +462,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupTorchpar::_reduce_scatter_base(at::Te
     for (int r = 0; r < c.size(); ++r) ptrs.push_back(static_cast<const char*>(s.data()) + r * bytes);
     collectives::reduce_scatter(c, ptrs.data(), o.data(), o.count(), o.dtype(), op);
     o.finish();
-  }, opts.timeout);
+  }, opts);
 }
 
 c10::intrusive_ptr<c10d::Work> ProcessGroupTorchpar::reduce_scatter_tensor_coalesced(
@@ -482,7 +506,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupTorchpar::alltoall_base(at::Tensor& o
     }
     collectives::alltoall(c, sends.data(), sc.data(), recvs.data(), rc.data(), s.dtype());
     o.finish();
-  }, opts.timeout);
+  }, opts);
 }
 
 c10::intrusive_ptr<c10d::Work> ProcessGroupTorchpar::alltoall(std::vector<at::Tensor>& outputs,
@@ -516,11 +540,11 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupTorchpar::alltoall(std::vector<at::Te
     }
     collectives::alltoall(c, sends.data(), sc.data(), recvs.data(), rc.data(), si[0].dtype());
     for (auto& o : so) o.finish();
-  }, opts.timeout);
+  }, opts);
 }
 
 c10::intrusive_ptr<c10d::Work> ProcessGroupTorchpar::barrier(const c10d::BarrierOptions& opts) {
-  return enqueue(OpType::BARRIER, "barrier", {}, [](Comm& c) { collectives::barrier(c); }, opts.timeout);
+  return enqueue(OpType::BARRIER, "barrier", {}, [](Comm& c) { collectives::barrier(c); }, opts);
 }
 
 // ---------------------------------------------------------------------------------------

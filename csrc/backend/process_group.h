@@ -102,9 +102,18 @@ class ProcessGroupTorchpar : public c10d::Backend {
     std::chrono::milliseconds timeout;
   };
 
+  // Queues the collective for the worker; a blocking call (async_op=False) finding the
+  // queue idle runs it on the calling thread instead, sparing two thread hand-offs.
+  template <typename Options>
   c10::intrusive_ptr<c10d::Work> enqueue(c10d::OpType type, const char* name,
                                          std::vector<at::Tensor> outputs, Task task,
-                                         std::chrono::milliseconds timeout);
+                                         const Options& opts) {
+    return enqueue(type, name, std::move(outputs), std::move(task), opts.timeout, opts.asyncOp);
+  }
+  c10::intrusive_ptr<c10d::Work> enqueue(c10d::OpType type, const char* name,
+                                         std::vector<at::Tensor> outputs, Task task,
+                                         std::chrono::milliseconds timeout, bool async_op);
+  void execute(Queued& item);
   c10::intrusive_ptr<Work> post_p2p(bool is_send, at::Tensor& tensor, int peer, int tag);
   void run_worker();
   std::exception_ptr describe_failure(const char* op, uint64_t seq, std::exception_ptr error,
@@ -120,7 +129,8 @@ class ProcessGroupTorchpar : public c10d::Backend {
   std::condition_variable cv_;
   std::deque<Queued> queue_;
   bool stopping_ = false;
-  uint64_t next_seq_ = 0;           // worker thread only
+  bool busy_ = false;  // a collective is running (on the worker or inline)
+  uint64_t next_seq_ = 0;           // only the thread running a collective (busy_) touches it
   std::exception_ptr group_error_;  // first fatal error; guarded by mu_
   std::thread worker_;
 

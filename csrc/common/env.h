@@ -24,8 +24,12 @@ struct Config {
   int64_t slot_bytes = env_int("TORCHPAR_SHM_SLOT_BYTES", 4 << 20);
   // Bytes of each point-to-point ring (one per ordered pair of ranks).
   int64_t ring_bytes = env_int("TORCHPAR_SHM_RING_BYTES", 1 << 20);
-  // How long a waiter spins before sleeping on a futex.
-  int64_t spin_us = env_int("TORCHPAR_SPIN_US", 50);
+  // How long a waiter spins on the CPU before yielding it between looks...
+  int64_t spin_us = env_int("TORCHPAR_SPIN_US", 20);
+  // ... and how long it keeps looking between sched_yield() calls before sleeping on a
+  // futex. Yielding lets a peer that shares our core run, without the wake-up latency of a
+  // sleep, which on a busy machine costs ~100 us per step.
+  int64_t yield_us = env_int("TORCHPAR_YIELD_US", 2000);
   // Largest all-reduce (bytes) that uses the one-shot algorithm.
   int64_t oneshot_max_bytes = env_int("TORCHPAR_ONESHOT_MAX_BYTES", 64 << 10);
 };

@@ -1,5 +1,7 @@
 #include "transport/shm/arena.h"
 
+#include <sched.h>
+
 #include <algorithm>
 
 #include "common/error.h"
@@ -29,6 +31,11 @@ void Arena::wait_peer(int peer, uint32_t target, Clock::time_point deadline) con
       if (reached(flag.load(), target)) return;
       cpu_relax();
     }
+  }
+  while (Clock::now() - start < spin_ + yield_ && Clock::now() < deadline) {
+    sched_yield();
+    if (reached(flag.load(), target)) return;
+    monitor_->check_aborted();
   }
   auto last_check = Clock::time_point{};
   while (true) {

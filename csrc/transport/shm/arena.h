@@ -21,9 +21,9 @@ class Arena {
  public:
   Arena() = default;
   Arena(int rank, int size, RankBlock* blocks, char* slots, size_t slot_bytes,
-        const Monitor* monitor, std::chrono::microseconds spin)
+        const Monitor* monitor, std::chrono::microseconds spin, std::chrono::microseconds yield)
       : rank_(rank), size_(size), blocks_(blocks), slots_(slots), slot_bytes_(slot_bytes),
-        monitor_(monitor), spin_(spin) {}
+        monitor_(monitor), spin_(spin), yield_(yield) {}
 
   int rank() const { return rank_; }
   int size() const { return size_; }
@@ -48,6 +48,7 @@ class Arena {
   size_t slot_bytes_ = 0;
   const Monitor* monitor_ = nullptr;
   std::chrono::microseconds spin_{0};
+  std::chrono::microseconds yield_{0};
   uint32_t step_ = 0;
 };
 

@@ -79,7 +79,7 @@ void ShmTransport::map_segment(Rendezvous& rendezvous, const Config& config,
 
   monitor_ = Monitor(rank_, header_, blocks_, size_);
   arena_ = Arena(rank_, size_, blocks_, base + layout.slots_offset, layout.slot_bytes, &monitor_,
-                 std::chrono::microseconds(config.spin_us));
+                 std::chrono::microseconds(config.spin_us), std::chrono::microseconds(config.yield_us));
   for (int peer = 0; peer < size_; ++peer) {
     auto ring_at = [&](int src, int dst) {
       char* at = base + layout.ring_offset(src, dst);

@@ -1,0 +1,233 @@
+"""Collective benchmark: torchpar beside gloo, same ranks, same run.
+
+    python -m torchpar.bench collectives [--world-sizes 2,4] [--max-bytes 64M] [--json F] [--plot F]
+    torchrun --nproc_per_node=2 -m torchpar.bench collectives     (uses torchrun's ranks)
+
+For each collective and message size it reports the median time (the slowest rank's time
+of each iteration, synchronised by a barrier before it), algbw = bytes / time and busbw
+(nccl-tests' definitions: all_reduce x 2(n-1)/n; all_gather, reduce_scatter and
+all_to_all x (n-1)/n; broadcast x 1), for torchpar and gloo, and the speed-up of torchpar.
+A single-core copy bandwidth measured in the same run is printed beside busbw: the
+shared-memory transport is bounded by memory bandwidth.
+"""
+import argparse
+import os
+import statistics
+import sys
+import tempfile
+import time
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from torchpar.bench._report import human_bytes, parse_bytes, print_table, pyplot, write_json
+
+OPS = ["all_reduce", "all_gather_into_tensor", "reduce_scatter_tensor", "broadcast", "all_to_all_single"]
+
+
+def bus_factor(op, n):
+    if op == "all_reduce":
+        return 2 * (n - 1) / n
+    if op == "broadcast":
+        return 1.0
+    return (n - 1) / n
+
+
+def make_op(op, nbytes, world, group):
+    """Returns a zero-argument callable running `op` on `nbytes` (nccl-tests sizing: the
+    all-reduce/broadcast buffer, the gathered output, the scattered input)."""
+    numel = max(1, nbytes // 4)
+    numel = (numel + world - 1) // world * world
+    if op == "all_reduce":
+        t = torch.ones(numel)
+        return lambda: dist.all_reduce(t, group=group)
+    if op == "broadcast":
+        t = torch.ones(numel)
+        return lambda: dist.broadcast(t, group_src=0, group=group)
+    if op == "all_gather_into_tensor":
+        out, inp = torch.empty(numel), torch.ones(numel // world)
+        return lambda: dist.all_gather_into_tensor(out, inp, group=group)
+    if op == "reduce_scatter_tensor":
+        out, inp = torch.empty(numel // world), torch.ones(numel)
+        return lambda: dist.reduce_scatter_tensor(out, inp, group=group)
+    if op == "all_to_all_single":
+        out, inp = torch.empty(numel), torch.ones(numel)
+        return lambda: dist.all_to_all_single(out, inp, group=group)
+    raise ValueError(op)
+
+
+def time_op(fn, group, budget_s, max_iters):
+    """Median over iterations of the slowest rank's time, in seconds."""
+    fn()  # warm-up (first touch of buffers)
+    times = []
+    start = time.perf_counter()
+    while len(times) < max_iters and (len(times) < 5 or time.perf_counter() - start < budget_s):
+        dist.barrier(group=group)
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    # Agree on the iteration count, then take each iteration's slowest rank.
+    n = torch.tensor([len(times)], dtype=torch.int64)
+    dist.all_reduce(n, op=dist.ReduceOp.MIN, group=group)
+    per_iter = torch.tensor(times[: int(n)], dtype=torch.float64)
+    dist.all_reduce(per_iter, op=dist.ReduceOp.MAX, group=group)
+    return statistics.median(per_iter.tolist())
+
+
+def copy_bandwidth(nbytes, iters=20):
+    src, dst = torch.ones(max(1, nbytes // 4)), torch.empty(max(1, nbytes // 4))
+    dst.copy_(src)
+    best = []
+    for _ in range(iters):
+        t0 = time.perf_counter()
+        dst.copy_(src)
+        best.append(time.perf_counter() - t0)
+    return nbytes / statistics.median(best)
+
+
+def sizes_up_to(max_bytes):
+    sizes, n = [], 4
+    while n <= max_bytes:
+        sizes.append(n)
+        n *= 4
+    return sizes
+
+
+def run_rank(args):
+    """Runs in every rank with the default group already initialised (torchpar)."""
+    torch.set_num_threads(1)
+    world, rank = dist.get_world_size(), dist.get_rank()
+    groups = {"torchpar": dist.group.WORLD,
+              "gloo": dist.new_group(backend="gloo", timeout=timedelta(seconds=600))}
+    results = []
+    copy_bw = {}
+    for size in sizes_up_to(args.max_bytes):
+        dist.barrier()
+        if rank == 0 and size >= 64 << 10:
+            copy_bw[size] = copy_bandwidth(size)
+        dist.barrier()
+        for op in args.ops:
+            row = {"op": op, "world_size": world, "bytes": size}
+            for backend, group in groups.items():
+                # Slow peers (gloo at MiB sizes) get fewer iterations.
+                seconds = time_op(make_op(op, size, world, group), group, args.budget, args.iters)
+                row[backend] = seconds
+            results.append(row)
+            if rank == 0 and args.progress:
+                print(f"  ws={world} {op:24s} {human_bytes(size):>8s}  torchpar {row['torchpar']*1e6:10.1f} us"
+                      f"  gloo {row['gloo']*1e6:10.1f} us  x{row['gloo']/row['torchpar']:.1f}", flush=True)
+    for r in results:
+        r["copy_GBps"] = copy_bw.get(r["bytes"], 0) / 1e9
+    return results if rank == 0 else None
+
+
+def _spawned_rank(rank, world, init_file, args, queue):
+    import torchpar  # noqa: F401
+    dist.init_process_group("torchpar", init_method=f"file://{init_file}", rank=rank, world_size=world,
+                            timeout=timedelta(seconds=600))
+    results = run_rank(args)
+    if rank == 0:
+        queue.put(results)
+    dist.destroy_process_group()
+
+
+def spawn_world(world, args):
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    with tempfile.TemporaryDirectory() as tmp:
+        procs = [ctx.Process(target=_spawned_rank, args=(r, world, os.path.join(tmp, "init"), args, queue))
+                 for r in range(world)]
+        for p in procs:
+            p.start()
+        results = queue.get()
+        for p in procs:
+            p.join()
+    return results
+
+
+def report(results, args):
+    headers = ["op", "ws", "size", "torchpar us", "gloo us", "speed-up", "tp busbw GB/s", "gloo busbw GB/s",
+               "copy GB/s"]
+    rows = []
+    for r in results:
+        f = bus_factor(r["op"], r["world_size"])
+        tp_bw = r["bytes"] / r["torchpar"] * f / 1e9
+        gl_bw = r["bytes"] / r["gloo"] * f / 1e9
+        r.update(torchpar_busbw_GBps=tp_bw, gloo_busbw_GBps=gl_bw, speedup=r["gloo"] / r["torchpar"])
+        rows.append([r["op"], r["world_size"], human_bytes(r["bytes"]), f"{r['torchpar'] * 1e6:.1f}",
+                     f"{r['gloo'] * 1e6:.1f}", f"{r['speedup']:.1f}x", f"{tp_bw:.2f}", f"{gl_bw:.2f}",
+                     f"{r['copy_GBps']:.1f}" if r["copy_GBps"] else ""])
+    print_table("torchpar vs gloo (fp32, CPU, median of the slowest rank per iteration)", headers, rows)
+    slower = [r for r in results if r["speedup"] < 1.0]
+    print(f"\nslower than gloo: {len(slower)} of {len(results)} points"
+          + "".join(f"\n  {r['op']} ws={r['world_size']} {human_bytes(r['bytes'])}: {r['speedup']:.2f}x" for r in slower))
+    if args.json:
+        write_json(args.json, {"suite": "collectives", "results": results})
+    if args.plot:
+        plot(results, args.plot)
+
+
+def plot(results, path):
+    plt = pyplot()
+    if plt is None:
+        return
+    worlds = sorted({r["world_size"] for r in results})
+    ops = [op for op in OPS if any(r["op"] == op for r in results)]
+    fig, axes = plt.subplots(len(worlds), len(ops), figsize=(4 * len(ops), 3.2 * len(worlds)), squeeze=False)
+    for i, w in enumerate(worlds):
+        for j, op in enumerate(ops):
+            ax = axes[i][j]
+            pts = [r for r in results if r["world_size"] == w and r["op"] == op]
+            xs = [r["bytes"] for r in pts]
+            ax.plot(xs, [r["torchpar_busbw_GBps"] for r in pts], "o-", label="torchpar")
+            ax.plot(xs, [r["gloo_busbw_GBps"] for r in pts], "s--", label="gloo")
+            ax.set_xscale("log", base=2)
+            ax.set_yscale("log")
+            ax.set_title(f"{op} (ws={w})", fontsize=9)
+            ax.set_xlabel("bytes")
+            ax.set_ylabel("busbw GB/s")
+            ax.grid(True, which="both", alpha=0.3)
+            if i == 0 and j == 0:
+                ax.legend()
+    fig.tight_layout()
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    fig.savefig(path, dpi=110)
+    print(f"wrote {path}")
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(prog="python -m torchpar.bench collectives", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--world-sizes", default="2,4", help="comma-separated (ignored under torchrun)")
+    p.add_argument("--max-bytes", default="64M", type=parse_bytes)
+    p.add_argument("--ops", default=",".join(OPS), type=lambda s: s.split(","))
+    p.add_argument("--budget", default=0.3, type=float, help="seconds per measurement point and backend")
+    p.add_argument("--iters", default=200, type=int, help="most iterations per point")
+    p.add_argument("--json", help="write results as JSON here")
+    p.add_argument("--plot", help="write a PNG of busbw against size here")
+    p.add_argument("--quiet", dest="progress", action="store_false", help="no per-point progress lines")
+    args = p.parse_args(argv)
+    for op in args.ops:
+        if op not in OPS:
+            p.error(f"unknown op {op}; choose from {', '.join(OPS)}")
+
+    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:  # under torchrun
+        import torchpar  # noqa: F401
+        dist.init_process_group("torchpar", timeout=timedelta(seconds=600))
+        results = run_rank(args)
+        if dist.get_rank() == 0:
+            report(results, args)
+        dist.destroy_process_group()
+        return 0
+    results = []
+    for world in [int(w) for w in args.world_sizes.split(",")]:
+        print(f"world size {world}: running ...", flush=True)
+        results += spawn_world(world, args)
+    report(results, args)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
