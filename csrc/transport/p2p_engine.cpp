@@ -36,7 +36,11 @@ void P2PEngine::stop() {
   if (stop_.exchange(true)) return;
   link_.notify(rank_);
   if (thread_.joinable()) thread_.join();
-  fail(std::make_exception_ptr(Error("[torchpar] the process group was destroyed")));
+  auto error = std::make_exception_ptr(Error("[torchpar] the process group was destroyed"));
+  fail(error);
+  for (auto& in : in_) {  // the progress thread is gone: its in-flight receives are ours now
+    if (in.recv) in.recv->fail(error);
+  }
 }
 
 std::exception_ptr P2PEngine::failure() const {
@@ -122,9 +126,8 @@ void P2PEngine::fail(std::exception_ptr error) {
     }
     unexpected_.clear();
   }
-  for (auto& in : in_) {
-    if (in.recv) victims.push_back(in.recv);
-  }
+  // Receives already streaming in belong to the progress thread, which fails them itself.
+  link_.notify(rank_);
   for (auto& r : victims) r->fail(error);
 }
 
@@ -134,7 +137,13 @@ void P2PEngine::run() {
   while (!stop_.load(std::memory_order_acquire)) {
     uint32_t seen = link_.activity();
     bool progressed = false;
-    if (!failure()) {
+    if (auto failed = failure()) {
+      // The pipes may hold partial messages now: never read them again.
+      for (auto& in : in_) {
+        if (in.recv) in.recv->fail(failed);
+        in = Inbox{};
+      }
+    } else {
       for (int peer = 0; peer < size_; ++peer) {
         if (peer == rank_) continue;
         progressed |= pump_out(peer);
