@@ -14,7 +14,7 @@ export MAX_JOBS ?= $(NPROC)
 
 SOURCES := setup.py $(shell find csrc -name '*.cpp' -o -name '*.h' -o -name '*.cu' 2>/dev/null)
 
-.PHONY: all deps build test test-cpp demo bench build-cuda clean
+.PHONY: all deps build test test-py test-cpp demo bench build-cuda clean
 
 all: build
 
@@ -38,8 +38,23 @@ torchpar/_C.stamp: $(VENV)/.installed $(SOURCES)
 
 build: torchpar/_C.stamp
 
-test: build
+test: test-cpp test-py
+
+test-py: build
 	$(PY) -m pytest -q tests
+
+# GoogleTest of the transport and collectives layers, threads as ranks (no Python).
+TORCH_DIR = $(VENV)/lib/python3.11/site-packages/torch
+CPP_SOURCES := $(wildcard csrc/transport/*.cpp csrc/transport/shm/*.cpp csrc/collectives/*.cpp)
+build/cpp-tests: $(VENV)/.deps $(CPP_SOURCES) $(wildcard csrc/*/*.h csrc/*/*/*.h) tests/cpp/test_transport.cpp
+	@test -f /usr/include/gtest/gtest.h || apt-get install -y -q libgtest-dev >/dev/null
+	@mkdir -p build
+	c++ -O2 -std=c++20 -mavx2 -mfma -mf16c -DCPU_CAPABILITY_AVX2 -DCPU_CAPABILITY=AVX2 -Wno-unknown-pragmas \
+	  -Icsrc -I$(TORCH_DIR)/include $(CPP_SOURCES) tests/cpp/test_transport.cpp \
+	  -L$(TORCH_DIR)/lib -Wl,-rpath,$(abspath $(TORCH_DIR))/lib -lc10 -lgtest -lgtest_main -lpthread -lrt -o $@
+
+test-cpp: build/cpp-tests
+	build/cpp-tests --gtest_brief=1
 
 demo: build
 	$(VENV)/bin/torchrun --standalone --nproc_per_node=2 -m torchpar.bench collectives --world-sizes 2 --max-bytes 16M

@@ -3,8 +3,8 @@
     python -m torchpar.bench collectives [--world-sizes 2,4] [--max-bytes 64M] [--json F] [--plot F]
     torchrun --nproc_per_node=2 -m torchpar.bench collectives     (uses torchrun's ranks)
 
-For each collective and message size it reports the median time (the slowest rank's time
-of each iteration, synchronised by a barrier before it), algbw = bytes / time and busbw
+For each collective and message size it reports the median time per call (batches of
+back-to-back calls after a barrier, each batch at its slowest rank), algbw = bytes / time and busbw
 (nccl-tests' definitions: all_reduce x 2(n-1)/n; all_gather, reduce_scatter and
 all_to_all x (n-1)/n; broadcast x 1), for torchpar and gloo, and the speed-up of torchpar.
 A single-core copy bandwidth measured in the same run is printed beside busbw: the
@@ -58,20 +58,25 @@ def make_op(op, nbytes, world, group):
     raise ValueError(op)
 
 
-def time_op(fn, group, budget_s, max_iters):
-    """Median over iterations of the slowest rank's time, in seconds."""
-    fn()  # warm-up (first touch of buffers)
+def time_op(fn, group, budget_s, max_batches):
+    """Median over batches of back-to-back calls (nccl-tests style) of the per-call time, each
+    batch counted at its slowest rank; in seconds."""
+    fn()  # warm-up: first touch of buffers, connection set-up
+    t0 = time.perf_counter()
+    fn()
+    once = torch.tensor([time.perf_counter() - t0], dtype=torch.float64)
+    dist.all_reduce(once, op=dist.ReduceOp.MAX, group=group)
+    # Batches of ~5 ms: long enough to hide timer and barrier skew, short enough for many.
+    per_batch = max(1, min(1000, int(5e-3 / max(float(once), 1e-7))))
+    batches = max(3, min(max_batches, int(budget_s / max(float(once) * per_batch, 1e-7))))
     times = []
-    start = time.perf_counter()
-    while len(times) < max_iters and (len(times) < 5 or time.perf_counter() - start < budget_s):
+    for _ in range(batches):
         dist.barrier(group=group)
         t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    # Agree on the iteration count, then take each iteration's slowest rank.
-    n = torch.tensor([len(times)], dtype=torch.int64)
-    dist.all_reduce(n, op=dist.ReduceOp.MIN, group=group)
-    per_iter = torch.tensor(times[: int(n)], dtype=torch.float64)
+        for _ in range(per_batch):
+            fn()
+        times.append((time.perf_counter() - t0) / per_batch)
+    per_iter = torch.tensor(times, dtype=torch.float64)
     dist.all_reduce(per_iter, op=dist.ReduceOp.MAX, group=group)
     return statistics.median(per_iter.tolist())
 
@@ -112,7 +117,7 @@ def run_rank(args):
             row = {"op": op, "world_size": world, "bytes": size}
             for backend, group in groups.items():
                 # Slow peers (gloo at MiB sizes) get fewer iterations.
-                seconds = time_op(make_op(op, size, world, group), group, args.budget, args.iters)
+                seconds = time_op(make_op(op, size, world, group), group, args.budget, args.batches)
                 row[backend] = seconds
             results.append(row)
             if rank == 0 and args.progress:
@@ -159,7 +164,7 @@ def report(results, args):
         rows.append([r["op"], r["world_size"], human_bytes(r["bytes"]), f"{r['torchpar'] * 1e6:.1f}",
                      f"{r['gloo'] * 1e6:.1f}", f"{r['speedup']:.1f}x", f"{tp_bw:.2f}", f"{gl_bw:.2f}",
                      f"{r['copy_GBps']:.1f}" if r["copy_GBps"] else ""])
-    print_table("torchpar vs gloo (fp32, CPU, median of the slowest rank per iteration)", headers, rows)
+    print_table("torchpar vs gloo (fp32, CPU; median per-call time, slowest rank)", headers, rows)
     slower = [r for r in results if r["speedup"] < 1.0]
     print(f"\nslower than gloo: {len(slower)} of {len(results)} points"
           + "".join(f"\n  {r['op']} ws={r['world_size']} {human_bytes(r['bytes'])}: {r['speedup']:.2f}x" for r in slower))
@@ -204,7 +209,7 @@ def main(argv=None):
     p.add_argument("--max-bytes", default="64M", type=parse_bytes)
     p.add_argument("--ops", default=",".join(OPS), type=lambda s: s.split(","))
     p.add_argument("--budget", default=0.3, type=float, help="seconds per measurement point and backend")
-    p.add_argument("--iters", default=200, type=int, help="most iterations per point")
+    p.add_argument("--batches", default=30, type=int, help="most timed batches per point")
     p.add_argument("--json", help="write results as JSON here")
     p.add_argument("--plot", help="write a PNG of busbw against size here")
     p.add_argument("--quiet", dest="progress", action="store_false", help="no per-point progress lines")
