@@ -10,35 +10,60 @@
 namespace torchpar::collectives {
 namespace {
 
-// Every rank's send and receive counts, exchanged through the arena before any data
-// moves, so that split sizes that disagree are an error on every rank.
-struct Splits {
-  std::vector<std::vector<uint64_t>> send;  // [q][r]: rank q sends this many to rank r
-  std::vector<std::vector<uint64_t>> recv;  // [r][q]: rank r expects this many from rank q
+// Each rank's slot starts with this header: its send and receive counts (so that splits
+// that do not pair up are an error on every rank) and whether its data follows.
+struct SlotHeader {
+  uint64_t staged;  // 1: this rank's whole input follows the counts in its slot
+  uint64_t counts[1];  // [0, w): send counts; [w, 2w): receive counts
 };
 
-Splits exchange_splits(Comm& c, const size_t* send_counts, const size_t* recv_counts) {
+size_t header_bytes(int w) { return (1 + 2 * static_cast<size_t>(w)) * sizeof(uint64_t); }
+
+struct Splits {
+  std::vector<std::vector<uint64_t>> send;  // [q][r]: rank q sends this many to rank r
+  bool all_staged = true;
+};
+
+// Publishes counts (and the data itself when it fits) in one step, then reads every rank's.
+Splits exchange(Comm& c, const void* const* sends, const size_t* send_counts, const size_t* recv_counts,
+                size_t es) {
   const int w = c.size();
-  auto* mine = reinterpret_cast<uint64_t*>(c.arena.slot(c.rank()));
+  auto* mine = reinterpret_cast<SlotHeader*>(c.arena.slot(c.rank()));
+  size_t total = 0;
   for (int r = 0; r < w; ++r) {
-    mine[r] = send_counts[r];
-    mine[w + r] = recv_counts[r];
+    mine->counts[r] = send_counts[r];
+    mine->counts[w + r] = recv_counts[r];
+    total += send_counts[r] * es;
+  }
+  mine->staged = header_bytes(w) + total <= c.arena.slot_bytes();
+  if (mine->staged) {
+    char* at = c.arena.slot(c.rank()) + header_bytes(w);
+    for (int r = 0; r < w; ++r) {
+      std::memcpy(at, sends[r], send_counts[r] * es);
+      at += send_counts[r] * es;
+    }
   }
   c.arrive_and_wait();
   c.check_descriptors();
-  Splits s{std::vector<std::vector<uint64_t>>(w), std::vector<std::vector<uint64_t>>(w)};
-  for (int q = 0; q < w; ++q) {
-    auto* theirs = reinterpret_cast<const uint64_t*>(c.arena.slot(q));
-    s.send[q].assign(theirs, theirs + w);
-    s.recv[q].assign(theirs + w, theirs + 2 * w);
-  }
-  c.arrive();  // done reading peers' counts
-  for (int q = 0; q < w; ++q) {
+  Splits s{std::vector<std::vector<uint64_t>>(w)};
+  std::string disagreement;
+  for (int q = 0; q < w && disagreement.empty(); ++q) {
+    auto* theirs = reinterpret_cast<const SlotHeader*>(c.arena.slot(q));
+    s.send[q].assign(theirs->counts, theirs->counts + w);
+    s.all_staged = s.all_staged && theirs->staged;
     for (int r = 0; r < w; ++r) {
-      TP_CHECK_USAGE(s.send[q][r] == s.recv[r][q], "all_to_all split sizes disagree: rank ", q, " sends ",
-               s.send[q][r], " elements to rank ", r, ", which expects ", s.recv[r][q],
-               " from it (collective #", c.seq, ")");
+      uint64_t expects = reinterpret_cast<const SlotHeader*>(c.arena.slot(r))->counts[w + q];
+      if (theirs->counts[r] != expects) {
+        disagreement = detail::message(__FILE__, __LINE__, "all_to_all split sizes disagree: rank ", q,
+                                       " sends ", theirs->counts[r], " elements to rank ", r,
+                                       ", which expects ", expects, " from it (collective #", c.seq, ")");
+        break;
+      }
     }
+  }
+  if (!disagreement.empty()) {
+    c.arrive();  // done reading peers' slots
+    throw UsageError(disagreement);
   }
   return s;
 }
@@ -55,8 +80,9 @@ void wait_all(Comm& c, const std::vector<std::shared_ptr<Request>>& reqs) {
 
 }  // namespace
 
-// Small exchanges go through the arena (each rank stages all it sends; each receiver copies
-// its pieces out); large ones go point to point, every pair at once, through the rings.
+// Small exchanges take one step through the arena: every rank stages its counts and all
+// it sends, then copies its pieces out of every slot. Large ones go point to point, every
+// pair at once, through the rings.
 void alltoall(Comm& c, const void* const* sends, const size_t* send_counts, void* const* recvs,
               const size_t* recv_counts, c10::ScalarType dtype) {
   shm::OpDesc desc;
@@ -66,32 +92,19 @@ void alltoall(Comm& c, const void* const* sends, const size_t* send_counts, void
   const int w = c.size();
   const int me = c.rank();
   const size_t es = element_size(dtype);
-  Splits s = exchange_splits(c, send_counts, recv_counts);
+  Splits s = exchange(c, sends, send_counts, recv_counts, es);
 
-  std::memmove(recvs[me], sends[me], send_counts[me] * es);
-  uint64_t largest = 0;
-  for (int q = 0; q < w; ++q) {
-    uint64_t total = 0;
-    for (int r = 0; r < w; ++r) total += s.send[q][r];
-    largest = std::max(largest, total);
-  }
-  if (largest * es <= c.arena.slot_bytes()) {
-    c.wait_slot_free();
-    char* at = c.arena.slot(me);
-    for (int r = 0; r < w; ++r) {
-      std::memcpy(at, sends[r], send_counts[r] * es);
-      at += send_counts[r] * es;
-    }
-    c.arrive_and_wait();
+  if (s.all_staged) {
     for (int q = 0; q < w; ++q) {
-      if (q == me) continue;
       uint64_t before = 0;
       for (int r = 0; r < me; ++r) before += s.send[q][r];
-      std::memcpy(recvs[q], c.arena.slot(q) + before * es, recv_counts[q] * es);
+      std::memcpy(recvs[q], c.arena.slot(q) + header_bytes(w) + before * es, recv_counts[q] * es);
     }
     c.arrive();
     return;
   }
+  c.arrive();  // done with the counts
+  std::memmove(recvs[me], sends[me], send_counts[me] * es);
   std::vector<std::shared_ptr<Request>> reqs;
   for (int q = 0; q < w; ++q) {
     if (q != me) reqs.push_back(c.p2p.irecv(q, c.p2p_tag(), recvs[q], recv_counts[q] * es, c.deadline));

@@ -19,6 +19,12 @@ inline int64_t env_int(const char* name, int64_t fallback) {
   return parsed;
 }
 
+// Whether `name` is set in the environment (a user's choice overrides our heuristics).
+inline bool env_set(const char* name) {
+  const char* v = std::getenv(name);
+  return v != nullptr && *v != '\0';
+}
+
 struct Config {
   // Bytes per rank in the group's shared arena (collectives stage chunks here).
   int64_t slot_bytes = env_int("TORCHPAR_SHM_SLOT_BYTES", 4 << 20);

@@ -1,6 +1,9 @@
 #include "transport/shm/shm_transport.h"
 
+#include <sched.h>
 #include <unistd.h>
+
+#include <algorithm>
 
 #include <random>
 #include <sstream>
@@ -20,13 +23,28 @@ std::string unique_segment_name() {
   return os.str();
 }
 
+// With more ranks than cores, a waiting rank holds the core that the rank it waits for
+// needs: spinning or yielding only delays it. Sleep on the futex at once instead (unless
+// the user chose the spin and yield times).
+Config adapt_to_cores(Config config, int ranks) {
+  cpu_set_t set;
+  CPU_ZERO(&set);
+  int cpus = ::sched_getaffinity(0, sizeof(set), &set) == 0 ? CPU_COUNT(&set) : 1;
+  if (ranks > cpus) {
+    if (!env_set("TORCHPAR_SPIN_US")) config.spin_us = std::min<int64_t>(config.spin_us, 2);
+    if (!env_set("TORCHPAR_YIELD_US")) config.yield_us = 0;
+  }
+  return config;
+}
+
 }  // namespace
 
 ShmTransport::ShmTransport(int rank, int size, Rendezvous& rendezvous, const Config& config,
                            std::chrono::milliseconds timeout)
     : rank_(rank), size_(size) {
-  map_segment(rendezvous, config, timeout);
-  p2p_ = std::make_unique<P2PEngine>(rank_, size_, *this, std::chrono::microseconds(config.spin_us));
+  Config tuned = adapt_to_cores(config, size);
+  map_segment(rendezvous, tuned, timeout);
+  p2p_ = std::make_unique<P2PEngine>(rank_, size_, *this, std::chrono::microseconds(tuned.spin_us));
 }
 
 ShmTransport::~ShmTransport() {
