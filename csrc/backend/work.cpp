@@ -10,12 +10,13 @@ Work::Work(int rank, c10d::OpType type, const char* title, std::vector<at::Tenso
       future_(c10::make_intrusive<c10::ivalue::Future>(c10::ListType::create(c10::TensorType::get()))) {}
 
 void Work::complete(std::exception_ptr error) {
-  finish(error);
+  // The future first: whoever wait()s on the work may read the future's value next.
   if (error) {
     future_->setError(error);
   } else {
     future_->markCompleted(c10::IValue(outputs_));
   }
+  finish(error);
 }
 
 int Work::sourceRank() const {

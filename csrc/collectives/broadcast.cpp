@@ -5,8 +5,10 @@
 
 namespace torchpar::collectives {
 
-// The root stages a chunk in its slot; everyone else copies it out. Non-roots only wait
-// for the root, not for each other.
+// The root stages chunks in its slot; everyone else copies them out. The slot is split in
+// two halves so the root writes chunk c+1 while the others still copy chunk c: a pipeline
+// of two copies instead of their sum. Each chunk takes two steps on every rank:
+// "staged" (the root wrote it) and "read" (a receiver copied it out).
 void broadcast(Comm& c, void* data, size_t count, c10::ScalarType dtype, int root) {
   shm::OpDesc desc;
   desc.op = static_cast<uint32_t>(OpKind::kBroadcast);
@@ -15,24 +17,30 @@ void broadcast(Comm& c, void* data, size_t count, c10::ScalarType dtype, int roo
   desc.count = count;
   c.begin(desc);
   const size_t es = element_size(dtype);
-  const size_t chunk = c.arena.slot_bytes() / es;
+  const size_t half = c.arena.slot_bytes() / 2;
+  const size_t chunk = std::max<size_t>(1, half / es);
+  const bool is_root = c.rank() == root;
   char* bytes = static_cast<char*>(data);
   size_t off = 0;
-  do {
+  for (size_t k = 0; k == 0 || off < count; ++k) {
     const size_t n = std::min(chunk, count - off);
-    if (off > 0 && c.rank() == root) c.wait_slot_free();
-    if (c.rank() == root) std::memcpy(c.arena.slot(root), bytes + off * es, n * es);
-    if (off == 0) {
+    char* staging = c.arena.slot(root) + (k % 2) * half;
+    if (is_root) {
+      // Half k%2 last held chunk k-2: wait until every receiver has read it.
+      if (k >= 2) c.arena.wait_all(c.arena.step() - 2, c.deadline);
+      std::memcpy(staging, bytes + off * es, n * es);
+    }
+    if (k == 0) {
       c.arrive_and_wait();
       c.check_descriptors();
     } else {
       c.arrive();
-      if (c.rank() != root) c.wait_for(root);
+      if (!is_root) c.wait_for(root);
     }
-    if (c.rank() != root) std::memcpy(bytes + off * es, c.arena.slot(root), n * es);
+    if (!is_root) std::memcpy(bytes + off * es, staging, n * es);
     c.arrive();
     off += n;
-  } while (off < count);
+  }
 }
 
 }  // namespace torchpar::collectives
