@@ -175,30 +175,37 @@ def report(results, args):
 
 
 def plot(results, path):
+    """Per world size, two rows: busbw against size, and torchpar's speed-up over gloo."""
     plt = pyplot()
     if plt is None:
         return
     worlds = sorted({r["world_size"] for r in results})
     ops = [op for op in OPS if any(r["op"] == op for r in results)]
-    fig, axes = plt.subplots(len(worlds), len(ops), figsize=(4 * len(ops), 3.2 * len(worlds)), squeeze=False)
+    fig, axes = plt.subplots(2 * len(worlds), len(ops), figsize=(3.6 * len(ops), 5.6 * len(worlds)),
+                             squeeze=False)
     for i, w in enumerate(worlds):
         for j, op in enumerate(ops):
-            ax = axes[i][j]
             pts = [r for r in results if r["world_size"] == w and r["op"] == op]
             xs = [r["bytes"] for r in pts]
-            ax.plot(xs, [r["torchpar_busbw_GBps"] for r in pts], "o-", label="torchpar")
-            ax.plot(xs, [r["gloo_busbw_GBps"] for r in pts], "s--", label="gloo")
-            ax.set_xscale("log", base=2)
-            ax.set_yscale("log")
-            ax.set_title(f"{op} (ws={w})", fontsize=9)
-            ax.set_xlabel("bytes")
-            ax.set_ylabel("busbw GB/s")
-            ax.grid(True, which="both", alpha=0.3)
+            bw, up = axes[2 * i][j], axes[2 * i + 1][j]
+            bw.plot(xs, [r["torchpar_busbw_GBps"] for r in pts], "o-", label="torchpar")
+            bw.plot(xs, [r["gloo_busbw_GBps"] for r in pts], "s--", label="gloo")
+            bw.set_yscale("log")
+            bw.set_title(f"{op}, {w} ranks", fontsize=9)
+            bw.set_ylabel("busbw GB/s")
+            up.plot(xs, [r["speedup"] for r in pts], "o-", color="tab:green")
+            up.axhline(1.0, color="gray", lw=1)
+            up.set_yscale("log")
+            up.set_ylabel("speed-up over gloo")
+            for ax in (bw, up):
+                ax.set_xscale("log", base=2)
+                ax.set_xlabel("bytes")
+                ax.grid(True, which="both", alpha=0.3)
             if i == 0 and j == 0:
-                ax.legend()
+                bw.legend()
     fig.tight_layout()
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    fig.savefig(path, dpi=110)
+    fig.savefig(path, dpi=100)
     print(f"wrote {path}")
 
 
