@@ -30,8 +30,9 @@ struct Config {
   int64_t slot_bytes = env_int("TORCHPAR_SHM_SLOT_BYTES", 4 << 20);
   // Bytes of each point-to-point ring (one per ordered pair of ranks).
   int64_t ring_bytes = env_int("TORCHPAR_SHM_RING_BYTES", 1 << 20);
-  // How long a waiter spins on the CPU before yielding it between looks...
-  int64_t spin_us = env_int("TORCHPAR_SPIN_US", 20);
+  // How long a waiter spins on the CPU before yielding it between looks (0: yield at
+  // once; a peer scheduled on the same core then runs without delay)...
+  int64_t spin_us = env_int("TORCHPAR_SPIN_US", 0);
   // ... and how long it keeps looking between sched_yield() calls before sleeping on a
   // futex. Yielding lets a peer that shares our core run, without the wake-up latency of a
   // sleep, which on a busy machine costs ~100 us per step.

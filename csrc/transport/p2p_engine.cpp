@@ -1,5 +1,7 @@
 #include "transport/p2p_engine.h"
 
+#include <sched.h>
+
 #include <algorithm>
 #include <cstring>
 
@@ -25,8 +27,10 @@ std::string describe(const Request& r) {
 
 }  // namespace
 
-P2PEngine::P2PEngine(int rank, int size, Link& link, std::chrono::microseconds spin)
-    : rank_(rank), size_(size), link_(link), spin_(spin), out_(size), in_(size), scratch_(1 << 16) {
+P2PEngine::P2PEngine(int rank, int size, Link& link, std::chrono::microseconds spin,
+                     std::chrono::microseconds yield)
+    : rank_(rank), size_(size), link_(link), spin_(spin), yield_(yield), out_(size), in_(size),
+      scratch_(1 << 16) {
   thread_ = std::thread([this] { run(); });
 }
 
@@ -161,6 +165,10 @@ void P2PEngine::run() {
     }
     if (now - idle_since < spin_) {
       shm::cpu_relax();
+      continue;
+    }
+    if (now - idle_since < spin_ + yield_) {
+      sched_yield();
       continue;
     }
     link_.sleep_until_activity(seen, std::chrono::duration_cast<std::chrono::microseconds>(kIdleSleep));

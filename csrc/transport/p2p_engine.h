@@ -27,7 +27,10 @@ namespace torchpar {
 
 class P2PEngine {
  public:
-  P2PEngine(int rank, int size, Link& link, std::chrono::microseconds spin);
+  // After its last progress the thread spins for `spin`, then yields the CPU between looks
+  // until `spin + yield`, then sleeps until a peer notifies it.
+  P2PEngine(int rank, int size, Link& link, std::chrono::microseconds spin,
+            std::chrono::microseconds yield);
   ~P2PEngine();
   P2PEngine(const P2PEngine&) = delete;
   P2PEngine& operator=(const P2PEngine&) = delete;
@@ -85,6 +88,7 @@ class P2PEngine {
   const int size_;
   Link& link_;
   const std::chrono::microseconds spin_;
+  const std::chrono::microseconds yield_;
 
   mutable std::mutex mu_;
   std::vector<Outbox> out_;

@@ -44,7 +44,8 @@ ShmTransport::ShmTransport(int rank, int size, Rendezvous& rendezvous, const Con
     : rank_(rank), size_(size) {
   Config tuned = adapt_to_cores(config, size);
   map_segment(rendezvous, tuned, timeout);
-  p2p_ = std::make_unique<P2PEngine>(rank_, size_, *this, std::chrono::microseconds(tuned.spin_us));
+  p2p_ = std::make_unique<P2PEngine>(rank_, size_, *this, std::chrono::microseconds(tuned.spin_us),
+                                     std::chrono::microseconds(tuned.yield_us));
 }
 
 ShmTransport::~ShmTransport() {
