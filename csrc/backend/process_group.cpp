@@ -174,7 +174,7 @@ void ProcessGroupTorchpar::execute(Queued& item) {
   }
   std::exception_ptr error;
   try {
-    Comm comm{transport_->arena(), transport_->p2p(), config_, Clock::now() + item.timeout, seq};
+    Comm comm{transport_->arena(), config_, Clock::now() + item.timeout, seq};
     item.task(comm);
   } catch (...) {
     bool fatal = false;

@@ -1,6 +1,5 @@
 #include <algorithm>
 #include <cstring>
-#include <memory>
 #include <sstream>
 #include <vector>
 
@@ -68,21 +67,12 @@ Splits exchange(Comm& c, const void* const* sends, const size_t* send_counts, co
   return s;
 }
 
-void wait_all(Comm& c, const std::vector<std::shared_ptr<Request>>& reqs) {
-  for (auto& req : reqs) {
-    auto left = std::chrono::duration_cast<std::chrono::milliseconds>(c.deadline - Clock::now());
-    if (!req->wait_for(std::max(left, std::chrono::milliseconds(0)))) {
-      TP_THROW_TIMEOUT("all_to_all timed out waiting for rank ", req->peer);
-    }
-    if (req->error()) std::rethrow_exception(req->error());
-  }
-}
-
 }  // namespace
 
 // Small exchanges take one step through the arena: every rank stages its counts and all
-// it sends, then copies its pieces out of every slot. Large ones go point to point, every
-// pair at once, through the rings.
+// it sends, then copies its pieces out of every slot. Larger ones go in rounds: rank q's
+// slot holds, at segment r, the next piece of what q sends to r, and every rank copies its
+// segment out of every slot; as many rounds as the largest pair needs.
 void alltoall(Comm& c, const void* const* sends, const size_t* send_counts, void* const* recvs,
               const size_t* recv_counts, c10::ScalarType dtype) {
   shm::OpDesc desc;
@@ -105,15 +95,33 @@ void alltoall(Comm& c, const void* const* sends, const size_t* send_counts, void
   }
   c.arrive();  // done with the counts
   std::memmove(recvs[me], sends[me], send_counts[me] * es);
-  std::vector<std::shared_ptr<Request>> reqs;
+  const size_t seg = std::max<size_t>(1, c.arena.slot_bytes() / w / es);
+  uint64_t largest = 0;
   for (int q = 0; q < w; ++q) {
-    if (q != me) reqs.push_back(c.p2p.irecv(q, c.p2p_tag(), recvs[q], recv_counts[q] * es, c.deadline));
+    for (int r = 0; r < w; ++r) {
+      if (q != r) largest = std::max(largest, s.send[q][r]);
+    }
   }
-  for (int k = 1; k < w; ++k) {
-    int r = (me + k) % w;  // staggered so that no rank is everyone's first target
-    reqs.push_back(c.p2p.isend(r, c.p2p_tag(), sends[r], send_counts[r] * es, c.deadline));
+  auto piece = [&](size_t total, size_t round) {
+    return std::min(seg, total - std::min(total, round * seg));
+  };
+  for (size_t k = 0; k * seg < largest; ++k) {
+    c.wait_slot_free();
+    for (int r = 0; r < w; ++r) {
+      if (r != me) {
+        std::memcpy(c.arena.slot(me) + r * seg * es, static_cast<const char*>(sends[r]) + k * seg * es,
+                    piece(send_counts[r], k) * es);
+      }
+    }
+    c.arrive_and_wait();
+    for (int q = 0; q < w; ++q) {
+      if (q != me) {
+        std::memcpy(static_cast<char*>(recvs[q]) + k * seg * es, c.arena.slot(q) + me * seg * es,
+                    piece(recv_counts[q], k) * es);
+      }
+    }
+    c.arrive();
   }
-  wait_all(c, reqs);
 }
 
 }  // namespace torchpar::collectives

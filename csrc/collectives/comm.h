@@ -1,6 +1,6 @@
 // What a collective algorithm runs over: the group's arena (direct access to every
-// rank's slot, generation-counter barriers) and its point-to-point engine, plus the
-// deadline of the operation. Algorithms never touch segments, rings or sockets.
+// rank's slot, generation-counter barriers) and the deadline of the operation.
+// Algorithms never touch segments, rings or sockets.
 #pragma once
 
 #include <c10/core/ScalarType.h>
@@ -9,7 +9,6 @@
 #include <cstdint>
 
 #include "common/env.h"
-#include "transport/p2p_engine.h"
 #include "transport/shm/arena.h"
 
 namespace torchpar::collectives {
@@ -24,16 +23,12 @@ const char* name(OpKind kind);
 
 struct Comm {
   shm::Arena& arena;
-  P2PEngine& p2p;
   const Config& config;
   Clock::time_point deadline;
-  uint64_t seq;  // this collective's number in the group; tags its point-to-point messages
+  uint64_t seq;  // this collective's number in the group (named in error messages)
 
   int rank() const { return arena.rank(); }
   int size() const { return arena.size(); }
-
-  // Point-to-point tag reserved for collective `seq`: the top bit keeps it apart from users' tags.
-  uint64_t p2p_tag() const { return (uint64_t{1} << 63) | (seq << 32); }
 
   // Waits until every peer has finished reading this rank's slot, then publishes `desc`.
   void begin(const shm::OpDesc& desc);
