@@ -233,3 +233,42 @@ def test_collectives_do_not_queue_behind_receives():
 
 def test_send_recv_non_contiguous_and_every_dtype():
     pool(2).run(_non_contiguous_and_dtypes)
+
+
+def _object_collectives(ctx):
+    w, r = ctx.world_size, ctx.rank
+    objs = [None] * w
+    dist.all_gather_object(objs, {"rank": r, "pad": "x" * (r * 100)}, group=ctx.pg)
+    assert [o["rank"] for o in objs] == list(range(w))
+    lst = [("hello", r)] if r == 1 else [None]
+    dist.broadcast_object_list(lst, src=1, group=ctx.pg)
+    assert lst == [("hello", 1)]
+    out = [None]
+    dist.scatter_object_list(out, [f"to {q}" for q in range(w)] if r == 0 else None, src=0, group=ctx.pg)
+    assert out == [f"to {r}"]
+    gathered = [None] * w if r == 0 else None
+    dist.gather_object(r * 10, gathered, dst=0, group=ctx.pg)
+    if r == 0:
+        assert gathered == [q * 10 for q in range(w)]
+    return True
+
+
+def _failed_async_work_reports_its_exception(ctx):
+    t = torch.ones(3 + ctx.rank)  # counts differ: the collective fails on every rank
+    work = dist.all_reduce(t, async_op=True, group=ctx.pg)
+    try:
+        work.wait()
+    except Exception:  # noqa: BLE001
+        pass
+    assert work.is_completed() and not work.is_success()
+    assert "mismatch" in str(work.exception())
+    return True
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_object_collectives(world_size):
+    pool(world_size).run(_object_collectives)
+
+
+def test_failed_async_work_reports_its_exception():
+    pool(2).run(_failed_async_work_reports_its_exception)
