@@ -8,14 +8,16 @@ namespace torchpar::collectives {
 namespace {
 
 // Below ~64 KiB the cost is synchronisation, not bandwidth: one barrier, then each rank
-// reads all W slots and computes the whole result itself.
+// reads all W slots and computes the whole result itself. Its own operand comes straight
+// from its input (bit-identical to its slot, so every rank still sums the same values in
+// the same order).
 void allreduce_oneshot(Comm& c, char* data, size_t count, c10::ScalarType dtype, ReduceOp op) {
   size_t bytes = count * element_size(dtype);
   std::memcpy(c.arena.slot(c.rank()), data, bytes);
   c.arrive_and_wait();
   c.check_descriptors();
   std::vector<const void*> srcs(c.size());
-  for (int r = 0; r < c.size(); ++r) srcs[r] = c.arena.slot(r);
+  for (int r = 0; r < c.size(); ++r) srcs[r] = r == c.rank() ? data : c.arena.slot(r);
   reduce(dtype, op, data, srcs.data(), c.size(), count, c.size());
   c.arrive();
 }
