@@ -9,12 +9,7 @@ namespace {
 // Each rank stages a chunk of its input; the receiving ranks copy every slot out.
 void gather_chunks(Comm& c, OpKind kind, const void* in, void* const* outs, size_t count,
                    c10::ScalarType dtype, int root) {
-  shm::OpDesc desc;
-  desc.op = static_cast<uint32_t>(kind);
-  desc.dtype = static_cast<int32_t>(dtype);
-  desc.root = root;
-  desc.count = count;
-  c.begin(desc);
+  c.begin(op_desc(kind, dtype, count, root));
   const size_t es = element_size(dtype);
   const size_t chunk = c.arena.slot_bytes() / es;
   const bool receives = root < 0 || c.rank() == root;

@@ -75,10 +75,7 @@ Splits exchange(Comm& c, const void* const* sends, const size_t* send_counts, co
 // segment out of every slot; as many rounds as the largest pair needs.
 void alltoall(Comm& c, const void* const* sends, const size_t* send_counts, void* const* recvs,
               const size_t* recv_counts, c10::ScalarType dtype) {
-  shm::OpDesc desc;
-  desc.op = static_cast<uint32_t>(OpKind::kAlltoall);
-  desc.dtype = static_cast<int32_t>(dtype);
-  c.begin(desc);
+  c.begin(op_desc(OpKind::kAlltoall, dtype, 0));
   const int w = c.size();
   const int me = c.rank();
   const size_t es = element_size(dtype);

@@ -3,9 +3,7 @@
 namespace torchpar::collectives {
 
 void barrier(Comm& c) {
-  shm::OpDesc desc;
-  desc.op = static_cast<uint32_t>(OpKind::kBarrier);
-  c.begin(desc);
+  c.begin(op_desc(OpKind::kBarrier, c10::ScalarType::Byte, 0));
   c.arrive_and_wait();
   c.check_descriptors();
   c.arrive();

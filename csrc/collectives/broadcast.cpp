@@ -10,12 +10,7 @@ namespace torchpar::collectives {
 // of two copies instead of their sum. Each chunk takes two steps on every rank:
 // "staged" (the root wrote it) and "read" (a receiver copied it out).
 void broadcast(Comm& c, void* data, size_t count, c10::ScalarType dtype, int root) {
-  shm::OpDesc desc;
-  desc.op = static_cast<uint32_t>(OpKind::kBroadcast);
-  desc.dtype = static_cast<int32_t>(dtype);
-  desc.root = root;
-  desc.count = count;
-  c.begin(desc);
+  c.begin(op_desc(OpKind::kBroadcast, dtype, count, root));
   const size_t es = element_size(dtype);
   const size_t half = c.arena.slot_bytes() / 2;
   const size_t chunk = std::max<size_t>(1, half / es);

@@ -43,4 +43,8 @@ void alltoall(Comm& c, const void* const* sends, const size_t* send_counts, void
 
 void barrier(Comm& c);
 
+// Shared by allreduce (root = -1: every rank receives) and reduce: reduce-scatter through
+// the arena, then the receivers gather the reduced pieces, chunk by chunk. In place.
+void reduce_in_chunks(Comm& c, char* data, size_t count, c10::ScalarType dtype, ReduceOp op, int root);
+
 }  // namespace torchpar::collectives

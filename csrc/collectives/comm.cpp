@@ -25,6 +25,16 @@ const char* name(OpKind kind) {
 
 size_t element_size(c10::ScalarType dtype) { return c10::elementSize(dtype); }
 
+shm::OpDesc op_desc(OpKind kind, c10::ScalarType dtype, uint64_t count, int root, int reduce_op) {
+  shm::OpDesc d;
+  d.op = static_cast<uint32_t>(kind);
+  d.dtype = static_cast<int32_t>(dtype);
+  d.count = count;
+  d.root = root;
+  d.reduce_op = reduce_op;
+  return d;
+}
+
 void Comm::wait_slot_free() { arena.wait_all(arena.step(), deadline); }
 
 void Comm::begin(const shm::OpDesc& desc) {

@@ -45,6 +45,9 @@ struct Comm {
 
 size_t element_size(c10::ScalarType dtype);
 
+// The descriptor of a collective call, as every rank publishes it before moving data.
+shm::OpDesc op_desc(OpKind kind, c10::ScalarType dtype, uint64_t count, int root = 0, int reduce_op = 0);
+
 // The piece [begin, end) of `count` elements that rank `r` of `world` owns when work is
 // split across ranks; pieces are multiples of 16 elements (whole vectors) except the last.
 struct Piece {

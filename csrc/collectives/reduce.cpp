@@ -6,27 +6,21 @@
 
 namespace torchpar::collectives {
 
-// Reduce-scatter through the arena (rank r reduces piece r of each chunk from all slots),
-// then only the root gathers the reduced pieces: the work is spread over all ranks instead
-// of the root reading W full buffers alone.
-void reduce(Comm& c, void* data, size_t count, c10::ScalarType dtype, ReduceOp op, int root) {
-  check_supported(op, dtype);
-  shm::OpDesc desc;
-  desc.op = static_cast<uint32_t>(OpKind::kReduce);
-  desc.dtype = static_cast<int32_t>(dtype);
-  desc.reduce_op = static_cast<int32_t>(op);
-  desc.root = root;
-  desc.count = count;
-  c.begin(desc);
+// Reduce-scatter through the arena, then a gather to the receivers, chunk by chunk. Rank r
+// stages the pieces of its chunk that other ranks reduce (its own piece it reads straight
+// from its input), reduces piece r from all slots into its slot, and the receivers copy
+// every reduced piece out. Each byte crosses memory a bounded number of times, whatever W,
+// and the reduction work is spread over all ranks.
+void reduce_in_chunks(Comm& c, char* data, size_t count, c10::ScalarType dtype, ReduceOp op, int root) {
   const size_t es = element_size(dtype);
   const size_t chunk = c.arena.slot_bytes() / es;
   const int me = c.rank();
-  char* bytes = static_cast<char*>(data);
+  const bool receives = root < 0 || me == root;
   std::vector<const void*> srcs(c.size());
   size_t off = 0;
   do {
     const size_t n = std::min(chunk, count - off);
-    char* in = bytes + off * es;
+    char* in = data + off * es;
     if (off > 0) c.wait_slot_free();
     for (int r = 0; r < c.size(); ++r) {
       Piece p = piece_of(n, c.size(), r);
@@ -38,7 +32,7 @@ void reduce(Comm& c, void* data, size_t count, c10::ScalarType dtype, ReduceOp o
     Piece mine = piece_of(n, c.size(), me);
     for (int r = 0; r < c.size(); ++r) srcs[r] = (r == me ? in : c.arena.slot(r)) + mine.begin * es;
     reduce(dtype, op, c.arena.slot(me) + mine.begin * es, srcs.data(), c.size(), mine.size(), c.size());
-    if (me == root) {
+    if (receives) {
       c.arrive_and_wait();
       for (int r = 0; r < c.size(); ++r) {
         Piece p = piece_of(n, c.size(), r);
@@ -50,6 +44,12 @@ void reduce(Comm& c, void* data, size_t count, c10::ScalarType dtype, ReduceOp o
     c.arrive();
     off += n;
   } while (off < count);
+}
+
+void reduce(Comm& c, void* data, size_t count, c10::ScalarType dtype, ReduceOp op, int root) {
+  check_supported(op, dtype);
+  c.begin(op_desc(OpKind::kReduce, dtype, count, root, static_cast<int>(op)));
+  reduce_in_chunks(c, static_cast<char*>(data), count, dtype, op, root);
 }
 
 }  // namespace torchpar::collectives

@@ -11,12 +11,7 @@ namespace torchpar::collectives {
 void reduce_scatter(Comm& c, const void* const* ins, void* out, size_t count, c10::ScalarType dtype,
                     ReduceOp op) {
   check_supported(op, dtype);
-  shm::OpDesc desc;
-  desc.op = static_cast<uint32_t>(OpKind::kReduceScatter);
-  desc.dtype = static_cast<int32_t>(dtype);
-  desc.reduce_op = static_cast<int32_t>(op);
-  desc.count = count;
-  c.begin(desc);
+  c.begin(op_desc(OpKind::kReduceScatter, dtype, count, 0, static_cast<int>(op)));
   const size_t es = element_size(dtype);
   const size_t chunk = std::max<size_t>(1, c.arena.slot_bytes() / (es * c.size()));
   const int me = c.rank();

@@ -7,12 +7,7 @@ namespace torchpar::collectives {
 
 // The root stages piece r of each chunk at offset r of its slot; rank r copies it out.
 void scatter(Comm& c, const void* const* ins, void* out, size_t count, c10::ScalarType dtype, int root) {
-  shm::OpDesc desc;
-  desc.op = static_cast<uint32_t>(OpKind::kScatter);
-  desc.dtype = static_cast<int32_t>(dtype);
-  desc.root = root;
-  desc.count = count;
-  c.begin(desc);
+  c.begin(op_desc(OpKind::kScatter, dtype, count, root));
   const size_t es = element_size(dtype);
   const size_t chunk = std::max<size_t>(1, c.arena.slot_bytes() / (es * c.size()));
   const int me = c.rank();
