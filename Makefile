@@ -44,17 +44,21 @@ test-py: build
 	$(PY) -m pytest -q tests
 
 # GoogleTest of the transport and collectives layers, threads as ranks (no Python).
+# Needs Debian's libgtest-dev, installed here when missing; without it (no root, no
+# network) these tests are skipped with a note and the Python suite still runs.
 TORCH_DIR = $(VENV)/lib/python3.11/site-packages/torch
 CPP_SOURCES := $(wildcard csrc/transport/*.cpp csrc/transport/shm/*.cpp csrc/collectives/*.cpp)
 build/cpp-tests: $(VENV)/.deps $(CPP_SOURCES) $(wildcard csrc/*/*.h csrc/*/*/*.h) tests/cpp/test_transport.cpp
-	@test -f /usr/include/gtest/gtest.h || apt-get install -y -q libgtest-dev >/dev/null
 	@mkdir -p build
 	c++ -O2 -std=c++20 -mavx2 -mfma -mf16c -DCPU_CAPABILITY_AVX2 -DCPU_CAPABILITY=AVX2 -Wno-unknown-pragmas \
 	  -Icsrc -I$(TORCH_DIR)/include $(CPP_SOURCES) tests/cpp/test_transport.cpp \
 	  -L$(TORCH_DIR)/lib -Wl,-rpath,$(abspath $(TORCH_DIR))/lib -lc10 -lgtest -lgtest_main -lpthread -lrt -o $@
 
-test-cpp: build/cpp-tests
-	build/cpp-tests --gtest_brief=1
+test-cpp:
+	@test -f /usr/include/gtest/gtest.h || (apt-get install -y -q libgtest-dev >/dev/null 2>&1 || \
+	  (apt-get update -q >/dev/null 2>&1 && apt-get install -y -q libgtest-dev >/dev/null 2>&1)) || true
+	@if test -f /usr/include/gtest/gtest.h; then $(MAKE) --no-print-directory build/cpp-tests && \
+	  build/cpp-tests --gtest_brief=1; else echo "NOTE: libgtest-dev unavailable: C++ tests skipped"; fi
 
 demo: build
 	$(VENV)/bin/torchrun --standalone --nproc_per_node=2 -m torchpar.bench collectives --world-sizes 2 --max-bytes 16M
