@@ -180,6 +180,15 @@ def _coalesced(ctx):
             dist.all_gather_into_tensor(o, i, group=ctx.pg)
     for o, i in zip(outs, ins):
         assert_equal(o, torch.cat([make_input(r, i.numel(), torch.float64, salt=4) for r in range(w)]), "coalesced all_gather")
+    # Async coalescing: the manager's single work covers the whole batch.
+    ts = [make_input(ctx.rank, n, torch.float32, salt=6) for n in (3000, 5)]
+    with dist._coalescing_manager(group=ctx.pg, device=torch.device("cpu"), async_ops=True) as cm:
+        for t in ts:
+            dist.all_reduce(t, group=ctx.pg)
+    cm.wait()
+    for t in ts:
+        assert_equal(t, reference([make_input(r, t.numel(), torch.float32, salt=6) for r in range(w)], "SUM"),
+                     "async coalesced all_reduce")
     rs_in = [make_input(ctx.rank, 6 * w, torch.float32, salt=5)]
     rs_out = [torch.zeros(6)]
     with dist._coalescing_manager(group=ctx.pg):
@@ -198,6 +207,19 @@ def _complex(ctx):
     b = vals[0].clone() if ctx.rank == 0 else torch.zeros(9, dtype=torch.complex64)
     dist.broadcast(b, 0, group=ctx.pg)
     torch.testing.assert_close(b, vals[0])
+    # A lazily conjugated view is read as its values, not its raw memory (torch's Python layer
+    # refuses such views, so call the backend as C++ callers would).
+    out = torch.zeros(9 * w, dtype=torch.complex64)
+    backend = ctx.pg._get_backend(torch.device("cpu"))
+    backend._allgather_base(out, vals[ctx.rank].conj()).wait()
+    torch.testing.assert_close(out, torch.cat(vals).conj())
+    # all_to_all_single where this rank sends nothing but receives: counts in complex elements.
+    send = [0] * w if ctx.rank == 0 else [1] * w
+    recv = [0 if q == 0 else 1 for q in range(w)]
+    a_out = torch.zeros(sum(recv), dtype=torch.complex64)
+    a_in = torch.full((sum(send),), complex(ctx.rank, 1), dtype=torch.complex64)
+    dist.all_to_all_single(a_out, a_in, recv, send, group=ctx.pg)
+    assert torch.equal(a_out, torch.tensor([complex(q, 1) for q in range(1, w)], dtype=torch.complex64))
     return True
 
 

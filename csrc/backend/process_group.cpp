@@ -121,6 +121,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupTorchpar::enqueue(OpType type, const 
                                                              std::vector<at::Tensor> outputs, Task task,
                                                              std::chrono::milliseconds timeout, bool async_op) {
   auto work = c10::make_intrusive<Work>(getRank(), type, name, std::move(outputs));
+  if (coalescing_) coalesced_.push_back(work);  // endCoalescing's work waits for it too
   Queued item{work, name, std::move(task), timeout_for(timeout)};
   {
     std::lock_guard<std::mutex> lock(mu_);
@@ -491,7 +492,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupTorchpar::alltoall_base(at::Tensor& o
     Staged s = Staged::input(in);
     Staged o = Staged::output(out);
     // Complex tensors travel as pairs of reals: twice the elements.
-    size_t scale = s.count() == static_cast<size_t>(in.numel()) ? 1 : 2;
+    size_t scale = in.is_complex() ? 2 : 1;
     std::vector<size_t> sc, rc;
     std::vector<const void*> sends;
     std::vector<void*> recvs;

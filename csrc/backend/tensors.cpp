@@ -22,17 +22,18 @@ bool supported_dtype(c10::ScalarType t) {
 }  // namespace
 
 Staged Staged::input(const at::Tensor& t) {
-  return Staged{t, as_real(t.contiguous())};
+  // Conjugate and negative views are lazy: materialise them before reading raw memory.
+  return Staged{t, as_real(t.resolve_conj().resolve_neg().contiguous())};
 }
 
 Staged Staged::output(const at::Tensor& t) {
-  if (t.is_contiguous()) return Staged{t, as_real(t)};
-  return Staged{t, as_real(at::empty(t.sizes(), t.options()))};
+  if (t.is_contiguous() && !t.is_conj() && !t.is_neg()) return Staged{t, as_real(t)};
+  return Staged{t, as_real(at::empty(t.sizes(), t.options().memory_format(at::MemoryFormat::Contiguous)))};
 }
 
 void Staged::finish() const {
-  at::Tensor real_user = as_real(user);
-  if (buffer.data_ptr() != real_user.data_ptr()) real_user.copy_(buffer);
+  if (buffer.data_ptr() == user.data_ptr()) return;  // the collective worked in place
+  user.copy_(user.is_complex() ? at::view_as_complex(buffer) : buffer);
 }
 
 void check_tensor(const at::Tensor& t, const char* op, const std::string& what) {

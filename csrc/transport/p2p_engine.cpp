@@ -42,9 +42,7 @@ void P2PEngine::stop() {
   if (thread_.joinable()) thread_.join();
   auto error = std::make_exception_ptr(Error("[torchpar] the process group was destroyed"));
   fail(error);
-  for (auto& in : in_) {  // the progress thread is gone: its in-flight receives are ours now
-    if (in.recv) in.recv->fail(error);
-  }
+  fail_in_flight(error);  // the progress thread is gone: what it owned is ours now
 }
 
 std::exception_ptr P2PEngine::failure() const {
@@ -118,20 +116,43 @@ void P2PEngine::fail(std::exception_ptr error) {
   {
     std::lock_guard<std::mutex> lock(mu_);
     if (!failure_) failure_ = error;
+    // A send already streaming belongs to the progress thread (it fails it when it sees
+    // failure_); every request not yet started is failed here.
     for (auto& box : out_) {
-      victims.insert(victims.end(), box.queue.begin(), box.queue.end());
-      box.queue.clear();
-      box.sent = 0;
+      auto first = box.queue.begin();
+      if (first != box.queue.end() && box.streaming) ++first;
+      victims.insert(victims.end(), first, box.queue.end());
+      box.queue.erase(first, box.queue.end());
     }
     victims.insert(victims.end(), posted_.begin(), posted_.end());
     posted_.clear();
     for (auto& u : unexpected_) {
-      if (u->claimed) victims.push_back(u->claimed);
+      if (u->claimed) victims.push_back(std::move(u->claimed));  // detached: never written to
     }
     unexpected_.clear();
   }
   // Receives already streaming in belong to the progress thread, which fails them itself.
   link_.notify(rank_);
+  for (auto& r : victims) r->fail(error);
+}
+
+// Progress thread (or stop(), once it has joined): fails what only it may touch.
+void P2PEngine::fail_in_flight(std::exception_ptr error) {
+  std::vector<std::shared_ptr<Request>> victims;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    for (auto& box : out_) {
+      victims.insert(victims.end(), box.queue.begin(), box.queue.end());
+      box.queue.clear();
+      box.streaming = false;
+      box.sent = 0;
+    }
+  }
+  for (auto& in : in_) {
+    if (in.recv) victims.push_back(in.recv);
+    if (in.unexpected && in.unexpected->claimed) victims.push_back(in.unexpected->claimed);
+    in = Inbox{};  // the pipes may hold partial messages now: never read them again
+  }
   for (auto& r : victims) r->fail(error);
 }
 
@@ -142,11 +163,7 @@ void P2PEngine::run() {
     uint32_t seen = link_.activity();
     bool progressed = false;
     if (auto failed = failure()) {
-      // The pipes may hold partial messages now: never read them again.
-      for (auto& in : in_) {
-        if (in.recv) in.recv->fail(failed);
-        in = Inbox{};
-      }
+      fail_in_flight(failed);
     } else {
       for (int peer = 0; peer < size_; ++peer) {
         if (peer == rank_) continue;
@@ -184,6 +201,7 @@ bool P2PEngine::pump_out(int peer) {
       std::lock_guard<std::mutex> lock(mu_);
       if (box.queue.empty()) break;
       req = box.queue.front();
+      box.streaming = true;  // from here the front request belongs to this thread
     }
     if (box.sent == 0) box.header = WireHeader{req->tag, req->bytes};
     size_t total = sizeof(WireHeader) + req->bytes;
@@ -204,8 +222,9 @@ bool P2PEngine::pump_out(int peer) {
     if (box.sent < total) break;  // the pipe is full; the peer will notify us as it drains
     {
       std::lock_guard<std::mutex> lock(mu_);
-      box.queue.pop_front();
       box.sent = 0;
+      box.streaming = false;
+      box.queue.pop_front();
     }
     req->complete(peer);
   }
@@ -309,10 +328,12 @@ void P2PEngine::check_deadlines_and_peers() {
     for (int peer = 0; peer < size_; ++peer) {
       auto& q = out_[peer].queue;
       for (auto it = q.begin(); it != q.end();) {
-        bool started = it == q.begin() && out_[peer].sent > 0;
+        bool front = it == q.begin();
+        bool started = front && out_[peer].sent > 0;
         if ((*it)->deadline <= now && !started) {
           expired.push_back(*it);
           it = q.erase(it);
+          if (front) out_[peer].streaming = false;
           continue;
         }
         if ((*it)->deadline <= now) {
@@ -337,7 +358,13 @@ void P2PEngine::check_deadlines_and_peers() {
       ++it;
     }
     for (auto& u : unexpected_) {
-      if (u->claimed && !u->complete) watch[u->source] = true;
+      if (u->claimed && !u->complete) {
+        watch[u->source] = true;
+        if (u->claimed->deadline <= now) {
+          stream_broken = true;
+          broken_what = describe(*u->claimed);
+        }
+      }
     }
   }
   for (int peer = 0; peer < size_; ++peer) {

@@ -61,8 +61,9 @@ class P2PEngine {
   };
   struct Outbox {
     std::deque<std::shared_ptr<Request>> queue;  // guarded by mu_
+    bool streaming = false;  // guarded by mu_: the progress thread owns queue.front()
     WireHeader header{};
-    size_t sent = 0;  // bytes of header + payload of queue.front() already written
+    size_t sent = 0;  // progress thread only: bytes of queue.front() written so far
   };
   struct Inbox {
     WireHeader header{};
@@ -80,6 +81,7 @@ class P2PEngine {
   void on_header(int peer, Inbox& in);
   void on_payload_done(int peer, Inbox& in);
   void check_deadlines_and_peers();
+  void fail_in_flight(std::exception_ptr error);
   static void deliver(const std::shared_ptr<Request>& recv, int source, const char* data,
                       size_t bytes, uint64_t tag);
   std::exception_ptr failure() const;

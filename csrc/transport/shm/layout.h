@@ -40,6 +40,7 @@ struct alignas(64) SegmentHeader {
   uint32_t reserved;
   uint64_t slot_bytes;
   uint64_t ring_bytes;
+  uint64_t oneshot_max_bytes;  // every rank must pick the same all-reduce algorithm
   std::atomic<uint32_t> mapped;  // ranks that have mapped the segment so far
   // Group failure: 0 = healthy, 1 = being written, 2 = published (abort_msg valid).
   std::atomic<uint32_t> abort_state;

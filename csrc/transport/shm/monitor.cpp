@@ -3,6 +3,7 @@
 #include <signal.h>
 
 #include <algorithm>
+#include <chrono>
 #include <cerrno>
 #include <cstdio>
 #include <cstring>
@@ -25,8 +26,12 @@ bool process_alive(int pid) {
 
 void Monitor::check_aborted() const {
   if (header_->abort_state.load(std::memory_order_acquire) == 0) return;
-  // A failing rank is writing its reason; it takes microseconds.
-  while (header_->abort_state.load(std::memory_order_acquire) != 2) cpu_relax();
+  // A failing rank is writing its reason; it takes microseconds, unless it died mid-way.
+  auto give_up = std::chrono::steady_clock::now() + std::chrono::milliseconds(100);
+  while (header_->abort_state.load(std::memory_order_acquire) != 2) {
+    if (std::chrono::steady_clock::now() > give_up) TP_THROW("the group was aborted by another rank");
+    cpu_relax();
+  }
   TP_THROW("the group was aborted by rank ", header_->abort_rank, ": ", header_->abort_msg);
 }
 

@@ -54,13 +54,21 @@ ShmTransport::~ShmTransport() {
 
 void ShmTransport::map_segment(Rendezvous& rendezvous, const Config& config,
                                std::chrono::milliseconds timeout) {
+  TP_CHECK(config.slot_bytes > 0 && config.ring_bytes > 0, "TORCHPAR_SHM_SLOT_BYTES (", config.slot_bytes,
+           ") and TORCHPAR_SHM_RING_BYTES (", config.ring_bytes, ") must be positive");
   Layout layout(size_, config.slot_bytes, config.ring_bytes);
+  // Collectives split a slot into a piece (of at least one vector) per rank, and all_to_all
+  // puts 2W+1 counts at its head.
+  TP_CHECK(layout.slot_bytes >= static_cast<size_t>(size_) * 64 &&
+               layout.slot_bytes >= (2 * static_cast<size_t>(size_) + 1) * sizeof(uint64_t),
+           "TORCHPAR_SHM_SLOT_BYTES (", config.slot_bytes, ") is too small for ", size_, " ranks");
   if (rank_ == 0) {
     segment_ = Segment::create(unique_segment_name(), layout.total);
     header_ = reinterpret_cast<SegmentHeader*>(segment_.data());
     header_->world = size_;
     header_->slot_bytes = layout.slot_bytes;
     header_->ring_bytes = layout.ring_bytes;
+    header_->oneshot_max_bytes = static_cast<uint64_t>(config.oneshot_max_bytes);
     header_->magic = kMagic;
     rendezvous.set(kSegmentKey, segment_.name());
   } else {
@@ -74,6 +82,9 @@ void ShmTransport::map_segment(Rendezvous& rendezvous, const Config& config,
              "TORCHPAR_SHM_SLOT_BYTES / TORCHPAR_SHM_RING_BYTES differ between rank 0 (",
              header_->slot_bytes, " / ", header_->ring_bytes, ") and rank ", rank_, " (",
              layout.slot_bytes, " / ", layout.ring_bytes, ")");
+    TP_CHECK(header_->oneshot_max_bytes == static_cast<uint64_t>(config.oneshot_max_bytes),
+             "TORCHPAR_ONESHOT_MAX_BYTES differs between rank 0 (", header_->oneshot_max_bytes,
+             ") and rank ", rank_, " (", config.oneshot_max_bytes, "); every rank must use the same");
   }
   char* base = segment_.data();
   blocks_ = reinterpret_cast<RankBlock*>(base + layout.ranks_offset);
