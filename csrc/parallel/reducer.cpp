@@ -168,19 +168,28 @@ void Reducer::mark_ready(int64_t index, bool has_gradient) {
   trace_.push_back({TraceEvent::kReady, index});
   const Slot& slot = slots_[index];
   Bucket& b = buckets_[slot.bucket];
-  const at::Tensor& view = b.views[slot.offset];
+  at::Tensor view = b.views[slot.offset];  // a handle: mul_out takes a mutable out
   const at::Tensor& param = params_[index];
   const at::Tensor& grad = param.grad();
+  // Averaging = dividing by the group size before the sum (an average of low-precision
+  // values overflows less than their sum), fused with the copy into the bucket where the
+  // dtypes allow, to read and write the gradient once.
+  const double scale = 1.0 / group_->getSize();
   if (!has_gradient || !grad.defined()) {
     view.zero_();
   } else if (b.grads_are_views) {
     if (!grad.is_alias_of(view)) {
       // zero_grad(set_to_none=True) or the first step: autograd made a fresh tensor.
-      view.copy_(grad);
+      at::mul_out(view, grad, at::scalar_tensor(scale, view.options().device(at::kCPU)));
       param.mutable_grad() = view;
+    } else {
+      view.mul_(scale);
     }
+  } else if (grad.scalar_type() == view.scalar_type()) {
+    at::mul_out(view, grad, at::scalar_tensor(scale, view.options().device(at::kCPU)));
   } else {
-    view.copy_(grad);
+    view.copy_(grad);  // widen first (grad_reduce_dtype), then divide in the wider dtype
+    view.mul_(scale);
   }
   --b.pending;
   launch_ready_buckets();
@@ -189,9 +198,6 @@ void Reducer::mark_ready(int64_t index, bool has_gradient) {
 void Reducer::launch_ready_buckets() {
   while (next_launch_ < buckets_.size() && buckets_[next_launch_].pending == 0) {
     Bucket& b = buckets_[next_launch_];
-    // Divide before summing, as an average of low-precision values is less likely to
-    // overflow than their sum.
-    b.flat.div_(group_->getSize());
     std::vector<at::Tensor> tensors{b.flat};
     b.work = group_->allreduce(tensors);
     trace_.push_back({TraceEvent::kLaunch, static_cast<int64_t>(next_launch_)});
