@@ -61,6 +61,17 @@ def _setup(ctx):
     torch.set_num_threads(1)  # up to 4 ranks share 2 cores
 
 
+def _step_shard_and_whole(ctx, ddp, opt, ref, ref_opt, x, y, loss=_loss, set_to_none=True):
+    """One step of the DDP replica on this rank's shard and of the reference on the whole
+    batch; with a mean loss their averaged gradients are the same."""
+    opt.zero_grad(set_to_none=set_to_none)
+    loss(ddp(_shard(x, ctx)), _shard(y, ctx)).backward()
+    opt.step()
+    ref_opt.zero_grad()
+    loss(ref(x), y).backward()
+    ref_opt.step()
+
+
 # ---- training equals single-process training on the whole batch ----
 
 def _train_vs_single_process(ctx, bucket_cap_mb, as_view, steps=4):
@@ -72,13 +83,8 @@ def _train_vs_single_process(ctx, bucket_cap_mb, as_view, steps=4):
     ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9)
     for step in range(steps):
         x, y = _batch(step, 4 * ctx.world_size)
-        set_to_none = step % 2 == 0  # both ways of zeroing, which matter for bucket views
-        opt.zero_grad(set_to_none=set_to_none)
-        _loss(ddp(_shard(x, ctx)), _shard(y, ctx)).backward()
-        opt.step()
-        ref_opt.zero_grad()
-        _loss(ref(x), y).backward()
-        ref_opt.step()
+        # Both ways of zeroing: they matter for bucket views.
+        _step_shard_and_whole(ctx, ddp, opt, ref, ref_opt, x, y, set_to_none=step % 2 == 0)
         _assert_same_params(model, ref, step)
         if as_view:
             views = ddp.reducer.bucket_tensors()
@@ -151,13 +157,8 @@ def _train_tied(ctx):
     for step in range(3):
         g = torch.Generator().manual_seed(step)
         tokens = torch.randint(0, 20, (4 * ctx.world_size, 5), generator=g)
-        ce = nn.functional.cross_entropy
-        opt.zero_grad()
-        ce(ddp(_shard(tokens, ctx)).flatten(0, 1), _shard(tokens, ctx).flatten()).backward()
-        opt.step()
-        ref_opt.zero_grad()
-        ce(ref(tokens).flatten(0, 1), tokens.flatten()).backward()
-        ref_opt.step()
+        _step_shard_and_whole(ctx, ddp, opt, ref, ref_opt, tokens, tokens,
+                              loss=lambda out, t: nn.functional.cross_entropy(out.flatten(0, 1), t.flatten()))
         _assert_same_params(model, ref, step)
     assert model.out.weight is model.embed.weight
 
@@ -183,12 +184,7 @@ def _train_frozen(ctx):
     ref_opt = torch.optim.SGD([p for p in ref.parameters() if p.requires_grad], lr=0.1)
     for step in range(3):
         x, y = _batch(step, 2 * ctx.world_size)
-        opt.zero_grad()
-        _loss(ddp(_shard(x, ctx)), _shard(y, ctx)).backward()
-        opt.step()
-        ref_opt.zero_grad()
-        _loss(ref(x), y).backward()
-        ref_opt.step()
+        _step_shard_and_whole(ctx, ddp, opt, ref, ref_opt, x, y)
         _assert_same_params(model, ref, step)
         assert torch.equal(model[0].weight, frozen[0]) and torch.equal(model[3].bias, frozen[1])
         assert model[0].weight.grad is None and model[3].bias.grad is None
