@@ -3,11 +3,11 @@
 Spawns ``--world-size`` ranks per backend and, in the same ranks, times one training step
 (forward, backward, gradient averaging, SGD step) of the same MLP five ways:
 
-- ``torchpar``     torchpar.parallel.DistributedDataParallel (C++ reducer, overlapped)
-- ``torch``        torch.nn.parallel.DistributedDataParallel
-- ``no_overlap``   plain backward, then one all-reduce per gradient (the naive baseline)
-- ``compute``      forward + backward + step with no communication (lower bound)
-- ``comm``         the all-reduces alone (what overlap can hide)
+- ``torchpar_ddp``  torchpar.parallel.DistributedDataParallel (C++ reducer, overlapped)
+- ``torch_ddp``     torch.nn.parallel.DistributedDataParallel
+- ``no_overlap``    plain backward, then one all-reduce per gradient (the naive baseline)
+- ``compute_only``  forward + backward + step with no communication (a lower bound)
+- ``comm_only``     the all-reduces alone (what overlap can hide)
 
 Modes run in interleaved rounds so that drift in machine load hits all of them alike;
 the table shows the median step time and the ratios against torchpar's DDP.
@@ -27,7 +27,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch import nn
 
-MODES = ["torchpar", "torch", "no_overlap", "compute", "comm"]
+MODES = ["torchpar_ddp", "torch_ddp", "no_overlap", "compute_only", "comm_only"]
 
 
 def _mlp(width, depth):
@@ -67,13 +67,13 @@ def _steps(model, pg, args):
         allreduce_each([type("G", (), {"grad": g})() for g in grads])
 
     return {
-        "torchpar": trainer(DistributedDataParallel(copy.deepcopy(model), process_group=pg,
+        "torchpar_ddp": trainer(DistributedDataParallel(copy.deepcopy(model), process_group=pg,
                                                     bucket_cap_mb=args.bucket_cap_mb)),
-        "torch": trainer(nn.parallel.DistributedDataParallel(copy.deepcopy(model), process_group=pg,
+        "torch_ddp": trainer(nn.parallel.DistributedDataParallel(copy.deepcopy(model), process_group=pg,
                                                              bucket_cap_mb=args.bucket_cap_mb)),
         "no_overlap": trainer(copy.deepcopy(model), allreduce_each),
-        "compute": trainer(copy.deepcopy(model)),
-        "comm": comm,
+        "compute_only": trainer(copy.deepcopy(model)),
+        "comm_only": comm,
     }
 
 
@@ -139,17 +139,19 @@ def _print_table(results, meta):
           f"({meta['params'] / 1e6:.1f}M params, {meta['params'] * 4 / 2**20:.0f} MiB of fp32 gradients), "
           f"batch {meta['batch']} per rank, {meta['threads']} thread(s) per rank, "
           f"median of {meta['samples']} steps (ms)")
-    head = f"{'backend':<10}" + "".join(f"{m:>12}" for m in MODES) + f"{'torch/ours':>12}{'naive/ours':>12}"
+    head = f"{'backend':<10}" + "".join(f"{m:>14}" for m in MODES) + f"{'torch/ours':>12}{'naive/ours':>12}"
     print(head)
     print("-" * len(head))
     for backend, r in results.items():
         if r is None:
+            print(f"{backend:<10}  (backend not available in this build: skipped)")
             continue
-        row = f"{backend:<10}" + "".join(f"{r[m]:>12.1f}" for m in MODES)
-        row += f"{r['torch'] / r['torchpar']:>11.2f}x{r['no_overlap'] / r['torchpar']:>11.2f}x"
+        row = f"{backend:<10}" + "".join(f"{r[m]:>14.1f}" for m in MODES)
+        row += f"{r['torch_ddp'] / r['torchpar_ddp']:>11.2f}x{r['no_overlap'] / r['torchpar_ddp']:>11.2f}x"
         print(row)
     print("torch/ours > 1: torchpar DDP faster than torch DDP; naive/ours: speed-up over "
-          "backward-then-all-reduce. compute and comm bound what overlap can reach.")
+          "backward-then-all-reduce. compute_only and comm_only bound what overlap can reach.")
+    print(f"{meta['date']}, torch {meta['torch']}, load average before the run {meta['load']:.2f}")
 
 
 def _plot(results, path):
@@ -195,6 +197,7 @@ def main(argv=None):
     meta["samples"] = args.steps * args.rounds
     meta["date"] = datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
     meta["torch"] = torch.__version__
+    meta["load"] = os.getloadavg()[0]  # other work on the machine skews every mode
     results = {}
     for backend in [b.strip() for b in args.backends.split(",") if b.strip()]:
         if not _available(backend):
