@@ -132,6 +132,49 @@ def test_matches_torch_ddp_step_for_step(backend, world_size):
     _pool(backend, world_size).run(_train_vs_torch_ddp)
 
 
+# ---- another group than the default one; the reducer's lifetime ----
+
+def _train_on_explicit_group(ctx):
+    _setup(ctx)
+    model = _mlp(8)
+    ref = copy.deepcopy(model)
+    ddp = DDP(model, process_group=ctx.gloo, bucket_cap_mb=0.0002)
+    opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    for step in range(2):
+        x, y = _batch(step, 2 * ctx.world_size)
+        _step_shard_and_whole(ctx, ddp, opt, ref, ref_opt, x, y)
+        _assert_same_params(model, ref, step)
+
+
+@on_backends
+@multi_rank
+def test_explicit_process_group(backend, world_size):
+    _pool(backend, world_size).run(_train_on_explicit_group)
+
+
+def _backward_after_wrapper_is_gone(ctx):
+    _setup(ctx)
+    import gc
+    model = _mlp(9)
+    ref = copy.deepcopy(model)
+    ddp = DDP(model, process_group=ctx.pg)
+    del ddp
+    gc.collect()
+    # The hooks are removed with the reducer: a plain backward stays local, and nothing
+    # calls into the freed reducer.
+    x, y = _batch(ctx.rank, 2)
+    _loss(model(x), y).backward()
+    _loss(ref(x), y).backward()
+    for p, q in zip(model.parameters(), ref.parameters()):
+        assert torch.equal(p.grad, q.grad)
+
+
+@on_backends
+def test_hooks_are_removed_with_the_wrapper(backend):
+    _pool(backend, 2).run(_backward_after_wrapper_is_gone)
+
+
 # ---- tied weights ----
 
 class _TiedLM(nn.Module):
