@@ -85,8 +85,9 @@ def _rank(rank, backend, init_file, args, queue):
         model = _mlp(args.width, args.depth)
         steps = _steps(model, dist.group.WORLD, args)
         samples = {m: [] for m in MODES}
-        for _ in range(args.rounds):
-            for mode in MODES:
+        for round_ in range(args.rounds):
+            # Rotate the order so that no mode always follows the same one.
+            for mode in MODES[round_ % len(MODES):] + MODES[:round_ % len(MODES)]:
                 for _ in range(args.warmup):
                     steps[mode]()
                 dist.barrier()
@@ -95,6 +96,8 @@ def _rank(rank, backend, init_file, args, queue):
                     steps[mode]()
                     samples[mode].append(time.perf_counter() - t0)
         if rank == 0:
+            if args.dump_samples:
+                print(json.dumps({m: [round(t * 1e3, 1) for t in s] for m, s in samples.items()}), flush=True)
             queue.put(("ok", {stat: {m: fn(s) * 1e3 for m, s in samples.items()}
                               for stat, fn in (("median", statistics.median), ("min", min))}))
     except BaseException as e:  # noqa: BLE001 - the parent prints it
@@ -187,6 +190,7 @@ def main(argv=None):
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--timeout", type=float, default=900)
+    ap.add_argument("--dump-samples", action="store_true", help="print every step time (rank 0)")
     ap.add_argument("--json", help="write results here")
     ap.add_argument("--plot", help="write a PNG bar chart here")
     args = ap.parse_args(argv)
