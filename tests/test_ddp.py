@@ -362,6 +362,26 @@ def test_bfloat16_parameters_reduce_in_float32(backend, world_size):
     _pool(backend, world_size).run(_bf16_fp32_reduce)
 
 
+def _bf16_native_reduce(ctx):
+    _setup(ctx)
+    model = _mlp(6, torch.bfloat16)
+    ref = copy.deepcopy(model).float()
+    ddp = DDP(model, process_group=ctx.pg, bucket_cap_mb=0.0002)
+    assert all(b.dtype == torch.bfloat16 for b in ddp.reducer.bucket_tensors())
+    x, y = _batch(0, 4 * ctx.world_size, torch.bfloat16)
+    _loss(ddp(_shard(x, ctx)), _shard(y, ctx)).backward()
+    _loss(ref(x.float()), y.float()).backward()
+    for p, q in zip(model.parameters(), ref.parameters()):
+        assert p.grad.dtype == torch.bfloat16
+        torch.testing.assert_close(p.grad.float(), q.grad, rtol=0.05, atol=0.02)
+
+
+@on_backends
+@multi_rank
+def test_bfloat16_parameters_reduce_in_bfloat16_by_default(backend, world_size):
+    _pool(backend, world_size).run(_bf16_native_reduce)
+
+
 # ---- overlap: the first bucket is launched while backward still runs ----
 
 def _launch_order(ctx):
