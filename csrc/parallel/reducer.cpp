@@ -226,43 +226,14 @@ void Reducer::finalize() {
                                                                : ". Pass find_unused_parameters=True if a step may leave parameters unused."));
     }
     // Globally unused parameters keep their .grad as it is (None stays None), as in
-    // torch's DDP; this needs every rank's used flags, one more small all-reduce.
-    at::Tensor used;
-    c10::intrusive_ptr<c10d::Work> used_work;
-    if (options_.find_unused_parameters) {
-      used = at::tensor(used_since_sync_, at::kInt).to(params_.front().device());
-      std::vector<at::Tensor> tensors{used};
-      used_work = group_->allreduce(tensors);
-    }
+    // torch's DDP; telling them apart needs every rank's used flags.
+    const std::vector<int32_t> used_anywhere =
+        options_.find_unused_parameters ? reduce_used_flags() : std::vector<int32_t>(params_.size(), 1);
+    // Bucket by bucket, so that copying out an early bucket overlaps the all-reduce of
+    // the later ones.
     for (auto& b : buckets_) {
       b.work->wait();
-    }
-    std::vector<int32_t> used_anywhere(params_.size(), 1);
-    if (used_work) {
-      used_work->wait();
-      at::Tensor host = used.cpu();
-      for (size_t i = 0; i < params_.size(); ++i) {
-        used_anywhere[i] = host.data_ptr<int32_t>()[i];
-      }
-    }
-    for (auto& b : buckets_) {
-      for (size_t k = 0; k < b.params.size(); ++k) {
-        const int64_t i = b.params[k];
-        if (!used_anywhere[i]) {
-          continue;
-        }
-        const at::Tensor& param = params_[i];
-        const at::Tensor& grad = param.grad();
-        if (b.grads_are_views) {
-          if (!grad.defined() || !grad.is_alias_of(b.views[k])) {
-            param.mutable_grad() = b.views[k];
-          }
-        } else if (grad.defined()) {
-          grad.copy_(b.views[k]);
-        } else {
-          param.mutable_grad() = at::empty_like(param).copy_(b.views[k]);
-        }
-      }
+      write_back(b, used_anywhere);
     }
   } catch (...) {
     reset_step();
@@ -270,6 +241,35 @@ void Reducer::finalize() {
   }
   std::fill(used_since_sync_.begin(), used_since_sync_.end(), 0);
   reset_step();
+}
+
+std::vector<int32_t> Reducer::reduce_used_flags() {
+  // One more small all-reduce, issued after every bucket (same order on all ranks).
+  at::Tensor used = at::tensor(used_since_sync_, at::kInt).to(params_.front().device());
+  std::vector<at::Tensor> tensors{used};
+  group_->allreduce(tensors)->wait();
+  at::Tensor host = used.cpu();
+  return std::vector<int32_t>(host.data_ptr<int32_t>(), host.data_ptr<int32_t>() + host.numel());
+}
+
+void Reducer::write_back(Bucket& b, const std::vector<int32_t>& used_anywhere) {
+  for (size_t k = 0; k < b.params.size(); ++k) {
+    const int64_t i = b.params[k];
+    if (!used_anywhere[i]) {
+      continue;
+    }
+    const at::Tensor& param = params_[i];
+    const at::Tensor& grad = param.grad();
+    if (b.grads_are_views) {
+      if (!grad.defined() || !grad.is_alias_of(b.views[k])) {
+        param.mutable_grad() = b.views[k];
+      }
+    } else if (grad.defined()) {
+      grad.copy_(b.views[k]);
+    } else {
+      param.mutable_grad() = at::empty_like(param).copy_(b.views[k]);
+    }
+  }
 }
 
 std::vector<TraceEvent> Reducer::trace() const {

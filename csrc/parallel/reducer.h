@@ -86,6 +86,8 @@ class Reducer {
   void mark_ready(int64_t index, bool has_gradient);
   void launch_ready_buckets();
   void finalize();
+  std::vector<int32_t> reduce_used_flags();
+  void write_back(Bucket& b, const std::vector<int32_t>& used_anywhere);
   void reset_step();
 
   std::vector<at::Tensor> params_;
