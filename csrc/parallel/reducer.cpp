@@ -221,9 +221,12 @@ void Reducer::finalize() {
           missing << (shown++ ? ", " : "") << "'" << names_[i] << "'";
         }
       }
+      const char* hint = options_.find_unused_parameters
+                             ? "They are reachable from the forward's outputs, yet autograd did not "
+                               "reach them: was backward started from another tensor?"
+                             : "Pass find_unused_parameters=True if a step may leave parameters unused.";
       TORCH_CHECK(false, "torchpar DDP: backward finished but these parameters got no gradient: ",
-                  missing.str(), (options_.find_unused_parameters ? ". They were reachable from the forward outputs but autograd did not reach them (a backward from a tensor other than the outputs?)."
-                                                               : ". Pass find_unused_parameters=True if a step may leave parameters unused."));
+                  missing.str(), ". ", hint);
     }
     // Globally unused parameters keep their .grad as it is (None stays None), as in
     // torch's DDP; telling them apart needs every rank's used flags.
