@@ -131,6 +131,49 @@ def test_matches_torch_ddp_step_for_step(backend, world_size):
     _pool(backend, world_size).run(_train_vs_torch_ddp)
 
 
+# ---- gradients arriving out of bucket order ----
+
+class _RegisteredBackwards(nn.Module):
+    """Layers registered in the reverse of their use, so bucket 0 (the last registered)
+    gets its gradient last and every other bucket must wait for it before launching."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(10)
+        self.third = nn.Linear(8, 3)
+        self.second = nn.Linear(8, 8)
+        self.first = nn.Linear(6, 8)
+
+    def forward(self, x):
+        return self.third(torch.tanh(self.second(torch.tanh(self.first(x)))))
+
+
+def _train_out_of_order(ctx):
+    _setup(ctx)
+    model = _RegisteredBackwards()
+    ref = copy.deepcopy(model)
+    ddp = DDP(model, process_group=ctx.pg, bucket_cap_mb=0)
+    opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    for step in range(2):
+        x, y = _batch(step, 2 * ctx.world_size)
+        _step_shard_and_whole(ctx, ddp, opt, ref, ref_opt, x, y)
+        _assert_same_params(model, ref, step)
+    trace = ddp.reducer.trace()
+    launches = [e for e in trace if e[0] == "launch"]
+    assert launches == [("launch", b) for b in range(len(launches))]
+    # Bucket 0 holds first.bias (index 5), whose gradient comes after those of `third` and
+    # `second` (indices 0-3): nothing launches before it, though their buckets were full.
+    assert trace[0][0] == "ready" and trace.index(("launch", 0)) > trace.index(("ready", 5))
+    assert all(trace.index(("launch", 0)) > trace.index(("ready", i)) for i in range(4))
+
+
+@on_backends
+@multi_rank
+def test_buckets_launch_in_order_when_gradients_arrive_out_of_order(backend, world_size):
+    _pool(backend, world_size).run(_train_out_of_order)
+
+
 # ---- another group than the default one; the reducer's lifetime ----
 
 def _train_on_explicit_group(ctx):
