@@ -134,15 +134,15 @@ def test_matches_torch_ddp_step_for_step(backend, world_size):
 # ---- gradients arriving out of bucket order ----
 
 class _RegisteredBackwards(nn.Module):
-    """Layers registered in the reverse of their use, so bucket 0 (the last registered)
-    gets its gradient last and every other bucket must wait for it before launching."""
+    """Layers registered in the reverse of their use, so the first buckets (filled from
+    the last registered parameters) get their gradients last."""
 
     def __init__(self):
         super().__init__()
         torch.manual_seed(10)
-        self.third = nn.Linear(8, 3)
-        self.second = nn.Linear(8, 8)
-        self.first = nn.Linear(6, 8)
+        self.third = nn.Linear(8, 3)   # parameters 0, 1
+        self.second = nn.Linear(8, 8)  # parameters 2, 3
+        self.first = nn.Linear(6, 8)   # parameters 4, 5
 
     def forward(self, x):
         return self.third(torch.tanh(self.second(torch.tanh(self.first(x)))))
@@ -155,17 +155,24 @@ def _train_out_of_order(ctx):
     ddp = DDP(model, process_group=ctx.pg, bucket_cap_mb=0)
     opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
     ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
-    for step in range(2):
+    traces, buckets = [], []
+    for step in range(3):
         x, y = _batch(step, 2 * ctx.world_size)
+        buckets.append(ddp.reducer.bucket_indices())
         _step_shard_and_whole(ctx, ddp, opt, ref, ref_opt, x, y)
         _assert_same_params(model, ref, step)
-    trace = ddp.reducer.trace()
-    launches = [e for e in trace if e[0] == "launch"]
-    assert launches == [("launch", b) for b in range(len(launches))]
-    # Bucket 0 holds first.bias (index 5), whose gradient comes after those of `third` and
-    # `second` (indices 0-3): nothing launches before it, though their buckets were full.
-    assert trace[0][0] == "ready" and trace.index(("launch", 0)) > trace.index(("ready", 5))
-    assert all(trace.index(("launch", 0)) > trace.index(("ready", i)) for i in range(4))
+        traces.append(ddp.reducer.trace())
+    for trace in traces:
+        launches = [e for e in trace if e[0] == "launch"]
+        assert launches == [("launch", b) for b in range(len(launches))]
+    # Step 0, registration order: bucket 0 holds first.bias, among the last gradients; the
+    # full buckets of `third` and `second` wait for it, so nothing overlaps.
+    assert buckets[0][0] == [5]
+    assert all(traces[0].index(("launch", 0)) > traces[0].index(("ready", i)) for i in (0, 1, 2, 3, 5))
+    # Then the buckets follow the order seen in step 0: bucket 0 goes out while the
+    # gradients of `first` are still to come.
+    assert buckets[1][0] in ([0], [1]) and buckets[2] == buckets[1]
+    assert traces[1].index(("launch", 0)) < min(traces[1].index(("ready", i)) for i in (4, 5))
 
 
 @on_backends
@@ -518,3 +525,12 @@ def test_buckets_split_by_dtype_and_count_reduce_dtype_bytes():
     # 4 bf16 are 8 bytes, but 16 once held as float32: a 16-byte cap closes after one.
     assert _C.ddp_assign_buckets(params[1:], 16, 16) == [[1, 0]]
     assert _C.ddp_assign_buckets(params[1:], 16, 16, torch.float32) == [[1], [0]]
+
+
+def test_buckets_follow_an_explicit_order():
+    params = [torch.zeros(n) for n in (10, 10, 10, 10)]
+    assert _C.ddp_assign_buckets(params, 80, 40, order=[1, 3, 0, 2]) == [[1], [3, 0], [2]]
+    with pytest.raises(RuntimeError, match="each of the 4 parameters once"):
+        _C.ddp_assign_buckets(params, 80, 40, order=[1, 1, 0, 2])
+    with pytest.raises(RuntimeError, match="lists 3 of 4"):
+        _C.ddp_assign_buckets(params, 80, 40, order=[1, 0, 2])

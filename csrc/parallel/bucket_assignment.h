@@ -15,12 +15,15 @@
 
 namespace torchpar::parallel {
 
-// Returns bucket -> parameter indices. A bucket holds parameters of one dtype and one
-// device and closes once it reaches `first_cap_bytes` (the first bucket) or `cap_bytes`
-// (the others); a cap of 0 puts every parameter in its own bucket. Sizes are counted in
-// `reduce_dtype` when given (the dtype the bucket will hold), else in each parameter's dtype.
+// Returns bucket -> parameter indices. Parameters are taken in `order` (every index once),
+// or in reverse registration order when `order` is empty. A bucket holds parameters of
+// one dtype and one device and closes once it reaches `first_cap_bytes` (the first
+// bucket) or `cap_bytes` (the others); a cap of 0 puts every parameter in its own bucket.
+// Sizes are counted in `reduce_dtype` when given (the dtype the bucket will hold), else in
+// each parameter's dtype.
 std::vector<std::vector<int64_t>> assign_buckets(const std::vector<at::Tensor>& params,
                                                  int64_t cap_bytes, int64_t first_cap_bytes,
-                                                 std::optional<at::ScalarType> reduce_dtype);
+                                                 std::optional<at::ScalarType> reduce_dtype,
+                                                 const std::vector<int64_t>& order = {});
 
 }  // namespace torchpar::parallel

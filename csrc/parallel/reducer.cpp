@@ -1,5 +1,7 @@
 #include "parallel/reducer.h"
 
+#include "parallel/bucket_assignment.h"
+
 #include <ATen/ATen.h>
 #include <torch/csrc/autograd/engine.h>
 #include <torch/csrc/autograd/utils/lambda_post_hook.h>
@@ -29,7 +31,29 @@ Reducer::Reducer(std::vector<at::Tensor> params, std::vector<std::string> names,
                 "torchpar DDP: parameter '", names_[i], "' is listed twice");
   }
 
+  build_buckets(buckets);
+  rebuilt_ = options_.cap_bytes < 0;
+  ready_.assign(n, false);
+  reachable_.assign(n, true);
+  used_since_sync_.assign(n, 0);
+  for (size_t i = 0; i < n; ++i) {
+    auto acc = autograd::impl::grad_accumulator(params_[i]);
+    TORCH_CHECK(acc, "torchpar DDP: parameter '", names_[i], "' has no gradient accumulator");
+    // Post-hooks of AccumulateGrad run after the gradient is in .grad.
+    auto hook = std::make_unique<autograd::utils::LambdaPostHook>(
+        [this, i](const autograd::variable_list& outputs, const autograd::variable_list&) {
+          on_gradient(static_cast<int64_t>(i));
+          return outputs;
+        });
+    hook_keys_.push_back(acc->add_post_hook(std::move(hook)));
+    accumulators_.push_back(std::move(acc));
+  }
+}
+
+void Reducer::build_buckets(const std::vector<std::vector<int64_t>>& buckets) {
   at::NoGradGuard no_grad;
+  const size_t n = params_.size();
+  buckets_.clear();
   slots_.assign(n, Slot{SIZE_MAX, 0});
   for (auto& indices : buckets) {
     TORCH_CHECK(!indices.empty(), "torchpar DDP: empty bucket");
@@ -54,6 +78,7 @@ Reducer::Reducer(std::vector<at::Tensor> params, std::vector<std::string> names,
       const at::Tensor& p = params_[i];
       b.views.push_back(b.flat.narrow(0, offset, p.numel()).view(p.sizes()));
       offset += p.numel();
+      // Gradients kept from before (or from the previous buckets, on a rebuild) move in.
       if (b.grads_are_views && p.grad().defined()) {
         b.views.back().copy_(p.grad());
         p.mutable_grad() = b.views.back();
@@ -64,21 +89,8 @@ Reducer::Reducer(std::vector<at::Tensor> params, std::vector<std::string> names,
   for (size_t i = 0; i < n; ++i) {
     TORCH_CHECK(slots_[i].bucket != SIZE_MAX, "torchpar DDP: parameter '", names_[i], "' is in no bucket");
   }
-
-  ready_.assign(n, false);
-  reachable_.assign(n, true);
-  used_since_sync_.assign(n, 0);
-  for (size_t i = 0; i < n; ++i) {
-    auto acc = autograd::impl::grad_accumulator(params_[i]);
-    TORCH_CHECK(acc, "torchpar DDP: parameter '", names_[i], "' has no gradient accumulator");
-    // Post-hooks of AccumulateGrad run after the gradient is in .grad.
-    auto hook = std::make_unique<autograd::utils::LambdaPostHook>(
-        [this, i](const autograd::variable_list& outputs, const autograd::variable_list&) {
-          on_gradient(static_cast<int64_t>(i));
-          return outputs;
-        });
-    hook_keys_.push_back(acc->add_post_hook(std::move(hook)));
-    accumulators_.push_back(std::move(acc));
+  for (auto& b : buckets_) {
+    b.pending = b.params.size();
   }
 }
 
@@ -106,6 +118,7 @@ void Reducer::prepare_for_backward(const std::vector<at::Tensor>& outputs) {
   std::lock_guard<std::mutex> lock(mutex_);
   reset_step();
   trace_.clear();
+  ready_order_.clear();
   expect_backward_ = true;
   if (!options_.find_unused_parameters) {
     return;
@@ -155,6 +168,9 @@ void Reducer::on_gradient(int64_t index) {
         mark_ready(static_cast<int64_t>(i), used_since_sync_[i] != 0);
       }
     }
+  }
+  if (!rebuilt_) {
+    ready_order_.push_back(index);
   }
   mark_ready(index, true);
 }
@@ -238,12 +254,44 @@ void Reducer::finalize() {
       b.work->wait();
       write_back(b, used_anywhere);
     }
+    if (!rebuilt_) {
+      rebuild_in_observed_order();
+    }
   } catch (...) {
     reset_step();
     throw;
   }
   std::fill(used_since_sync_.begin(), used_since_sync_.end(), 0);
   reset_step();
+}
+
+void Reducer::rebuild_in_observed_order() {
+  // Once only, as torch's DDP does (Li et al., VLDB 2020, section 4.2.2): later steps
+  // are assumed to produce gradients in the order of the first one.
+  rebuilt_ = true;
+  std::vector<int64_t> order = ready_order_;
+  ready_order_.clear();
+  std::vector<bool> listed(params_.size(), false);
+  for (int64_t i : order) {
+    listed[i] = true;
+  }
+  for (int64_t i = static_cast<int64_t>(params_.size()) - 1; i >= 0; --i) {
+    if (!listed[i]) {
+      order.push_back(i);  // unused in that step: last, in reverse registration order
+    }
+  }
+  // Ranks may have seen different orders (autograd threads race); all take rank 0's,
+  // since every rank must fill and launch the same buckets.
+  at::Tensor shared = at::tensor(order, at::kLong).to(params_.front().device());
+  std::vector<at::Tensor> tensors{shared};
+  group_->broadcast(tensors)->wait();
+  shared = shared.cpu();
+  order.assign(shared.data_ptr<int64_t>(), shared.data_ptr<int64_t>() + shared.numel());
+  auto buckets = assign_buckets(params_, options_.cap_bytes, options_.first_cap_bytes,
+                                options_.reduce_dtype, order);
+  if (buckets != bucket_indices()) {
+    build_buckets(buckets);
+  }
 }
 
 std::vector<int32_t> Reducer::reduce_used_flags() {

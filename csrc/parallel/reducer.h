@@ -37,6 +37,10 @@ struct ReducerOptions {
   bool find_unused_parameters = false;
   // Dtype the buckets hold and reduce in; nullopt: the parameters' own dtype.
   std::optional<at::ScalarType> reduce_dtype;
+  // Bucket caps for rebuilding the buckets in the gradient order seen in the first step
+  // (registration order is only a guess at backward's order); -1: keep the first buckets.
+  int64_t cap_bytes = -1;
+  int64_t first_cap_bytes = -1;
 };
 
 // One entry of the per-step trace, for tests that pin the order of events.
@@ -82,6 +86,8 @@ class Reducer {
     size_t offset;                    // index into Bucket::params / views
   };
 
+  void build_buckets(const std::vector<std::vector<int64_t>>& buckets);
+  void rebuild_in_observed_order();
   void on_gradient(int64_t index);
   void mark_ready(int64_t index, bool has_gradient);
   void launch_ready_buckets();
@@ -111,6 +117,8 @@ class Reducer {
   std::vector<int32_t> used_since_sync_;  // got a gradient since the last reduction
   size_t next_launch_ = 0;
   std::vector<TraceEvent> trace_;
+  std::vector<int64_t> ready_order_;  // hook order in the first synchronised step
+  bool rebuilt_ = false;
 };
 
 }  // namespace torchpar::parallel

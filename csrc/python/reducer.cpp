@@ -14,14 +14,18 @@ using torchpar::parallel::TraceEvent;
 TORCHPAR_PYBIND(reducer) {
   m.def("ddp_assign_buckets", &torchpar::parallel::assign_buckets, py::arg("params"),
         py::arg("cap_bytes"), py::arg("first_cap_bytes"), py::arg("reduce_dtype") = py::none(),
-        "Bucket -> parameter indices, filled in reverse registration order.");
+        py::arg("order") = std::vector<int64_t>{},
+        "Bucket -> parameter indices, filled in `order` (default: reverse registration order).");
 
   py::class_<Reducer, std::shared_ptr<Reducer>>(m, "Reducer")
       .def(py::init([](std::vector<at::Tensor> params, std::vector<std::string> names,
                        std::vector<std::vector<int64_t>> buckets,
                        c10::intrusive_ptr<c10d::ProcessGroup> group, bool gradient_as_bucket_view,
-                       bool find_unused_parameters, std::optional<at::ScalarType> reduce_dtype) {
+                       bool find_unused_parameters, std::optional<at::ScalarType> reduce_dtype,
+                       int64_t cap_bytes, int64_t first_cap_bytes) {
              ReducerOptions options;
+             options.cap_bytes = cap_bytes;
+             options.first_cap_bytes = first_cap_bytes;
              options.gradient_as_bucket_view = gradient_as_bucket_view;
              options.find_unused_parameters = find_unused_parameters;
              options.reduce_dtype = reduce_dtype;
@@ -30,7 +34,8 @@ TORCHPAR_PYBIND(reducer) {
            }),
            py::arg("params"), py::arg("names"), py::arg("buckets"), py::arg("process_group"),
            py::arg("gradient_as_bucket_view") = false, py::arg("find_unused_parameters") = false,
-           py::arg("reduce_dtype") = py::none())
+           py::arg("reduce_dtype") = py::none(), py::arg("cap_bytes") = -1,
+           py::arg("first_cap_bytes") = -1)
       .def("prepare_for_backward", &Reducer::prepare_for_backward, py::arg("outputs"),
            py::call_guard<py::gil_scoped_release>())
       .def("trace",

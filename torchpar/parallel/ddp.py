@@ -63,11 +63,14 @@ class DistributedDataParallel(nn.Module):
         trained = [(n, p) for n, p in named if p.requires_grad]
         params = [p for _, p in trained]
         cap = int(bucket_cap_mb * 1024 * 1024)
-        buckets = _C.ddp_assign_buckets(params, cap, min(cap, FIRST_BUCKET_BYTES), grad_reduce_dtype)
+        first_cap = min(cap, FIRST_BUCKET_BYTES)
+        buckets = _C.ddp_assign_buckets(params, cap, first_cap, grad_reduce_dtype)
         # Not a Module or Parameter, so nn.Module stores it as a plain attribute: the
         # state_dict keys stay exactly torch DDP's ("module." + the module's keys).
+        # The caps let the reducer rebuild the buckets in the order of the first backward.
         self.reducer = _C.Reducer(params, [n for n, _ in trained], buckets, self.process_group,
-                                  gradient_as_bucket_view, find_unused_parameters, grad_reduce_dtype)
+                                  gradient_as_bucket_view, find_unused_parameters, grad_reduce_dtype,
+                                  cap, first_cap)
 
     def forward(self, *inputs, **kwargs):
         sync = torch.is_grad_enabled() and self.require_backward_grad_sync
