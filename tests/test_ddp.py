@@ -148,11 +148,11 @@ class _RegisteredBackwards(nn.Module):
         return self.third(torch.tanh(self.second(torch.tanh(self.first(x)))))
 
 
-def _train_out_of_order(ctx):
+def _train_out_of_order(ctx, as_view):
     _setup(ctx)
     model = _RegisteredBackwards()
     ref = copy.deepcopy(model)
-    ddp = DDP(model, process_group=ctx.pg, bucket_cap_mb=0)
+    ddp = DDP(model, process_group=ctx.pg, bucket_cap_mb=0, gradient_as_bucket_view=as_view)
     opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
     ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
     traces, buckets = [], []
@@ -177,8 +177,9 @@ def _train_out_of_order(ctx):
 
 @on_backends
 @multi_rank
-def test_buckets_launch_in_order_when_gradients_arrive_out_of_order(backend, world_size):
-    _pool(backend, world_size).run(_train_out_of_order)
+@pytest.mark.parametrize("as_view", [False, True], ids=["copy", "bucket_view"])
+def test_buckets_are_rebuilt_in_gradient_order(backend, world_size, as_view):
+    _pool(backend, world_size).run(_train_out_of_order, as_view)
 
 
 # ---- another group than the default one; the reducer's lifetime ----
