@@ -1,0 +1,4 @@
+"""Parallel modules: data parallel (``DistributedDataParallel``)."""
+from torchpar.parallel.ddp import DistributedDataParallel
+
+__all__ = ["DistributedDataParallel"]

@@ -1,0 +1,347 @@
+#include "parallel/reducer.h"
+
+#include "parallel/bucket_assignment.h"
+
+#include <ATen/ATen.h>
+#include <torch/csrc/autograd/engine.h>
+#include <torch/csrc/autograd/utils/lambda_post_hook.h>
+#include <torch/csrc/autograd/variable.h>
+
+#include <sstream>
+#include <unordered_set>
+
+namespace torchpar::parallel {
+
+namespace autograd = torch::autograd;
+
+Reducer::Reducer(std::vector<at::Tensor> params, std::vector<std::string> names,
+                 std::vector<std::vector<int64_t>> buckets,
+                 c10::intrusive_ptr<c10d::ProcessGroup> group, ReducerOptions options)
+    : params_(std::move(params)), names_(std::move(names)), group_(std::move(group)),
+      options_(options) {
+  const size_t n = params_.size();
+  TORCH_CHECK(group_, "torchpar DDP: the reducer needs a process group");
+  TORCH_CHECK(names_.size() == n, "torchpar DDP: ", n, " parameters but ", names_.size(), " names");
+  std::unordered_set<const void*> distinct;
+  for (size_t i = 0; i < n; ++i) {
+    TORCH_CHECK(params_[i].requires_grad() && params_[i].is_leaf(), "torchpar DDP: parameter '",
+                names_[i], "' must be a leaf that requires grad");
+    // A shared (tied) weight is one parameter; passing it twice would reduce it twice.
+    TORCH_CHECK(distinct.insert(params_[i].unsafeGetTensorImpl()).second,
+                "torchpar DDP: parameter '", names_[i], "' is listed twice");
+  }
+
+  build_buckets(buckets);
+  rebuilt_ = options_.cap_bytes < 0;
+  ready_.assign(n, false);
+  reachable_.assign(n, true);
+  used_since_sync_.assign(n, 0);
+  for (size_t i = 0; i < n; ++i) {
+    auto acc = autograd::impl::grad_accumulator(params_[i]);
+    TORCH_CHECK(acc, "torchpar DDP: parameter '", names_[i], "' has no gradient accumulator");
+    // Post-hooks of AccumulateGrad run after the gradient is in .grad.
+    auto hook = std::make_unique<autograd::utils::LambdaPostHook>(
+        [this, i](const autograd::variable_list& outputs, const autograd::variable_list&) {
+          on_gradient(static_cast<int64_t>(i));
+          return outputs;
+        });
+    hook_keys_.push_back(acc->add_post_hook(std::move(hook)));
+    accumulators_.push_back(std::move(acc));
+  }
+}
+
+void Reducer::build_buckets(const std::vector<std::vector<int64_t>>& buckets) {
+  at::NoGradGuard no_grad;
+  const size_t n = params_.size();
+  buckets_.clear();
+  slots_.assign(n, Slot{SIZE_MAX, 0});
+  for (auto& indices : buckets) {
+    TORCH_CHECK(!indices.empty(), "torchpar DDP: empty bucket");
+    Bucket b;
+    const at::Tensor& first = params_.at(indices.front());
+    const at::ScalarType dtype = options_.reduce_dtype.value_or(first.scalar_type());
+    int64_t numel = 0;
+    for (int64_t i : indices) {
+      TORCH_CHECK(i >= 0 && static_cast<size_t>(i) < n, "torchpar DDP: bucket index ", i, " out of range");
+      TORCH_CHECK(slots_[i].bucket == SIZE_MAX, "torchpar DDP: parameter '", names_[i], "' is in two buckets");
+      TORCH_CHECK(params_[i].scalar_type() == first.scalar_type() && params_[i].device() == first.device(),
+                  "torchpar DDP: bucket mixes dtypes or devices ('", names_[i], "' vs '",
+                  names_[indices.front()], "')");
+      slots_[i] = Slot{buckets_.size(), b.params.size()};
+      b.params.push_back(i);
+      numel += params_[i].numel();
+    }
+    b.flat = at::zeros({numel}, first.options().dtype(dtype));
+    b.grads_are_views = options_.gradient_as_bucket_view && dtype == first.scalar_type();
+    int64_t offset = 0;
+    for (int64_t i : b.params) {
+      const at::Tensor& p = params_[i];
+      b.views.push_back(b.flat.narrow(0, offset, p.numel()).view(p.sizes()));
+      offset += p.numel();
+      // Gradients kept from before (or from the previous buckets, on a rebuild) move in.
+      if (b.grads_are_views && p.grad().defined()) {
+        b.views.back().copy_(p.grad());
+        p.mutable_grad() = b.views.back();
+      }
+    }
+    buckets_.push_back(std::move(b));
+  }
+  for (size_t i = 0; i < n; ++i) {
+    TORCH_CHECK(slots_[i].bucket != SIZE_MAX, "torchpar DDP: parameter '", names_[i], "' is in no bucket");
+  }
+  for (auto& b : buckets_) {
+    b.pending = b.params.size();
+  }
+}
+
+Reducer::~Reducer() {
+  // A graph built before this reducer died may still run backward; the hook must not
+  // call into freed memory.
+  for (size_t i = 0; i < accumulators_.size(); ++i) {
+    accumulators_[i]->del_post_hook(hook_keys_[i]);
+  }
+}
+
+void Reducer::reset_step() {
+  expect_backward_ = false;
+  backward_started_ = false;
+  std::fill(ready_.begin(), ready_.end(), false);
+  std::fill(reachable_.begin(), reachable_.end(), true);
+  for (auto& b : buckets_) {
+    b.pending = b.params.size();
+    b.work.reset();
+  }
+  next_launch_ = 0;
+}
+
+void Reducer::prepare_for_backward(const std::vector<at::Tensor>& outputs) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  reset_step();
+  trace_.clear();
+  ready_order_.clear();
+  expect_backward_ = true;
+  if (!options_.find_unused_parameters) {
+    return;
+  }
+  // Every grad accumulator reachable from the outputs will fire; the others will not.
+  std::unordered_set<const autograd::Node*> seen;
+  std::vector<autograd::Node*> stack;
+  for (const auto& t : outputs) {
+    if (!t.defined() || !t.requires_grad()) {
+      continue;
+    }
+    auto fn = autograd::impl::gradient_edge(t).function;
+    if (fn && seen.insert(fn.get()).second) {
+      stack.push_back(fn.get());
+    }
+  }
+  while (!stack.empty()) {
+    autograd::Node* node = stack.back();
+    stack.pop_back();
+    for (const auto& edge : node->next_edges()) {
+      if (edge.function && seen.insert(edge.function.get()).second) {
+        stack.push_back(edge.function.get());
+      }
+    }
+  }
+  for (size_t i = 0; i < params_.size(); ++i) {
+    reachable_[i] = seen.count(accumulators_[i].get()) > 0;
+  }
+}
+
+void Reducer::on_gradient(int64_t index) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  at::NoGradGuard no_grad;
+  used_since_sync_[index] = 1;
+  if (!expect_backward_) {
+    return;  // no_sync(): the gradient just accumulates in .grad
+  }
+  if (!backward_started_) {
+    backward_started_ = true;
+    // Runs on this graph task once backward has finished: wait and write back.
+    autograd::Engine::get_default_engine().queue_callback([this] { finalize(); });
+    // Parameters the outputs do not reach count as ready now; deferring this to the
+    // first hook (not prepare_for_backward) keeps all collectives inside backward, so
+    // they cannot interleave with collectives the user issues between forward and backward.
+    for (size_t i = 0; i < params_.size(); ++i) {
+      if (!reachable_[i]) {
+        mark_ready(static_cast<int64_t>(i), used_since_sync_[i] != 0);
+      }
+    }
+  }
+  if (!rebuilt_) {
+    ready_order_.push_back(index);
+  }
+  mark_ready(index, true);
+}
+
+void Reducer::mark_ready(int64_t index, bool has_gradient) {
+  TORCH_CHECK(!ready_[index], "torchpar DDP: parameter '", names_[index],
+              "' got a gradient twice in one step. Reentrant backward, a second backward "
+              "through the same forward, or a parameter used outside the module's forward "
+              "(with find_unused_parameters=True) can cause this.");
+  ready_[index] = true;
+  trace_.push_back({TraceEvent::kReady, index});
+  const Slot& slot = slots_[index];
+  Bucket& b = buckets_[slot.bucket];
+  at::Tensor view = b.views[slot.offset];  // a handle: mul_out takes a mutable out
+  const at::Tensor& param = params_[index];
+  const at::Tensor& grad = param.grad();
+  // Averaging = dividing by the group size before the sum (an average of low-precision
+  // values overflows less than their sum), fused with the copy into the bucket where the
+  // dtypes allow, to read and write the gradient once.
+  const double scale = 1.0 / group_->getSize();
+  if (!has_gradient || !grad.defined()) {
+    view.zero_();
+  } else if (b.grads_are_views) {
+    if (!grad.is_alias_of(view)) {
+      // zero_grad(set_to_none=True) or the first step: autograd made a fresh tensor.
+      at::mul_out(view, grad, at::scalar_tensor(scale, view.options().device(at::kCPU)));
+      param.mutable_grad() = view;
+    } else {
+      view.mul_(scale);
+    }
+  } else if (grad.scalar_type() == view.scalar_type()) {
+    at::mul_out(view, grad, at::scalar_tensor(scale, view.options().device(at::kCPU)));
+  } else {
+    view.copy_(grad);  // widen first (grad_reduce_dtype), then divide in the wider dtype
+    view.mul_(scale);
+  }
+  --b.pending;
+  launch_ready_buckets();
+}
+
+void Reducer::launch_ready_buckets() {
+  while (next_launch_ < buckets_.size() && buckets_[next_launch_].pending == 0) {
+    Bucket& b = buckets_[next_launch_];
+    std::vector<at::Tensor> tensors{b.flat};
+    b.work = group_->allreduce(tensors);
+    trace_.push_back({TraceEvent::kLaunch, static_cast<int64_t>(next_launch_)});
+    ++next_launch_;
+  }
+}
+
+void Reducer::finalize() {
+  std::lock_guard<std::mutex> lock(mutex_);
+  at::NoGradGuard no_grad;
+  if (!expect_backward_) {
+    return;
+  }
+  trace_.push_back({TraceEvent::kFinalize, -1});
+  try {
+    if (next_launch_ < buckets_.size()) {
+      std::ostringstream missing;
+      int shown = 0;
+      for (size_t i = 0; i < params_.size() && shown < 5; ++i) {
+        if (!ready_[i]) {
+          missing << (shown++ ? ", " : "") << "'" << names_[i] << "'";
+        }
+      }
+      const char* hint = options_.find_unused_parameters
+                             ? "They are reachable from the forward's outputs, yet autograd did not "
+                               "reach them: was backward started from another tensor?"
+                             : "Pass find_unused_parameters=True if a step may leave parameters unused.";
+      TORCH_CHECK(false, "torchpar DDP: backward finished but these parameters got no gradient: ",
+                  missing.str(), ". ", hint);
+    }
+    // Globally unused parameters keep their .grad as it is (None stays None), as in
+    // torch's DDP; telling them apart needs every rank's used flags.
+    const std::vector<int32_t> used_anywhere =
+        options_.find_unused_parameters ? reduce_used_flags() : std::vector<int32_t>(params_.size(), 1);
+    // Bucket by bucket, so that copying out an early bucket overlaps the all-reduce of
+    // the later ones.
+    for (auto& b : buckets_) {
+      b.work->wait();
+      write_back(b, used_anywhere);
+    }
+    if (!rebuilt_) {
+      rebuild_in_observed_order();
+    }
+  } catch (...) {
+    reset_step();
+    throw;
+  }
+  std::fill(used_since_sync_.begin(), used_since_sync_.end(), 0);
+  reset_step();
+}
+
+void Reducer::rebuild_in_observed_order() {
+  // Once only, as torch's DDP does (Li et al., VLDB 2020, section 4.2.2): later steps
+  // are assumed to produce gradients in the order of the first one.
+  rebuilt_ = true;
+  std::vector<int64_t> order = ready_order_;
+  ready_order_.clear();
+  std::vector<bool> listed(params_.size(), false);
+  for (int64_t i : order) {
+    listed[i] = true;
+  }
+  for (int64_t i = static_cast<int64_t>(params_.size()) - 1; i >= 0; --i) {
+    if (!listed[i]) {
+      order.push_back(i);  // unused in that step: last, in reverse registration order
+    }
+  }
+  // Ranks may have seen different orders (autograd threads race); all take rank 0's,
+  // since every rank must fill and launch the same buckets.
+  at::Tensor shared = at::tensor(order, at::kLong).to(params_.front().device());
+  std::vector<at::Tensor> tensors{shared};
+  group_->broadcast(tensors)->wait();
+  shared = shared.cpu();
+  order.assign(shared.data_ptr<int64_t>(), shared.data_ptr<int64_t>() + shared.numel());
+  auto buckets = assign_buckets(params_, options_.cap_bytes, options_.first_cap_bytes,
+                                options_.reduce_dtype, order);
+  if (buckets != bucket_indices()) {
+    build_buckets(buckets);
+  }
+}
+
+std::vector<int32_t> Reducer::reduce_used_flags() {
+  // One more small all-reduce, issued after every bucket (same order on all ranks).
+  at::Tensor used = at::tensor(used_since_sync_, at::kInt).to(params_.front().device());
+  std::vector<at::Tensor> tensors{used};
+  group_->allreduce(tensors)->wait();
+  at::Tensor host = used.cpu();
+  return std::vector<int32_t>(host.data_ptr<int32_t>(), host.data_ptr<int32_t>() + host.numel());
+}
+
+void Reducer::write_back(Bucket& b, const std::vector<int32_t>& used_anywhere) {
+  for (size_t k = 0; k < b.params.size(); ++k) {
+    const int64_t i = b.params[k];
+    if (!used_anywhere[i]) {
+      continue;
+    }
+    const at::Tensor& param = params_[i];
+    const at::Tensor& grad = param.grad();
+    if (b.grads_are_views) {
+      if (!grad.defined() || !grad.is_alias_of(b.views[k])) {
+        param.mutable_grad() = b.views[k];
+      }
+    } else if (grad.defined()) {
+      grad.copy_(b.views[k]);
+    } else {
+      param.mutable_grad() = at::empty_like(param).copy_(b.views[k]);
+    }
+  }
+}
+
+std::vector<TraceEvent> Reducer::trace() const {
+  std::lock_guard<std::mutex> lock(mutex_);
+  return trace_;
+}
+
+std::vector<std::vector<int64_t>> Reducer::bucket_indices() const {
+  std::vector<std::vector<int64_t>> out;
+  for (const auto& b : buckets_) {
+    out.push_back(b.params);
+  }
+  return out;
+}
+
+std::vector<at::Tensor> Reducer::bucket_tensors() const {
+  std::vector<at::Tensor> out;
+  for (const auto& b : buckets_) {
+    out.push_back(b.flat);
+  }
+  return out;
+}
+
+}  // namespace torchpar::parallel

@@ -1,0 +1,124 @@
+// The DDP reducer: averages gradients over a process group while backward still runs.
+//
+// Parameters are grouped into buckets (see bucket_assignment.h), each backed by one flat
+// tensor. A post-hook on every parameter's gradient accumulator copies the fresh gradient
+// into its bucket; when a bucket's last gradient arrives its all-reduce is launched
+// asynchronously, so communication overlaps the remainder of backward. A callback queued
+// on the autograd engine runs when backward is done: it waits for every bucket and writes
+// the averaged gradients into `.grad`, so `optimizer.step()` needs nothing extra.
+//
+// Buckets are launched strictly in index order on every rank, whatever order gradients
+// arrive in, because collectives must be issued in the same order on all ranks.
+//
+// Only the public c10d API (ProcessGroup::allreduce, Work::wait) is used, so the reducer
+// runs on any backend: torchpar, gloo, nccl.
+#pragma once
+
+#include <ATen/core/Tensor.h>
+#include <torch/csrc/autograd/node.h>
+#include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
+
+#include <cstdint>
+#include <mutex>
+#include <optional>
+#include <string>
+#include <utility>
+#include <vector>
+
+namespace torchpar::parallel {
+
+struct ReducerOptions {
+  // Keep params' .grad as views into the buckets: saves one copy in and one copy out and
+  // the memory of a second gradient copy. Ignored for buckets whose dtype differs from
+  // the parameters' (grad_reduce_dtype), where a view cannot exist.
+  bool gradient_as_bucket_view = false;
+  // Walk the autograd graph from the forward outputs to find parameters that will get no
+  // gradient this step, and count them ready (with zeros) instead of waiting forever.
+  bool find_unused_parameters = false;
+  // Dtype the buckets hold and reduce in; nullopt: the parameters' own dtype.
+  std::optional<at::ScalarType> reduce_dtype;
+  // Bucket caps for rebuilding the buckets in the gradient order seen in the first step
+  // (registration order is only a guess at backward's order); -1: keep the first buckets.
+  int64_t cap_bytes = -1;
+  int64_t first_cap_bytes = -1;
+};
+
+// One entry of the per-step trace, for tests that pin the order of events.
+struct TraceEvent {
+  enum Kind { kReady, kLaunch, kFinalize } kind;
+  int64_t index;  // parameter index for kReady, bucket index for kLaunch, -1 else
+};
+
+class Reducer {
+ public:
+  // `params` are the parameters to reduce (those requiring grad), `names` their names for
+  // error messages, `buckets` the output of assign_buckets.
+  Reducer(std::vector<at::Tensor> params, std::vector<std::string> names,
+          std::vector<std::vector<int64_t>> buckets,
+          c10::intrusive_ptr<c10d::ProcessGroup> group, ReducerOptions options);
+  ~Reducer();
+
+  Reducer(const Reducer&) = delete;
+  Reducer& operator=(const Reducer&) = delete;
+
+  // Called after a forward whose backward must synchronise gradients. `outputs` are the
+  // forward's output tensors, used only with find_unused_parameters. A backward that is
+  // not preceded by this call (no_sync) just accumulates gradients locally.
+  void prepare_for_backward(const std::vector<at::Tensor>& outputs);
+
+  // The events of the last synchronised step, in order.
+  std::vector<TraceEvent> trace() const;
+  // Bucket -> parameter indices, and each bucket's flat tensor (for tests and tools).
+  std::vector<std::vector<int64_t>> bucket_indices() const;
+  std::vector<at::Tensor> bucket_tensors() const;
+
+ private:
+  struct Bucket {
+    at::Tensor flat;                  // every gradient of the bucket, back to back
+    std::vector<int64_t> params;      // parameter indices
+    std::vector<at::Tensor> views;    // views of `flat` shaped like each parameter
+    bool grads_are_views = false;     // .grad aliases `views` (gradient_as_bucket_view)
+    size_t pending = 0;               // gradients still to arrive this step
+    c10::intrusive_ptr<c10d::Work> work;
+  };
+  struct Slot {                       // where parameter i lives
+    size_t bucket;
+    size_t offset;                    // index into Bucket::params / views
+  };
+
+  void build_buckets(const std::vector<std::vector<int64_t>>& buckets);
+  void rebuild_in_observed_order();
+  void on_gradient(int64_t index);
+  void mark_ready(int64_t index, bool has_gradient);
+  void launch_ready_buckets();
+  void finalize();
+  std::vector<int32_t> reduce_used_flags();
+  void write_back(Bucket& b, const std::vector<int32_t>& used_anywhere);
+  void reset_step();
+
+  std::vector<at::Tensor> params_;
+  std::vector<std::string> names_;
+  std::vector<Bucket> buckets_;
+  std::vector<Slot> slots_;
+  c10::intrusive_ptr<c10d::ProcessGroup> group_;
+  ReducerOptions options_;
+
+  // Grad accumulators are held here: a parameter only keeps a weak reference to its own,
+  // and a fresh one (without our hook) would be made if this one were freed.
+  std::vector<c10::intrusive_ptr<torch::autograd::Node>> accumulators_;
+  std::vector<uintptr_t> hook_keys_;
+
+  // Step state, guarded by mutex_ (hooks run on autograd device threads).
+  mutable std::mutex mutex_;
+  bool expect_backward_ = false;      // prepare_for_backward was called
+  bool backward_started_ = false;     // first hook of the step ran, callback queued
+  std::vector<bool> ready_;
+  std::vector<bool> reachable_;       // find_unused: parameter reached from the outputs
+  std::vector<int32_t> used_since_sync_;  // got a gradient since the last reduction
+  size_t next_launch_ = 0;
+  std::vector<TraceEvent> trace_;
+  std::vector<int64_t> ready_order_;  // hook order in the first synchronised step
+  bool rebuilt_ = false;
+};
+
+}  // namespace torchpar::parallel

@@ -1,0 +1,56 @@
+// Python bindings of the DDP reducer (csrc/parallel/reducer.h); the nn.Module wrapper is
+// torchpar/parallel/ddp.py.
+#include "parallel/bucket_assignment.h"
+#include "parallel/reducer.h"
+#include "python/bindings.h"
+
+#include <torch/csrc/utils/pybind.h>
+
+namespace py = pybind11;
+using torchpar::parallel::Reducer;
+using torchpar::parallel::ReducerOptions;
+using torchpar::parallel::TraceEvent;
+
+TORCHPAR_PYBIND(reducer) {
+  m.def("ddp_assign_buckets", &torchpar::parallel::assign_buckets, py::arg("params"),
+        py::arg("cap_bytes"), py::arg("first_cap_bytes"), py::arg("reduce_dtype") = py::none(),
+        py::arg("order") = std::vector<int64_t>{},
+        "Bucket -> parameter indices, filled in `order` (default: reverse registration order).");
+
+  py::class_<Reducer, std::shared_ptr<Reducer>>(m, "Reducer")
+      .def(py::init([](std::vector<at::Tensor> params, std::vector<std::string> names,
+                       std::vector<std::vector<int64_t>> buckets,
+                       c10::intrusive_ptr<c10d::ProcessGroup> group, bool gradient_as_bucket_view,
+                       bool find_unused_parameters, std::optional<at::ScalarType> reduce_dtype,
+                       int64_t cap_bytes, int64_t first_cap_bytes) {
+             ReducerOptions options;
+             options.cap_bytes = cap_bytes;
+             options.first_cap_bytes = first_cap_bytes;
+             options.gradient_as_bucket_view = gradient_as_bucket_view;
+             options.find_unused_parameters = find_unused_parameters;
+             options.reduce_dtype = reduce_dtype;
+             return std::make_shared<Reducer>(std::move(params), std::move(names), std::move(buckets),
+                                              std::move(group), options);
+           }),
+           py::arg("params"), py::arg("names"), py::arg("buckets"), py::arg("process_group"),
+           py::arg("gradient_as_bucket_view") = false, py::arg("find_unused_parameters") = false,
+           py::arg("reduce_dtype") = py::none(), py::arg("cap_bytes") = -1,
+           py::arg("first_cap_bytes") = -1)
+      .def("prepare_for_backward", &Reducer::prepare_for_backward, py::arg("outputs"),
+           py::call_guard<py::gil_scoped_release>())
+      .def("trace",
+           [](const Reducer& r) {
+             py::list out;
+             for (const auto& e : r.trace()) {
+               const char* kind = e.kind == TraceEvent::kReady    ? "ready"
+                                  : e.kind == TraceEvent::kLaunch ? "launch"
+                                                                  : "finalize";
+               out.append(py::make_tuple(kind, e.index));
+             }
+             return out;
+           },
+           "Events of the last synchronised step: ('ready', param), ('launch', bucket), "
+           "('finalize', -1).")
+      .def("bucket_indices", &Reducer::bucket_indices)
+      .def("bucket_tensors", &Reducer::bucket_tensors);
+}

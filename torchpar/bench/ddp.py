@@ -1,0 +1,223 @@
+"""``python -m torchpar.bench ddp``: DDP step time, torchpar's reducer beside torch's.
+
+Spawns ``--world-size`` ranks per backend and, in the same ranks, times one training step
+(forward, backward, gradient averaging, SGD step) of the same MLP five ways:
+
+- ``torchpar_ddp``  torchpar.parallel.DistributedDataParallel (C++ reducer, overlapped)
+- ``torch_ddp``     torch.nn.parallel.DistributedDataParallel
+- ``no_overlap``    plain backward, then one all-reduce per gradient (the naive baseline)
+- ``compute_only``  forward + backward + step with no communication (a lower bound)
+- ``comm_only``     the all-reduces alone (what overlap can hide)
+
+Modes run in interleaved rounds so that drift in machine load hits all of them alike;
+the table shows the median step time and the ratios against torchpar's DDP.
+"""
+import argparse
+import copy
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+from datetime import datetime, timezone
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from torch import nn
+
+MODES = ["torchpar_ddp", "torch_ddp", "no_overlap", "compute_only", "comm_only"]
+
+
+def _mlp(width, depth):
+    layers = []
+    for _ in range(depth):
+        layers += [nn.Linear(width, width), nn.GELU()]
+    return nn.Sequential(*layers)
+
+
+def _steps(model, pg, args):
+    """One closure per mode, each on its own replica and optimizer."""
+    from torchpar.parallel import DistributedDataParallel
+
+    x = torch.randn(args.batch, args.width)
+    y = torch.randn(args.batch, args.width)
+
+    def trainer(net, after_backward=None):
+        params = [p for p in net.parameters()]
+        opt = torch.optim.SGD(params, lr=1e-4)
+
+        def step():
+            opt.zero_grad()
+            nn.functional.mse_loss(net(x), y).backward()
+            if after_backward:
+                after_backward([p.grad for p in params])
+            opt.step()
+        return step
+
+    def allreduce_each(grads):
+        for g in grads:
+            dist.all_reduce(g, group=pg)
+            g.div_(dist.get_world_size(pg))
+
+    grads = [torch.zeros_like(p) for p in model.parameters()]
+
+    return {
+        "torchpar_ddp": trainer(DistributedDataParallel(copy.deepcopy(model), process_group=pg,
+                                                    bucket_cap_mb=args.bucket_cap_mb)),
+        "torch_ddp": trainer(nn.parallel.DistributedDataParallel(copy.deepcopy(model), process_group=pg,
+                                                             bucket_cap_mb=args.bucket_cap_mb)),
+        "no_overlap": trainer(copy.deepcopy(model), allreduce_each),
+        "compute_only": trainer(copy.deepcopy(model)),
+        "comm_only": lambda: allreduce_each(grads),
+    }
+
+
+def _rank(rank, backend, init_file, args, queue):
+    torch.set_num_threads(args.threads)
+    import torchpar  # noqa: F401  (registers the torchpar backend)
+
+    dist.init_process_group(backend, init_method=f"file://{init_file}", rank=rank,
+                            world_size=args.world_size)
+    try:
+        torch.manual_seed(0)
+        model = _mlp(args.width, args.depth)
+        steps = _steps(model, dist.group.WORLD, args)
+        samples = {m: [] for m in MODES}
+        for round_ in range(args.rounds):
+            # Rotate the order so that no mode always follows the same one.
+            for mode in MODES[round_ % len(MODES):] + MODES[:round_ % len(MODES)]:
+                for _ in range(args.warmup):
+                    steps[mode]()
+                dist.barrier()
+                for _ in range(args.steps):
+                    t0 = time.perf_counter()
+                    steps[mode]()
+                    samples[mode].append(time.perf_counter() - t0)
+        if rank == 0:
+            if args.dump_samples:
+                print(json.dumps({m: [round(t * 1e3, 1) for t in s] for m, s in samples.items()}), flush=True)
+            queue.put(("ok", {stat: {m: fn(s) * 1e3 for m, s in samples.items()}
+                              for stat, fn in (("median", statistics.median), ("min", min))}))
+    except BaseException as e:  # noqa: BLE001 - the parent prints it
+        queue.put(("err", f"rank {rank}: {e!r}"))
+        raise
+    finally:
+        dist.destroy_process_group()
+
+
+def _run_backend(backend, args):
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    with tempfile.TemporaryDirectory(prefix="torchpar-bench-ddp-") as tmp:
+        procs = [ctx.Process(target=_rank, args=(r, backend, os.path.join(tmp, "init"), args, queue))
+                 for r in range(args.world_size)]
+        for p in procs:
+            p.start()
+        try:
+            status, value = queue.get(timeout=args.timeout)
+        except Exception:  # noqa: BLE001 - queue.Empty: a rank hung or died
+            status, value = "err", f"no result within {args.timeout}s"
+        for p in procs:
+            p.join(timeout=30)
+            if p.is_alive():
+                p.kill()
+    if status != "ok":
+        raise RuntimeError(f"{backend}: {value}")
+    return value
+
+
+def _available(backend):
+    import torchpar
+    if backend == "torchpar":
+        return hasattr(torchpar._C, "ProcessGroupTorchpar")
+    return dist.is_backend_available(backend)
+
+
+def _print_table(results, meta, stat):
+    print(f"\nDDP step time, world size {meta['world_size']}, MLP {meta['depth']}x{meta['width']} "
+          f"({meta['params'] / 1e6:.1f}M params, {meta['params'] * 4 / 2**20:.0f} MiB of fp32 gradients), "
+          f"batch {meta['batch']} per rank, {meta['threads']} thread(s) per rank, "
+          f"{stat} of {meta['samples']} steps (ms)")
+    head = f"{'backend':<10}" + "".join(f"{m:>14}" for m in MODES) + f"{'torch/ours':>12}{'naive/ours':>12}"
+    print(head)
+    print("-" * len(head))
+    for backend, r in results.items():
+        r = r and r[stat]
+        if r is None:
+            print(f"{backend:<10}  (backend not available in this build: skipped)")
+            continue
+        row = f"{backend:<10}" + "".join(f"{r[m]:>14.1f}" for m in MODES)
+        row += f"{r['torch_ddp'] / r['torchpar_ddp']:>11.2f}x{r['no_overlap'] / r['torchpar_ddp']:>11.2f}x"
+        print(row)
+    print("torch/ours > 1: torchpar DDP faster than torch DDP; naive/ours: speed-up over "
+          "backward-then-all-reduce. compute_only and comm_only bound what overlap can reach.")
+    print(f"{meta['date']}, torch {meta['torch']}, load average before the run {meta['load']:.2f}")
+
+
+def _plot(results, path):
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    backends = [b for b, r in results.items() if r is not None]
+    fig, ax = plt.subplots(figsize=(7, 4))
+    width = 0.8 / len(MODES)
+    for i, mode in enumerate(MODES):
+        ax.bar([b + i * width for b in range(len(backends))], [results[k]["median"][mode] for k in backends],
+               width, label=mode)
+    ax.set_xticks([b + 0.4 - width / 2 for b in range(len(backends))], backends)
+    ax.set_ylabel("step time (ms, median)")
+    ax.set_title("DDP step time by backend")
+    ax.legend()
+    fig.tight_layout()
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    fig.savefig(path, dpi=120)
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(prog="python -m torchpar.bench ddp", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--backends", default="torchpar,gloo")
+    ap.add_argument("--world-size", type=int, default=2)
+    ap.add_argument("--width", type=int, default=1280)
+    ap.add_argument("--depth", type=int, default=10, help="Linear layers (width x width each)")
+    ap.add_argument("--batch", type=int, default=64, help="samples per rank")
+    ap.add_argument("--threads", type=int, default=1, help="torch intra-op threads per rank")
+    ap.add_argument("--bucket-cap-mb", type=float, default=25)
+    ap.add_argument("--steps", type=int, default=2, help="timed steps per mode per round")
+    ap.add_argument("--rounds", type=int, default=20)
+    ap.add_argument("--warmup", type=int, default=1, help="untimed steps before each mode in each round")
+    ap.add_argument("--timeout", type=float, default=900)
+    ap.add_argument("--dump-samples", action="store_true", help="print every step time (rank 0)")
+    ap.add_argument("--json", help="write results here")
+    ap.add_argument("--plot", help="write a PNG bar chart here")
+    args = ap.parse_args(argv)
+
+    meta = {k: getattr(args, k) for k in ("world_size", "width", "depth", "batch", "threads", "bucket_cap_mb")}
+    meta["params"] = args.depth * (args.width * args.width + args.width)
+    meta["samples"] = args.steps * args.rounds
+    meta["date"] = datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+    meta["torch"] = torch.__version__
+    meta["load"] = os.getloadavg()[0]  # other work on the machine skews every mode
+    results = {}
+    for backend in [b.strip() for b in args.backends.split(",") if b.strip()]:
+        if not _available(backend):
+            print(f"note: backend '{backend}' is not available in this build; skipped", file=sys.stderr)
+            results[backend] = None
+            continue
+        print(f"running {backend} ...", file=sys.stderr, flush=True)
+        results[backend] = _run_backend(backend, args)
+    _print_table(results, meta, "median")  # the JSON also has "min", least disturbed by other load
+    if args.json:
+        os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
+        with open(args.json, "w") as f:
+            json.dump({"meta": meta, "results_ms": results}, f, indent=2)
+    if args.plot and any(r is not None for r in results.values()):
+        _plot(results, args.plot)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,150 @@
+"""Data parallelism: a drop-in for ``torch.nn.parallel.DistributedDataParallel``.
+
+Each rank holds a full replica and a slice of the batch; gradients are averaged over the
+group during backward, so every replica takes the same optimizer step (Li et al.,
+"PyTorch Distributed: Experiences on Accelerating Data Parallel Training", VLDB 2020,
+arXiv:2006.15704, describes the bucketing and overlap this follows).
+
+The engine is the C++ ``torchpar._C.Reducer`` (csrc/parallel/reducer.{h,cpp}): it owns the
+buckets, the hooks on the gradient accumulators, the asynchronous all-reduces and the
+write-back at the end of backward. This wrapper only checks and broadcasts the model at
+construction, syncs buffers before forward and tells the reducer which forwards need a
+synchronised backward. It uses the public torch.distributed API only, so it runs on any
+backend (torchpar, gloo, nccl).
+"""
+from contextlib import contextmanager
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
+from torch.utils._pytree import tree_flatten
+
+from torchpar import _C
+
+# The first bucket is small so its all-reduce starts early in backward (torch uses the
+# same 1 MiB, pytorch/pytorch#73732).
+FIRST_BUCKET_BYTES = 1 << 20
+
+# Stable dtype codes for the cross-rank model check (hash(str) differs between processes).
+_DTYPE_CODES = {dt: i for i, dt in enumerate([
+    torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.complex64,
+    torch.complex128, torch.int8, torch.int16, torch.int32, torch.int64, torch.uint8,
+    torch.bool])}
+
+
+class DistributedDataParallel(nn.Module):
+    """Wraps ``module`` so that ``loss.backward()`` leaves gradients averaged over
+    ``process_group`` (default: the world) in every parameter's ``.grad``.
+
+    Arguments match torch's DDP; ``grad_reduce_dtype`` (e.g. ``torch.float32`` for
+    bfloat16 parameters) makes the buckets hold and reduce gradients in that dtype, the
+    result being cast back, because sums of many low-precision values lose precision.
+    """
+
+    def __init__(self, module, process_group=None, bucket_cap_mb=25, gradient_as_bucket_view=False,
+                 find_unused_parameters=False, broadcast_buffers=True, grad_reduce_dtype=None):
+        super().__init__()
+        self.module = module
+        self.process_group = process_group if process_group is not None else dist.group.WORLD
+        if self.process_group is None:
+            raise RuntimeError("torchpar DDP: call torch.distributed.init_process_group first")
+        self.broadcast_buffers = broadcast_buffers
+        self.find_unused_parameters = find_unused_parameters
+        self.gradient_as_bucket_view = gradient_as_bucket_view
+        self.grad_reduce_dtype = grad_reduce_dtype
+        self.require_backward_grad_sync = True
+
+        named = list(module.named_parameters())
+        _verify_same_model(named, self.process_group)
+        with torch.no_grad():
+            _broadcast_from_rank0([p for _, p in named] + list(module.buffers()), self.process_group)
+
+        trained = [(n, p) for n, p in named if p.requires_grad]
+        params = [p for _, p in trained]
+        cap = int(bucket_cap_mb * 1024 * 1024)
+        first_cap = min(cap, FIRST_BUCKET_BYTES)
+        buckets = _C.ddp_assign_buckets(params, cap, first_cap, grad_reduce_dtype)
+        # Not a Module or Parameter, so nn.Module stores it as a plain attribute: the
+        # state_dict keys stay exactly torch DDP's ("module." + the module's keys).
+        # The caps let the reducer rebuild the buckets in the order of the first backward.
+        self.reducer = _C.Reducer(params, [n for n, _ in trained], buckets, self.process_group,
+                                  gradient_as_bucket_view, find_unused_parameters, grad_reduce_dtype,
+                                  cap, first_cap)
+
+    def forward(self, *inputs, **kwargs):
+        sync = torch.is_grad_enabled() and self.require_backward_grad_sync
+        if sync and self.broadcast_buffers:
+            with torch.no_grad():
+                _broadcast_from_rank0(list(self.module.buffers()), self.process_group)
+        outputs = self.module(*inputs, **kwargs)
+        if sync:
+            tensors = [t for t in tree_flatten(outputs)[0] if isinstance(t, torch.Tensor)]
+            self.reducer.prepare_for_backward(tensors if self.find_unused_parameters else [])
+        return outputs
+
+    @contextmanager
+    def no_sync(self):
+        """Backward passes inside only accumulate gradients locally; the first synchronised
+        backward after it averages the accumulated sum."""
+        old = self.require_backward_grad_sync
+        self.require_backward_grad_sync = False
+        try:
+            yield
+        finally:
+            self.require_backward_grad_sync = old
+
+
+def _broadcast_from_rank0(tensors, group):
+    """Rank 0's values everywhere, one broadcast per (device, dtype) rather than per tensor."""
+    src = dist.get_global_rank(group, 0) if group is not dist.group.WORLD else 0
+    by_kind = {}
+    for t in tensors:
+        by_kind.setdefault((t.device, t.dtype), []).append(t)
+    for same in by_kind.values():
+        flat = _flatten_dense_tensors([t.detach() for t in same])
+        dist.broadcast(flat, src, group=group)
+        for t, value in zip(same, _unflatten_dense_tensors(flat, same)):
+            t.copy_(value)
+
+
+def _verify_same_model(named, group):
+    """Raise on every rank, naming the first parameter whose shape, dtype or requires_grad
+    differs between ranks; different models would silently reduce unrelated gradients."""
+    device = named[0][1].device if named else torch.device("cpu")
+    world = dist.get_world_size(group)
+    ndim = max((p.dim() for _, p in named), default=0)
+    head = torch.tensor([len(named), ndim], dtype=torch.int64, device=device)
+    heads = [torch.empty_like(head) for _ in range(world)]
+    dist.all_gather(heads, head, group=group)
+    counts = [int(h[0]) for h in heads]
+    width = 2 + max(int(h[1]) for h in heads)
+    rows = max(counts)
+    # Row per parameter: dtype code, requires_grad, shape padded with -1; missing rows -2.
+    sig = torch.full((rows, width), -2, dtype=torch.int64)
+    for i, (_, p) in enumerate(named):
+        sig[i, :] = -1
+        sig[i, 0] = _DTYPE_CODES.get(p.dtype, 99)
+        sig[i, 1] = int(p.requires_grad)
+        sig[i, 2:2 + p.dim()] = torch.tensor(p.shape, dtype=torch.int64)
+    sig = sig.to(device)
+    sigs = [torch.empty_like(sig) for _ in range(world)]
+    dist.all_gather(sigs, sig, group=group)
+    sigs = [s.cpu() for s in sigs]
+    for i in range(rows):
+        for r in range(1, world):
+            if not torch.equal(sigs[r][i], sigs[0][i]):
+                name = named[i][0] if i < len(named) else f"#{i}"
+                raise RuntimeError(
+                    f"torchpar DDP: the model differs across ranks at parameter {i} ('{name}' "
+                    f"on this rank, rank {dist.get_rank(group)}): rank 0 has {_describe(sigs[0][i])}, "
+                    f"rank {r} has {_describe(sigs[r][i])}. Every rank must build the same model.")
+
+
+def _describe(row):
+    if int(row[0]) == -2:
+        return "no such parameter"
+    codes = {v: k for k, v in _DTYPE_CODES.items()}
+    shape = tuple(int(d) for d in row[2:] if int(d) >= 0)
+    grad = "requires_grad" if int(row[1]) else "frozen"
+    return f"shape {shape}, {codes.get(int(row[0]), 'unknown dtype')}, {grad}"
