@@ -133,7 +133,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupTorchpar::enqueue(OpType type, const 
     }
     busy_ = true;
   }
-  execute(item);
+  execute(item, /*caller_blocks=*/true);
   {
     std::lock_guard<std::mutex> lock(mu_);
     busy_ = false;
@@ -153,7 +153,7 @@ void ProcessGroupTorchpar::run_worker() {
       queue_.pop_front();
       busy_ = true;
     }
-    execute(item);
+    execute(item, /*caller_blocks=*/false);
     {
       std::lock_guard<std::mutex> lock(mu_);
       busy_ = false;
@@ -162,7 +162,7 @@ void ProcessGroupTorchpar::run_worker() {
   }
 }
 
-void ProcessGroupTorchpar::execute(Queued& item) {
+void ProcessGroupTorchpar::execute(Queued& item, bool caller_blocks) {
   uint64_t seq = next_seq_++;
   std::exception_ptr failed;
   {
@@ -175,7 +175,7 @@ void ProcessGroupTorchpar::execute(Queued& item) {
   }
   std::exception_ptr error;
   try {
-    Comm comm{transport_->arena(), config_, Clock::now() + item.timeout, seq};
+    Comm comm{transport_->arena(), config_, Clock::now() + item.timeout, seq, caller_blocks};
     item.task(comm);
   } catch (...) {
     bool fatal = false;

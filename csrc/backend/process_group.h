@@ -113,7 +113,8 @@ class ProcessGroupTorchpar : public c10d::Backend {
   c10::intrusive_ptr<c10d::Work> enqueue(c10d::OpType type, const char* name,
                                          std::vector<at::Tensor> outputs, Task task,
                                          std::chrono::milliseconds timeout, bool async_op);
-  void execute(Queued& item);
+  // Runs a collective; `caller_blocks` when the caller is waiting for it (inline execution).
+  void execute(Queued& item, bool caller_blocks);
   c10::intrusive_ptr<Work> post_p2p(bool is_send, at::Tensor& tensor, int peer, int tag);
   void run_worker();
   std::exception_ptr describe_failure(const char* op, uint64_t seq, std::exception_ptr error,

@@ -22,7 +22,7 @@ void broadcast(Comm& c, void* data, size_t count, c10::ScalarType dtype, int roo
     char* staging = c.arena.slot(root) + (k % 2) * half;
     if (is_root) {
       // Half k%2 last held chunk k-2: wait until every receiver has read it.
-      if (k >= 2) c.arena.wait_all(c.arena.step() - 2, c.deadline);
+      if (k >= 2) c.arena.wait_all(c.arena.step() - 2, c.deadline, c.busy_wait);
       std::memcpy(staging, bytes + off * es, n * es);
     }
     if (k == 0) {

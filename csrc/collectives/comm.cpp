@@ -35,7 +35,7 @@ shm::OpDesc op_desc(OpKind kind, c10::ScalarType dtype, uint64_t count, int root
   return d;
 }
 
-void Comm::wait_slot_free() { arena.wait_all(arena.step(), deadline); }
+void Comm::wait_slot_free() { arena.wait_all(arena.step(), deadline, busy_wait); }
 
 void Comm::begin(const shm::OpDesc& desc) {
   wait_slot_free();

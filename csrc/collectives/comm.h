@@ -26,6 +26,9 @@ struct Comm {
   const Config& config;
   Clock::time_point deadline;
   uint64_t seq;  // this collective's number in the group (named in error messages)
+  // Busy-wait (spin, then yield) for peers: right when the caller blocks on the result;
+  // wrong when it runs asynchronously beside the caller's computation, whose CPU it steals.
+  bool busy_wait = true;
 
   int rank() const { return arena.rank(); }
   int size() const { return arena.size(); }
@@ -36,8 +39,8 @@ struct Comm {
   void wait_slot_free();
   // arrive(): publish the next step. arrive_and_wait(): ... and wait for every peer to reach it.
   uint32_t arrive() { return arena.arrive(); }
-  void arrive_and_wait() { arena.wait_all(arena.arrive(), deadline); }
-  void wait_for(int peer) { arena.wait_peer(peer, arena.step(), deadline); }
+  void arrive_and_wait() { arena.wait_all(arena.arrive(), deadline, busy_wait); }
+  void wait_for(int peer) { arena.wait_peer(peer, arena.step(), deadline, busy_wait); }
   // After the first arrive_and_wait of a collective: checks that every rank published the
   // same descriptor. On a mismatch every rank throws the same error, in step.
   void check_descriptors();

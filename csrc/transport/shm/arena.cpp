@@ -20,19 +20,21 @@ uint32_t Arena::arrive() {
   return step_;
 }
 
-void Arena::wait_peer(int peer, uint32_t target, Clock::time_point deadline) const {
+void Arena::wait_peer(int peer, uint32_t target, Clock::time_point deadline, bool busy) const {
   // A peer may have published the step and then failed the group; never run on past an abort.
   monitor_->check_aborted();
   Flag& flag = blocks_[peer].step;
   if (reached(flag.load(), target)) return;
   auto start = Clock::now();
-  while (Clock::now() - start < spin_) {
+  const auto spin = busy ? spin_ : std::chrono::microseconds(0);
+  const auto yield = busy ? yield_ : std::chrono::microseconds(0);
+  while (Clock::now() - start < spin) {
     for (int i = 0; i < 64; ++i) {
       if (reached(flag.load(), target)) return;
       cpu_relax();
     }
   }
-  while (Clock::now() - start < spin_ + yield_ && Clock::now() < deadline) {
+  while (Clock::now() - start < spin + yield && Clock::now() < deadline) {
     sched_yield();
     if (reached(flag.load(), target)) return;
     monitor_->check_aborted();
@@ -57,9 +59,9 @@ void Arena::wait_peer(int peer, uint32_t target, Clock::time_point deadline) con
   }
 }
 
-void Arena::wait_all(uint32_t target, Clock::time_point deadline) const {
+void Arena::wait_all(uint32_t target, Clock::time_point deadline, bool busy) const {
   for (int peer = 0; peer < size_; ++peer) {
-    if (peer != rank_) wait_peer(peer, target, deadline);
+    if (peer != rank_) wait_peer(peer, target, deadline, busy);
   }
 }
 

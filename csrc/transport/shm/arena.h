@@ -35,10 +35,12 @@ class Arena {
   uint32_t step() const { return step_; }
   // Moves this rank to the next step and tells its peers; returns the new step.
   uint32_t arrive();
-  // Waits until `peer` has reached `target`.
-  void wait_peer(int peer, uint32_t target, Clock::time_point deadline) const;
+  // Waits until `peer` has reached `target`. A busy wait spins and yields the CPU for a
+  // while before sleeping (lowest latency); otherwise it sleeps at once, leaving the CPU to
+  // whatever the process computes meanwhile.
+  void wait_peer(int peer, uint32_t target, Clock::time_point deadline, bool busy = true) const;
   // Waits until every other rank has reached `target`.
-  void wait_all(uint32_t target, Clock::time_point deadline) const;
+  void wait_all(uint32_t target, Clock::time_point deadline, bool busy = true) const;
 
  private:
   int rank_ = 0;
