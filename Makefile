@@ -64,7 +64,8 @@ demo: build
 	$(VENV)/bin/torchrun --standalone --nproc_per_node=2 -m torchpar.bench collectives --world-sizes 2 --max-bytes 16M
 
 bench: build
-	$(PY) -m torchpar.bench collectives --json bench-results/collectives.json --plot bench-results/collectives.png
+	$(PY) -m torchpar.bench collectives --json bench-results/collectives.json --plot bench-results/collectives.png \
+	  --markdown bench-results/collectives.md
 
 # CUDA build: a separate venv with the CUDA build of torch; compiles every .cu file.
 CUDA_VENV ?= .venv-cuda

@@ -25,6 +25,9 @@ import torch.multiprocessing as mp
 from torchpar.bench._report import human_bytes, parse_bytes, print_table, pyplot, write_json
 
 OPS = ["all_reduce", "all_gather_into_tensor", "reduce_scatter_tensor", "broadcast", "all_to_all_single"]
+# Newer torch renamed the tensor forms (the old names warn); same operations.
+_all_gather_tensor = getattr(dist, "all_gather_single", dist.all_gather_into_tensor)
+_reduce_scatter_tensor = getattr(dist, "reduce_scatter_single", dist.reduce_scatter_tensor)
 
 
 def bus_factor(op, n):
@@ -48,10 +51,10 @@ def make_op(op, nbytes, world, group):
         return lambda: dist.broadcast(t, group_src=0, group=group)
     if op == "all_gather_into_tensor":
         out, inp = torch.empty(numel), torch.ones(numel // world)
-        return lambda: dist.all_gather_into_tensor(out, inp, group=group)
+        return lambda: _all_gather_tensor(out, inp, group=group)
     if op == "reduce_scatter_tensor":
         out, inp = torch.empty(numel // world), torch.ones(numel)
-        return lambda: dist.reduce_scatter_tensor(out, inp, group=group)
+        return lambda: _reduce_scatter_tensor(out, inp, group=group)
     if op == "all_to_all_single":
         out, inp = torch.empty(numel), torch.ones(numel)
         return lambda: dist.all_to_all_single(out, inp, group=group)
@@ -170,8 +173,32 @@ def report(results, args):
           + "".join(f"\n  {r['op']} ws={r['world_size']} {human_bytes(r['bytes'])}: {r['speedup']:.2f}x" for r in slower))
     if args.json:
         write_json(args.json, {"suite": "collectives", "results": results})
+    if args.markdown:
+        write_markdown(results, args.markdown)
     if args.plot:
         plot(results, args.plot)
+
+
+def write_markdown(results, path, sizes=(4, 4 << 10, 64 << 10, 1 << 20, 16 << 20, 64 << 20), bw_at=16 << 20):
+    """A compact table for the README: per op and world size, time and speed-up over gloo at
+    a few sizes, and busbw at `bw_at` beside the copy bandwidth measured in the same run."""
+    copy = next((r["copy_GBps"] for r in results if r["bytes"] == bw_at and r["copy_GBps"]), 0)
+    lines = ["| op | ranks | " + " | ".join(human_bytes(b) for b in sizes) +
+             f" | busbw at {human_bytes(bw_at)}, torchpar / gloo (copy: {copy:.1f}) |",
+             "|---|---|" + "---|" * (len(sizes) + 1)]
+    for w in sorted({r["world_size"] for r in results}):
+        for op in OPS:
+            pts = {r["bytes"]: r for r in results if r["world_size"] == w and r["op"] == op}
+            if not pts:
+                continue
+            cells = [f"{pts[b]['torchpar'] * 1e6:.0f} us / {pts[b]['speedup']:.1f}x" if b in pts else ""
+                     for b in sizes]
+            big = pts.get(bw_at)
+            bw = f"{big['torchpar_busbw_GBps']:.1f} / {big['gloo_busbw_GBps']:.1f} GB/s" if big else ""
+            lines.append(f"| {op} | {w} | " + " | ".join(cells) + f" | {bw} |")
+    with open(path, "w") as f:
+        f.write("\n".join(lines) + "\n")
+    print(f"wrote {path}")
 
 
 def plot(results, path):
@@ -219,6 +246,7 @@ def main(argv=None):
     p.add_argument("--batches", default=30, type=int, help="most timed batches per point")
     p.add_argument("--json", help="write results as JSON here")
     p.add_argument("--plot", help="write a PNG of busbw against size here")
+    p.add_argument("--markdown", help="write a compact Markdown table (as in the README) here")
     p.add_argument("--quiet", dest="progress", action="store_false", help="no per-point progress lines")
     args = p.parse_args(argv)
     for op in args.ops:
