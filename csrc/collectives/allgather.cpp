@@ -2,6 +2,7 @@
 #include <cstring>
 
 #include "collectives/collectives.h"
+#include "collectives/stream_copy.h"
 
 namespace torchpar::collectives {
 namespace {
@@ -17,7 +18,7 @@ void gather_chunks(Comm& c, OpKind kind, const void* in, void* const* outs, size
   do {
     const size_t n = std::min(chunk, count - off);
     if (off > 0) c.wait_slot_free();
-    std::memcpy(c.arena.slot(c.rank()), static_cast<const char*>(in) + off * es, n * es);
+    stream_copy(c.arena.slot(c.rank()), static_cast<const char*>(in) + off * es, n * es);
     if (receives || off == 0) {
       c.arrive_and_wait();
     } else {

@@ -4,6 +4,7 @@
 #include <vector>
 
 #include "collectives/collectives.h"
+#include "collectives/stream_copy.h"
 #include "common/error.h"
 
 namespace torchpar::collectives {
@@ -38,7 +39,7 @@ Splits exchange(Comm& c, const void* const* sends, const size_t* send_counts, co
   if (mine->staged) {
     char* at = c.arena.slot(c.rank()) + header_bytes(w);
     for (int r = 0; r < w; ++r) {
-      std::memcpy(at, sends[r], send_counts[r] * es);
+      stream_copy(at, sends[r], send_counts[r] * es);
       at += send_counts[r] * es;
     }
   }
@@ -106,7 +107,7 @@ void alltoall(Comm& c, const void* const* sends, const size_t* send_counts, void
     c.wait_slot_free();
     for (int r = 0; r < w; ++r) {
       if (r != me) {
-        std::memcpy(c.arena.slot(me) + r * seg * es, static_cast<const char*>(sends[r]) + k * seg * es,
+        stream_copy(c.arena.slot(me) + r * seg * es, static_cast<const char*>(sends[r]) + k * seg * es,
                     piece(send_counts[r], k) * es);
       }
     }

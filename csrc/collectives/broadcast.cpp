@@ -2,6 +2,7 @@
 #include <cstring>
 
 #include "collectives/collectives.h"
+#include "collectives/stream_copy.h"
 
 namespace torchpar::collectives {
 
@@ -23,7 +24,7 @@ void broadcast(Comm& c, void* data, size_t count, c10::ScalarType dtype, int roo
     if (is_root) {
       // Half k%2 last held chunk k-2: wait until every receiver has read it.
       if (k >= 2) c.arena.wait_all(c.arena.step() - 2, c.deadline, c.busy_wait);
-      std::memcpy(staging, bytes + off * es, n * es);
+      stream_copy(staging, bytes + off * es, n * es);
     }
     if (k == 0) {
       c.arrive_and_wait();

@@ -3,6 +3,7 @@
 #include <vector>
 
 #include "collectives/collectives.h"
+#include "collectives/stream_copy.h"
 
 namespace torchpar::collectives {
 
@@ -24,19 +25,26 @@ void reduce_in_chunks(Comm& c, char* data, size_t count, c10::ScalarType dtype, 
     if (off > 0) c.wait_slot_free();
     for (int r = 0; r < c.size(); ++r) {
       Piece p = piece_of(n, c.size(), r);
-      if (r != me) std::memcpy(c.arena.slot(me) + p.begin * es, in + p.begin * es, p.size() * es);
+      if (r != me) stream_copy(c.arena.slot(me) + p.begin * es, in + p.begin * es, p.size() * es);
     }
     c.arrive_and_wait();
     if (off == 0) c.check_descriptors();
 
     Piece mine = piece_of(n, c.size(), me);
     for (int r = 0; r < c.size(); ++r) srcs[r] = (r == me ? in : c.arena.slot(r)) + mine.begin * es;
-    reduce(dtype, op, c.arena.slot(me) + mine.begin * es, srcs.data(), c.size(), mine.size(), c.size());
+    char* my_piece = c.arena.slot(me) + mine.begin * es;
+    if (receives) {
+      // Reduce straight into the output; publish the piece for the other receivers.
+      reduce(dtype, op, in + mine.begin * es, srcs.data(), c.size(), mine.size(), c.size());
+      if (root < 0) stream_copy(my_piece, in + mine.begin * es, mine.size() * es);
+    } else {
+      reduce(dtype, op, my_piece, srcs.data(), c.size(), mine.size(), c.size());  // input untouched
+    }
     if (receives) {
       c.arrive_and_wait();
       for (int r = 0; r < c.size(); ++r) {
         Piece p = piece_of(n, c.size(), r);
-        std::memcpy(in + p.begin * es, c.arena.slot(r) + p.begin * es, p.size() * es);
+        if (r != me) std::memcpy(in + p.begin * es, c.arena.slot(r) + p.begin * es, p.size() * es);
       }
     } else {
       c.arrive();

@@ -3,6 +3,7 @@
 #include <vector>
 
 #include "collectives/collectives.h"
+#include "collectives/stream_copy.h"
 
 namespace torchpar::collectives {
 
@@ -22,7 +23,7 @@ void reduce_scatter(Comm& c, const void* const* ins, void* out, size_t count, c1
     if (off > 0) c.wait_slot_free();
     for (int r = 0; r < c.size(); ++r) {
       if (r != me) {
-        std::memcpy(c.arena.slot(me) + r * chunk * es, static_cast<const char*>(ins[r]) + off * es, n * es);
+        stream_copy(c.arena.slot(me) + r * chunk * es, static_cast<const char*>(ins[r]) + off * es, n * es);
       }
     }
     c.arrive_and_wait();

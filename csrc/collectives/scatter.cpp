@@ -2,6 +2,7 @@
 #include <cstring>
 
 #include "collectives/collectives.h"
+#include "collectives/stream_copy.h"
 
 namespace torchpar::collectives {
 
@@ -19,7 +20,7 @@ void scatter(Comm& c, const void* const* ins, void* out, size_t count, c10::Scal
       if (off > 0) c.wait_slot_free();
       for (int r = 0; r < c.size(); ++r) {
         if (r != root) {
-          std::memcpy(c.arena.slot(root) + r * chunk * es,
+          stream_copy(c.arena.slot(root) + r * chunk * es,
                       static_cast<const char*>(ins[r]) + off * es, n * es);
         }
       }
