@@ -5,11 +5,9 @@ PY      := $(VENV)/bin/python
 PIP     := $(VENV)/bin/pip
 TORCH   ?= torch==2.13.0
 NPROC   ?= 2
-# ccache keeps rebuilds on the same machine quick; the build works without it.
-CCACHE  := $(shell command -v ccache 2>/dev/null)
-ifneq ($(CCACHE),)
-export CXX := ccache g++
-endif
+# ccache keeps rebuilds on the same machine quick; the build works without it. torch's
+# cpp_extension puts ccache in front of g++ by itself when it is on PATH (setting
+# CXX="ccache g++" here would wrap it twice: "ccache: Could not find compiler").
 export MAX_JOBS ?= $(NPROC)
 
 SOURCES := setup.py $(shell find csrc -name '*.cpp' -o -name '*.h' -o -name '*.cu' 2>/dev/null)

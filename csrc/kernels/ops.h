@@ -1,0 +1,53 @@
+// Host-side pieces the CPU and CUDA kernels of the fused ops share: argument checks (run
+// before any kernel, naming the bad argument), the dropout seed, and the views the
+// kernels work on. The math itself lives in philox.h, dropout.h, gelu.h, welford.h.
+#pragma once
+
+#include <ATen/core/Tensor.h>
+#include <c10/util/OptionalArrayRef.h>
+
+#include <cstdint>
+#include <optional>
+#include <vector>
+#include <string_view>
+
+#include "kernels/gelu.h"
+
+namespace torchpar::kernels {
+
+// The checks read symbolic sizes so that the Meta kernels (torch.compile tracing) run
+// them too; on real tensors they are plain integers.
+
+// layer_norm: normalized_shape matches the trailing dims of input; weight and bias, when
+// given, have shape normalized_shape and input's dtype and device.
+void check_layer_norm(const at::Tensor& input, c10::SymIntArrayRef normalized_shape,
+                      const std::optional<at::Tensor>& weight,
+                      const std::optional<at::Tensor>& bias);
+
+// bias_gelu / bias_dropout_add: bias is 1-D of size input.size(-1); residual (when given)
+// has input's shape; all share one dtype and device. `op` names the caller in errors.
+void check_bias_op(const char* op, const at::Tensor& input, const at::Tensor& bias,
+                   const at::Tensor* residual);
+
+// Kernels see every op's input as a contiguous [rows, cols] matrix.
+struct RowsCols {
+  int64_t rows = 0;
+  int64_t cols = 0;
+};
+inline RowsCols rows_cols(const at::Tensor& t, int64_t cols) {
+  return RowsCols{cols == 0 ? 0 : t.numel() / cols, cols};
+}
+
+GeluApprox parse_gelu_approx(std::string_view approximate);
+
+// dropout probability in [0, 1].
+void check_dropout_p(double p);
+
+// A fresh 64-bit Philox key from torch's default CPU generator, for every device: after
+// torch.manual_seed(s) a CPU and a CUDA call draw the same key, hence the same mask.
+uint64_t draw_dropout_seed();
+
+// Shape of LayerNorm's saved mean/rstd: input's leading dims (those not normalised).
+std::vector<c10::SymInt> layer_norm_stat_shape(const at::Tensor& input, int64_t normalized_ndim);
+
+}  // namespace torchpar::kernels
