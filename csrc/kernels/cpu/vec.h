@@ -10,6 +10,7 @@
 #include <ATen/OpMathType.h>
 #include <ATen/cpu/vec/functional.h>
 #include <ATen/cpu/vec/vec.h>
+#include <ATen/ops/zeros.h>
 
 #include <type_traits>
 

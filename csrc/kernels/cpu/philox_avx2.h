@@ -1,0 +1,83 @@
+// The dropout words of a run of elements (kernels/dropout.h's rule), eight Philox blocks at
+// a time in AVX2 lanes. Scalar Philox would cost more than the memory traffic of the
+// dropout kernels on this CPU; in lanes it hides behind the loads. The scalar form in
+// philox.h stays the definition: edges use it, and the tests check both agree.
+#pragma once
+
+#include <cstdint>
+
+#if defined(__AVX2__)
+#include <immintrin.h>
+#endif
+
+#include "kernels/dropout.h"
+
+namespace torchpar::kernels::cpu {
+
+#if defined(__AVX2__)
+namespace detail {
+
+// (hi, lo) halves of a * m per 32-bit lane; mul_epu32 multiplies the even lanes only.
+inline void mulhilo8(__m256i a, __m256i m, __m256i& hi, __m256i& lo) {
+  __m256i even = _mm256_mul_epu32(a, m);
+  __m256i odd = _mm256_mul_epu32(_mm256_srli_epi64(a, 32), m);
+  lo = _mm256_blend_epi32(even, _mm256_slli_epi64(odd, 32), 0xAA);
+  hi = _mm256_blend_epi32(_mm256_srli_epi64(even, 32), odd, 0xAA);
+}
+
+// Words of blocks first .. first+7 (32 elements) into out[0..32), in element order.
+inline void philox8(uint64_t seed, uint64_t first, uint32_t* out) {
+  alignas(32) uint32_t lo[8], hi[8];
+  for (int k = 0; k < 8; ++k) {
+    lo[k] = uint32_t(first + k);
+    hi[k] = uint32_t((first + k) >> 32);
+  }
+  __m256i c0 = _mm256_load_si256(reinterpret_cast<const __m256i*>(lo));
+  __m256i c1 = _mm256_load_si256(reinterpret_cast<const __m256i*>(hi));
+  __m256i c2 = _mm256_setzero_si256(), c3 = _mm256_setzero_si256();
+  const __m256i m0 = _mm256_set1_epi32(int(kPhiloxM0)), m1 = _mm256_set1_epi32(int(kPhiloxM1));
+  uint32_t k0 = uint32_t(seed), k1 = uint32_t(seed >> 32);
+  for (int r = 0; r < kPhiloxRounds; ++r) {
+    __m256i hi0, lo0, hi1, lo1;
+    mulhilo8(c0, m0, hi0, lo0);
+    mulhilo8(c2, m1, hi1, lo1);
+    c0 = _mm256_xor_si256(_mm256_xor_si256(hi1, c1), _mm256_set1_epi32(int(k0)));
+    c1 = lo1;
+    c2 = _mm256_xor_si256(_mm256_xor_si256(hi0, c3), _mm256_set1_epi32(int(k1)));
+    c3 = lo0;
+    k0 += kPhiloxW0;
+    k1 += kPhiloxW1;
+  }
+  // Lane k of c_j is word j of block k; memory wants block-major order: a 4x8 transpose.
+  __m256i t0 = _mm256_unpacklo_epi32(c0, c1), t1 = _mm256_unpackhi_epi32(c0, c1);
+  __m256i t2 = _mm256_unpacklo_epi32(c2, c3), t3 = _mm256_unpackhi_epi32(c2, c3);
+  __m256i b04 = _mm256_unpacklo_epi64(t0, t2), b15 = _mm256_unpackhi_epi64(t0, t2);
+  __m256i b26 = _mm256_unpacklo_epi64(t1, t3), b37 = _mm256_unpackhi_epi64(t1, t3);
+  auto* o = reinterpret_cast<__m256i*>(out);
+  _mm256_storeu_si256(o + 0, _mm256_permute2x128_si256(b04, b15, 0x20));
+  _mm256_storeu_si256(o + 1, _mm256_permute2x128_si256(b26, b37, 0x20));
+  _mm256_storeu_si256(o + 2, _mm256_permute2x128_si256(b04, b15, 0x31));
+  _mm256_storeu_si256(o + 3, _mm256_permute2x128_si256(b26, b37, 0x31));
+}
+
+}  // namespace detail
+#endif
+
+// out[k] = the dropout word of element start + k, for k in [0, n).
+inline void philox_fill(uint64_t seed, uint64_t start, int64_t n, uint32_t* out) {
+  int64_t k = 0;
+  auto scalar_until = [&](int64_t end) {
+    for (; k < end; ++k) {
+      uint64_t i = start + uint64_t(k);
+      out[k] = dropout_block(seed, i).w[i & 3];
+    }
+  };
+#if defined(__AVX2__)
+  // Scalar up to a block boundary, then whole groups of eight blocks.
+  scalar_until(std::min<int64_t>(n, int64_t((4 - (start & 3)) & 3)));
+  for (; k + 32 <= n; k += 32) detail::philox8(seed, (start + uint64_t(k)) >> 2, out + k);
+#endif
+  scalar_until(n);
+}
+
+}  // namespace torchpar::kernels::cpu
