@@ -1,0 +1,207 @@
+"""Fused kernels against eager PyTorch and torch.compile: ``python -m torchpar.bench kernels``.
+
+For each op, shape and dtype, times the forward and forward+backward of
+  torchpar   the fused op (torch.ops.torchpar.*),
+  eager      the unfused PyTorch composite (for layer_norm: torch's own layer_norm),
+  compile    torch.compile of that same composite,
+all in one run, and reports achieved GB/s = bytes the op must move / time, beside the copy
+bandwidth (``dst.copy_(src)``, read + write) measured in the same run: the roofline of a
+memory-bound op (llm.c's way of reporting kernels).
+"""
+import argparse
+import datetime
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+
+import torch
+import torch.nn.functional as TF
+
+import torchpar.nn.functional as F
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+P_DROP = 0.1
+
+# Bytes each op must move, in units of one activation tensor (rows x cols elements):
+# forward reads and writes; backward reads dy (and x where the math needs it) and writes dx.
+# Parameters, per-row statistics and dbias are a vector each: negligible, not counted.
+TRAFFIC = {
+    #                 fwd  bwd
+    "layer_norm": (2, 3),        # x -> y ; dy, x -> dx
+    "bias_gelu": (2, 3),         # x -> y ; dy, x -> dx
+    "bias_dropout_add": (3, 2),  # x, residual -> out ; dy -> dx (d residual is dy itself)
+}
+
+
+def _composite(op):
+    if op == "layer_norm":
+        return lambda x, w, b, r: TF.layer_norm(x, (x.shape[-1],), w, b, 1e-5)
+    if op == "bias_gelu":
+        return lambda x, w, b, r: TF.gelu(x + b, approximate="none")
+    return lambda x, w, b, r: r + TF.dropout(x + b, P_DROP, training=True)
+
+
+def _fused(op):
+    if op == "layer_norm":
+        return lambda x, w, b, r: F.layer_norm(x, [x.shape[-1]], w, b, 1e-5)
+    if op == "bias_gelu":
+        return lambda x, w, b, r: F.bias_gelu(x, b, "none")
+    return lambda x, w, b, r: F.bias_dropout_add(x, b, r, P_DROP, True)
+
+
+def _grad_inputs(op):
+    # Tensors that get a gradient in the forward+backward timing.
+    return {"layer_norm": (0, 1, 2), "bias_gelu": (0, 2), "bias_dropout_add": (0, 2, 3)}[op]
+
+
+def _time(fn, reps, warmup=2):
+    for _ in range(warmup):
+        fn()
+    samples = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        fn()
+        samples.append(time.perf_counter() - t0)
+    return statistics.median(samples)
+
+
+def copy_bandwidth(nbytes, reps):
+    src = torch.empty(nbytes // 4, dtype=torch.float32).uniform_()
+    dst = torch.empty_like(src)
+    t = _time(lambda: dst.copy_(src), reps)
+    return 2 * nbytes / t / 1e9
+
+
+def measure(op, rows, cols, dtype, reps, use_compile):
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(rows, cols, generator=g).to(dtype)
+    w = torch.randn(cols, generator=g).to(dtype)
+    b = torch.randn(cols, generator=g).to(dtype)
+    r = torch.randn(rows, cols, generator=g).to(dtype)
+    dy = torch.randn(rows, cols, generator=g).to(dtype)
+    args = [x, w, b, r]
+    peers = {"torchpar": _fused(op), "eager": _composite(op)}
+    if use_compile:
+        torch._dynamo.reset()
+        peers["compile"] = torch.compile(_composite(op), dynamic=False)
+    grad_idx = _grad_inputs(op)
+    out = {}
+    for name, fn in peers.items():
+        with torch.no_grad():
+            fwd = _time(lambda: fn(*args), reps)
+        leaves = [a.detach().requires_grad_(i in grad_idx) for i, a in enumerate(args)]
+
+        def fwd_bwd():
+            for t in leaves:
+                t.grad = None
+            fn(*leaves).backward(dy)
+
+        out[name] = {"fwd": fwd, "fwd_bwd": _time(fwd_bwd, reps)}
+    return out
+
+
+def run(args):
+    torch.set_num_threads(args.threads or torch.get_num_threads())
+    shapes = [tuple(int(v) for v in s.lower().split("x")) for s in args.shapes]
+    elem_bytes_max = max(rows * cols for rows, cols in shapes) * 4
+    copy_gbs = copy_bandwidth(elem_bytes_max, max(args.reps, 10))
+    results = []
+    for op in args.ops:
+        for rows, cols in shapes:
+            for dname in args.dtypes:
+                dtype = DTYPES[dname]
+                t = measure(op, rows, cols, dtype, args.reps, not args.no_compile)
+                act = rows * cols * torch.empty((), dtype=dtype).element_size()
+                fwd_units, bwd_units = TRAFFIC[op]
+                for mode, units in (("fwd", fwd_units), ("fwd_bwd", fwd_units + bwd_units)):
+                    row = {"op": op, "shape": f"{rows}x{cols}", "dtype": dname, "pass": mode,
+                           "bytes": units * act}
+                    for peer, times in t.items():
+                        row[f"{peer}_ms"] = times[mode] * 1e3
+                    row["gbs"] = row["bytes"] / (row["torchpar_ms"] * 1e-3) / 1e9
+                    row["pct_copy"] = 100 * row["gbs"] / copy_gbs
+                    row["x_eager"] = row["eager_ms"] / row["torchpar_ms"]
+                    if "compile_ms" in row:
+                        row["x_compile"] = row["compile_ms"] / row["torchpar_ms"]
+                    results.append(row)
+                    print_row(row, first=len(results) == 1, copy_gbs=copy_gbs)
+    return {"copy_gbs": copy_gbs, "results": results, "meta": meta(args)}
+
+
+def meta(args):
+    return {"date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+            "torch": torch.__version__, "threads": torch.get_num_threads(),
+            "cpu": platform.processor() or platform.machine(), "reps": args.reps,
+            "dropout_p": P_DROP}
+
+
+HEADER = (f"{'op':<17}{'shape':>10}{'dtype':>9}{'pass':>8}{'torchpar':>10}{'eager':>9}"
+          f"{'compile':>9}{'x eager':>9}{'x comp':>8}{'GB/s':>7}{'%copy':>7}")
+
+
+def print_row(row, first, copy_gbs):
+    if first:
+        print(f"copy bandwidth (dst.copy_(src), read+write): {copy_gbs:.1f} GB/s")
+        print("times are medians in ms; x eager / x comp = peer time / torchpar time")
+        print(HEADER)
+    comp = f"{row['compile_ms']:>9.2f}" if "compile_ms" in row else f"{'-':>9}"
+    xcomp = f"{row['x_compile']:>8.2f}" if "x_compile" in row else f"{'-':>8}"
+    print(f"{row['op']:<17}{row['shape']:>10}{row['dtype']:>9}{row['pass']:>8}"
+          f"{row['torchpar_ms']:>10.2f}{row['eager_ms']:>9.2f}{comp}{row['x_eager']:>9.2f}"
+          f"{xcomp}{row['gbs']:>7.1f}{row['pct_copy']:>7.0f}", flush=True)
+
+
+def plot(report, path):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = report["results"]
+    peers = [p for p in ("torchpar", "eager", "compile") if f"{p}_ms" in rows[0]]
+    labels = [f"{r['op']}\n{r['shape']} {r['dtype']}\n{r['pass']}" for r in rows]
+    fig, ax = plt.subplots(figsize=(max(10, len(rows) * 0.7), 5))
+    width = 0.8 / len(peers)
+    for k, peer in enumerate(peers):
+        gbs = [r["bytes"] / (r[f"{peer}_ms"] * 1e-3) / 1e9 for r in rows]
+        ax.bar([i + k * width for i in range(len(rows))], gbs, width, label=peer)
+    ax.axhline(report["copy_gbs"], color="k", linestyle="--", label="copy bandwidth")
+    ax.axhline(0.6 * report["copy_gbs"], color="grey", linestyle=":", label="60% of copy")
+    ax.set_xticks([i + 0.4 - width / 2 for i in range(len(rows))])
+    ax.set_xticklabels(labels, fontsize=6, rotation=90)
+    ax.set_ylabel("achieved GB/s (bytes the op must move / time)")
+    ax.set_title(f"torchpar fused kernels, {report['meta']['date']}, "
+                 f"{report['meta']['threads']} threads")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    fig.savefig(path, dpi=120)
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(prog="python -m torchpar.bench kernels", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--ops", nargs="+", default=list(TRAFFIC), choices=list(TRAFFIC))
+    ap.add_argument("--shapes", nargs="+", default=["8192x1024", "2048x4096"])
+    ap.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"], choices=list(DTYPES))
+    ap.add_argument("--reps", type=int, default=10, help="timed repetitions (median reported)")
+    ap.add_argument("--threads", type=int, default=0, help="torch threads (default: torch's)")
+    ap.add_argument("--no-compile", action="store_true", help="skip the torch.compile peer")
+    ap.add_argument("--json", metavar="PATH", help="write the results as JSON")
+    ap.add_argument("--plot", metavar="PATH", help="write a PNG of GB/s per peer")
+    args = ap.parse_args(argv)
+    report = run(args)
+    if args.json:
+        os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
+        with open(args.json, "w") as f:
+            json.dump(report, f, indent=2)
+    if args.plot:
+        plot(report, args.plot)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
