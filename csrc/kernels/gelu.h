@@ -17,8 +17,12 @@ constexpr double kInvSqrt2Pi = 0.39894228040143267794;
 constexpr double kSqrt2OverPi = 0.79788456080286535588;
 constexpr double kGeluTanhCoef = 0.044715;
 
-// erf/exp/tanh for scalars on host and device.
+// erf/exp/tanh for scalars on host and device. erf_gauss(x, g) is erf(x) given
+// g = exp(-x^2), which GeLU's gradient computes anyway: an implementation whose erf is built
+// on exp(-x^2) (cpu/vec.h) reuses it; these scalar ones ignore it.
 struct ScalarMath {
+  template <typename T>
+  C10_HOST_DEVICE static T erf_gauss(T x, T /*g*/) { return erf(x); }
   C10_HOST_DEVICE static float erf(float x) { return ::erff(x); }
   C10_HOST_DEVICE static double erf(double x) { return ::erf(x); }
   C10_HOST_DEVICE static float exp(float x) { return ::expf(x); }
@@ -33,12 +37,12 @@ C10_HOST_DEVICE inline T gelu_erf(T z) {
   return T(0.5) * z * (T(1.0) + M::erf(z * T(kInvSqrt2)));
 }
 
-// gelu'(z) = Phi(z) + z * phi(z).
+// gelu'(z) = Phi(z) + z * phi(z); phi and erf share exp(-z^2 / 2).
 template <typename T, typename M = ScalarMath>
 C10_HOST_DEVICE inline T gelu_erf_grad(T z) {
-  T cdf = T(0.5) * (T(1.0) + M::erf(z * T(kInvSqrt2)));
-  T pdf = M::exp(T(-0.5) * z * z) * T(kInvSqrt2Pi);
-  return cdf + z * pdf;
+  T g = M::exp(T(-0.5) * z * z);
+  T cdf = T(0.5) * (T(1.0) + M::erf_gauss(z * T(kInvSqrt2), g));
+  return cdf + z * g * T(kInvSqrt2Pi);
 }
 
 // The tanh approximation: 0.5 z (1 + tanh(sqrt(2/pi) (z + 0.044715 z^3))).

@@ -9,11 +9,11 @@ bandwidth (``dst.copy_(src)``, read + write) measured in the same run: the roofl
 memory-bound op (llm.c's way of reporting kernels).
 """
 import argparse
+import ctypes
 import datetime
 import json
 import os
 import platform
-import statistics
 import sys
 import time
 
@@ -34,6 +34,23 @@ TRAFFIC = {
     "bias_gelu": (2, 3),         # x -> y ; dy, x -> dx
     "bias_dropout_add": (3, 2),  # x, residual -> out ; dy -> dx (d residual is dy itself)
 }
+
+
+def reuse_freed_memory():
+    """Make glibc keep freed activations for reuse, for every peer alike.
+
+    By default glibc serves blocks of >= 32 MiB with a fresh mmap and unmaps them on free,
+    so each op call page-faults its whole output in (about 5 ms per 32 MiB on the 2-core
+    dev machine, more than the kernels themselves): the bench would time the kernel's page
+    zeroing. Training frameworks avoid this with a caching allocator; raising the mmap and
+    trim thresholds does the same here. ``--malloc default`` measures without it.
+    """
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+    except OSError:
+        return False
+    m_trim_threshold, m_mmap_threshold = -1, -3
+    return bool(libc.mallopt(m_trim_threshold, 2**31 - 1) and libc.mallopt(m_mmap_threshold, 2**30))
 
 
 def _composite(op):
@@ -58,6 +75,7 @@ def _grad_inputs(op):
 
 
 def _time(fn, reps, warmup=2):
+    """Best of `reps`: on a shared 2-core machine the other samples measure the neighbours."""
     for _ in range(warmup):
         fn()
     samples = []
@@ -65,7 +83,7 @@ def _time(fn, reps, warmup=2):
         t0 = time.perf_counter()
         fn()
         samples.append(time.perf_counter() - t0)
-    return statistics.median(samples)
+    return min(samples)
 
 
 def copy_bandwidth(nbytes, reps):
@@ -105,6 +123,7 @@ def measure(op, rows, cols, dtype, reps, use_compile):
 
 def run(args):
     torch.set_num_threads(args.threads or torch.get_num_threads())
+    args.malloc_reuse = args.malloc == "reuse" and reuse_freed_memory()
     shapes = [tuple(int(v) for v in s.lower().split("x")) for s in args.shapes]
     elem_bytes_max = max(rows * cols for rows, cols in shapes) * 4
     copy_gbs = copy_bandwidth(elem_bytes_max, max(args.reps, 10))
@@ -135,7 +154,8 @@ def meta(args):
     return {"date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
             "torch": torch.__version__, "threads": torch.get_num_threads(),
             "cpu": platform.processor() or platform.machine(), "reps": args.reps,
-            "dropout_p": P_DROP}
+            "dropout_p": P_DROP, "malloc_reuse": args.malloc_reuse,
+            "torch_cpu_capability": torch.backends.cpu.get_cpu_capability()}
 
 
 HEADER = (f"{'op':<17}{'shape':>10}{'dtype':>9}{'pass':>8}{'torchpar':>10}{'eager':>9}"
@@ -144,8 +164,10 @@ HEADER = (f"{'op':<17}{'shape':>10}{'dtype':>9}{'pass':>8}{'torchpar':>10}{'eage
 
 def print_row(row, first, copy_gbs):
     if first:
-        print(f"copy bandwidth (dst.copy_(src), read+write): {copy_gbs:.1f} GB/s")
-        print("times are medians in ms; x eager / x comp = peer time / torchpar time")
+        print(f"copy bandwidth (dst.copy_(src), read+write): {copy_gbs:.1f} GB/s; "
+              f"torch kernels: {torch.backends.cpu.get_cpu_capability()}, torchpar: AVX2; "
+              f"{torch.get_num_threads()} threads")
+        print("times in ms, best of --reps; x eager / x comp = peer time / torchpar time")
         print(HEADER)
     comp = f"{row['compile_ms']:>9.2f}" if "compile_ms" in row else f"{'-':>9}"
     xcomp = f"{row['x_compile']:>8.2f}" if "x_compile" in row else f"{'-':>8}"
@@ -187,9 +209,11 @@ def main(argv=None):
     ap.add_argument("--ops", nargs="+", default=list(TRAFFIC), choices=list(TRAFFIC))
     ap.add_argument("--shapes", nargs="+", default=["8192x1024", "2048x4096"])
     ap.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"], choices=list(DTYPES))
-    ap.add_argument("--reps", type=int, default=10, help="timed repetitions (median reported)")
+    ap.add_argument("--reps", type=int, default=10, help="timed repetitions (the best is reported)")
     ap.add_argument("--threads", type=int, default=0, help="torch threads (default: torch's)")
     ap.add_argument("--no-compile", action="store_true", help="skip the torch.compile peer")
+    ap.add_argument("--malloc", choices=["reuse", "default"], default="reuse",
+                    help="reuse: keep freed activations in glibc's heap (see reuse_freed_memory)")
     ap.add_argument("--json", metavar="PATH", help="write the results as JSON")
     ap.add_argument("--plot", metavar="PATH", help="write a PNG of GB/s per peer")
     args = ap.parse_args(argv)

@@ -31,31 +31,46 @@ acc_t reduce_sum(const Vec& v) {
   return at::vec::vec_reduce_all<acc_t>([](Vec a, Vec b) { return a + b; }, v);
 }
 
-// Mean and population variance of one row, in acc_t.
+// Mean and population variance of one row, in acc_t: Welford's update applied per chunk
+// (Chan, Golub & LeVeque's merge of exact chunk statistics). A chunk is 256 elements, in
+// L1 after its first read, so its exact mean and M2 cost two short vector passes with
+// independent accumulators; updating per element instead puts a dependent divide-and-FMA
+// chain on every vector, which made this pass compute-bound.
 template <typename T>
 Welford<at::opmath_type<T>> row_stats(const T* x, int64_t cols) {
   using IO = VecIO<T>;
   using acc_t = typename IO::acc_t;
   using Vec = typename IO::Vec;
-  // Two independent accumulators: each push depends on the previous mean, so one chain
-  // would be latency-bound; two keep the FMA units busy.
-  Welford<Vec, acc_t> wa, wb;
-  int64_t i = 0;
-  for (; i + IO::kStep <= cols; i += IO::kStep) {
-    Vec a, b;
-    IO::load2(x + i, a, b);
-    wa.push(a);
-    wb.push(b);
-  }
-  wa.merge(wb);
+  constexpr int64_t kChunk = 256;
   Welford<acc_t> s;
-  if (wa.n > 0) {
-    acc_t m[Vec::size()], q[Vec::size()];
-    wa.mean.store(m);
-    wa.m2.store(q);
-    for (int l = 0; l < Vec::size(); ++l) s.merge(Welford<acc_t>(m[l], q[l], wa.n));
+  for (int64_t c0 = 0; c0 < cols; c0 += kChunk) {
+    const T* xc = x + c0;
+    const int64_t n = std::min(kChunk, cols - c0);
+    Vec s0(0), s1(0);
+    int64_t i = 0;
+    for (; i + IO::kStep <= n; i += IO::kStep) {
+      Vec a, b;
+      IO::load2(xc + i, a, b);
+      s0 = s0 + a;
+      s1 = s1 + b;
+    }
+    acc_t sum = reduce_sum<T, acc_t>(s0 + s1);
+    for (int64_t j = i; j < n; ++j) sum += acc_t(xc[j]);
+    const acc_t mean = sum / acc_t(n);
+    const Vec vm(mean);
+    Vec q0(0), q1(0);
+    for (i = 0; i + IO::kStep <= n; i += IO::kStep) {
+      Vec a, b;
+      IO::load2(xc + i, a, b);
+      a = a - vm;
+      b = b - vm;
+      q0 = at::vec::fmadd(a, a, q0);
+      q1 = at::vec::fmadd(b, b, q1);
+    }
+    acc_t m2 = reduce_sum<T, acc_t>(q0 + q1);
+    for (int64_t j = i; j < n; ++j) m2 += (acc_t(xc[j]) - mean) * (acc_t(xc[j]) - mean);
+    s.merge(Welford<acc_t>(mean, m2, acc_t(n)));
   }
-  for (; i < cols; ++i) s.push(acc_t(x[i]));
   return s;
 }
 
