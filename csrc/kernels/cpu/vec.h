@@ -54,6 +54,13 @@ struct VecMath {
 
   static VecF exp(const VecF& x) { return x.exp_u20(); }
 
+  // 1 / d by the 12-bit hardware estimate and one Newton step (~23 bits): a divide has a
+  // quarter of the throughput, and GeLU's erf and tanh need one per element.
+  static VecF reciprocal(const VecF& d) {
+    const VecF r(_mm256_rcp_ps(d));
+    return r * (VecF(2.f) - d * r);
+  }
+
   static VecF erf(const VecF& x) { return erf_gauss(x, (VecF(0.f) - x * x).exp_u20()); }
 
   // erf(x) given g = e^{-x^2}:
@@ -62,7 +69,7 @@ struct VecMath {
     const VecF p(0.3275911f), a1(0.254829592f), a2(-0.284496736f), a3(1.421413741f),
         a4(-1.453152027f), a5(1.061405429f), one(1.f), sign_bit(-0.f);
     const VecF sign = x & sign_bit;
-    const VecF t = one / at::vec::fmadd(p, x.abs(), one);
+    const VecF t = reciprocal(at::vec::fmadd(p, x.abs(), one));
     VecF poly = at::vec::fmadd(a5, t, a4);
     poly = at::vec::fmadd(poly, t, a3);
     poly = at::vec::fmadd(poly, t, a2);
@@ -76,7 +83,7 @@ struct VecMath {
     // keeps exp_u20 inside its range.
     const VecF one(1.f), two(2.f);
     const VecF u = at::vec::clamp(x, VecF(-9.f), VecF(9.f));
-    return one - two / ((u + u).exp_u20() + one);
+    return one - two * reciprocal((u + u).exp_u20() + one);
   }
 
   template <typename V>
