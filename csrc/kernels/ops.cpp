@@ -4,6 +4,8 @@
 #include <ATen/CPUGeneratorImpl.h>
 #include <ATen/core/Generator.h>
 #include <ATen/Context.h>
+#include <ATen/OpMathType.h>
+#include <ATen/ops/full.h>
 #include <c10/util/Exception.h>
 
 #include <mutex>
@@ -73,6 +75,30 @@ GeluApprox parse_gelu_approx(std::string_view approximate) {
   if (approximate == "tanh") return GeluApprox::Tanh;
   TORCH_CHECK(false, "torchpar.bias_gelu: approximate must be 'none' or 'tanh', got '",
               std::string(approximate), "'");
+}
+
+BiasOpInputs prepare_bias_op(const char* op, const at::Tensor& input, const at::Tensor& bias,
+                             const at::Tensor* residual) {
+  check_bias_op(op, input, bias, residual);
+  BiasOpInputs in;
+  in.x = input.contiguous();
+  in.bias = bias.to(at::toOpMathType(input.scalar_type())).contiguous();
+  if (residual != nullptr) in.residual = residual->contiguous();
+  in.shape = rows_cols(in.x, in.x.size(-1));
+  return in;
+}
+
+at::Tensor prepare_grad(const char* op, const at::Tensor& grad_out, const at::Tensor& input) {
+  TORCH_CHECK(grad_out.sizes() == input.sizes(), "torchpar.", op, " backward: grad_out has shape ",
+              grad_out.sizes(), " but input has shape ", input.sizes());
+  return grad_out.to(input.scalar_type()).contiguous();
+}
+
+at::Tensor param_as_acc(const std::optional<at::Tensor>& p, int64_t cols, const at::Tensor& like,
+                        double fill) {
+  const auto acc = at::toOpMathType(like.scalar_type());
+  if (p && p->defined()) return p->reshape({cols}).to(acc).contiguous();
+  return at::full({cols}, fill, like.options().dtype(acc));
 }
 
 void check_dropout_p(double p) {

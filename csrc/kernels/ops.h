@@ -10,10 +10,20 @@
 #include <optional>
 #include <vector>
 #include <string_view>
+#include <type_traits>
 
 #include "kernels/gelu.h"
 
 namespace torchpar::kernels {
+
+// Kernels see every op's input as a contiguous [rows, cols] matrix.
+struct RowsCols {
+  int64_t rows = 0;
+  int64_t cols = 0;
+};
+inline RowsCols rows_cols(const at::Tensor& t, int64_t cols) {
+  return RowsCols{cols == 0 ? 0 : t.numel() / cols, cols};
+}
 
 // The checks read symbolic sizes so that the Meta kernels (torch.compile tracing) run
 // them too; on real tensors they are plain integers.
@@ -29,16 +39,46 @@ void check_layer_norm(const at::Tensor& input, c10::SymIntArrayRef normalized_sh
 void check_bias_op(const char* op, const at::Tensor& input, const at::Tensor& bias,
                    const at::Tensor* residual);
 
-// Kernels see every op's input as a contiguous [rows, cols] matrix.
-struct RowsCols {
-  int64_t rows = 0;
-  int64_t cols = 0;
+GeluApprox parse_gelu_approx(std::string_view approximate);
+
+// What every bias_gelu / bias_dropout_add kernel reads: input (and residual) contiguous,
+// the bias in the accumulate type (kernels read it once per row; converting it once here
+// beats converting it per row), and the [rows, cols] view. Runs check_bias_op first.
+struct BiasOpInputs {
+  at::Tensor x;
+  at::Tensor bias;      // accumulate type, contiguous
+  at::Tensor residual;  // contiguous; undefined when the op has none
+  RowsCols shape;
 };
-inline RowsCols rows_cols(const at::Tensor& t, int64_t cols) {
-  return RowsCols{cols == 0 ? 0 : t.numel() / cols, cols};
+BiasOpInputs prepare_bias_op(const char* op, const at::Tensor& input, const at::Tensor& bias,
+                             const at::Tensor* residual);
+
+// grad_out as a contiguous tensor of input's dtype, after checking it has input's shape.
+at::Tensor prepare_grad(const char* op, const at::Tensor& grad_out, const at::Tensor& input);
+
+// LayerNorm's weight or bias as a contiguous accumulate-type vector on `like`'s device;
+// `fill` (1 or 0) where it is absent, so the kernels have a single code path.
+at::Tensor param_as_acc(const std::optional<at::Tensor>& p, int64_t cols, const at::Tensor& like,
+                        double fill);
+
+// Turn run-time choices into template arguments, so per-element loops carry no branch.
+template <typename F>
+void with_gelu_approx(GeluApprox approx, F&& f) {
+  if (approx == GeluApprox::Tanh) {
+    f(std::integral_constant<GeluApprox, GeluApprox::Tanh>{});
+  } else {
+    f(std::integral_constant<GeluApprox, GeluApprox::None>{});
+  }
 }
 
-GeluApprox parse_gelu_approx(std::string_view approximate);
+template <typename F>
+void with_flag(bool flag, F&& f) {
+  if (flag) {
+    f(std::true_type{});
+  } else {
+    f(std::false_type{});
+  }
+}
 
 // dropout probability in [0, 1].
 void check_dropout_p(double p);

@@ -20,8 +20,6 @@ namespace {
 
 using at::Tensor;
 
-int64_t row_grain(int64_t cols) { return std::max<int64_t>(1, 32768 / std::max<int64_t>(cols, 1)); }
-
 // mult[k] = scale if element (start + k) is kept, else 0.
 template <typename acc_t>
 void row_multipliers(const DropoutRule& rule, uint64_t start, int64_t n, uint32_t* words,
@@ -113,23 +111,12 @@ void backward(const T* dy, T* dx, ColumnPartials<at::opmath_type<T>>& db, const 
   });
 }
 
-template <typename F>
-void with_active(bool active, F&& f) {
-  if (active) {
-    f(std::true_type{});
-  } else {
-    f(std::false_type{});
-  }
-}
-
 std::tuple<Tensor, Tensor> bias_dropout_add_fwd_cpu(const Tensor& input, const Tensor& bias,
                                                     const Tensor& residual, double p,
                                                     bool training) {
-  check_bias_op("bias_dropout_add", input, bias, &residual);
+  const auto [x, b, res, shape] = prepare_bias_op("bias_dropout_add", input, bias, &residual);
+  const auto [rows, cols] = shape;
   check_dropout_p(p);
-  const Tensor x = input.contiguous(), res = residual.contiguous();
-  const auto [rows, cols] = rows_cols(x, x.size(-1));
-  const Tensor b = bias.to(at::toOpMathType(x.scalar_type())).contiguous();
   const bool draw = training && p > 0.0;
   const DropoutRule rule = DropoutRule::make(p, training, draw ? draw_dropout_seed() : 0);
   Tensor out = at::empty_like(x);
@@ -138,7 +125,7 @@ std::tuple<Tensor, Tensor> bias_dropout_add_fwd_cpu(const Tensor& input, const T
   if (x.numel() == 0) return {out, seed};
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "bias_dropout_add", [&] {
     using acc_t = at::opmath_type<scalar_t>;
-    with_active(rule.active, [&](auto active) {
+    with_flag(rule.active, [&](auto active) {
       forward<scalar_t, decltype(active)::value>(x.const_data_ptr<scalar_t>(), b.const_data_ptr<acc_t>(),
                                                  res.const_data_ptr<scalar_t>(),
                                                  out.mutable_data_ptr<scalar_t>(), rule, rows, cols);
@@ -162,7 +149,7 @@ std::tuple<Tensor, Tensor> bias_dropout_add_bwd_cpu(const Tensor& grad_out, cons
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, dy.scalar_type(), "bias_dropout_add_bwd", [&] {
     ColumnPartials<at::opmath_type<scalar_t>> partial(at::get_num_threads(), cols, acc);
     if (dy.numel() > 0) {
-      with_active(rule.active, [&](auto active) {
+      with_flag(rule.active, [&](auto active) {
         backward<scalar_t, decltype(active)::value>(dy.const_data_ptr<scalar_t>(),
                                                     dx.mutable_data_ptr<scalar_t>(), partial, rule,
                                                     rows, cols);

@@ -14,8 +14,6 @@ namespace {
 
 using at::Tensor;
 
-int64_t row_grain(int64_t cols) { return std::max<int64_t>(1, 32768 / std::max<int64_t>(cols, 1)); }
-
 template <typename T, GeluApprox A>
 void forward(const T* x, const at::opmath_type<T>* bias, T* y, int64_t rows, int64_t cols) {
   using IO = VecIO<T>;
@@ -72,27 +70,15 @@ void backward(const T* dy, const T* x, const at::opmath_type<T>* bias, T* dx,
   });
 }
 
-// The approximation is a template argument so the per-element loop has no branch on it.
-template <typename F>
-void with_approx(GeluApprox approx, F&& f) {
-  if (approx == GeluApprox::Tanh) {
-    f(std::integral_constant<GeluApprox, GeluApprox::Tanh>{});
-  } else {
-    f(std::integral_constant<GeluApprox, GeluApprox::None>{});
-  }
-}
-
 Tensor bias_gelu_cpu(const Tensor& input, const Tensor& bias, c10::string_view approximate) {
-  check_bias_op("bias_gelu", input, bias, nullptr);
   const GeluApprox approx = parse_gelu_approx(approximate);
-  const Tensor x = input.contiguous();
-  const auto [rows, cols] = rows_cols(x, x.size(-1));
-  const Tensor b = bias.to(at::toOpMathType(x.scalar_type())).contiguous();
+  const auto [x, b, unused, shape] = prepare_bias_op("bias_gelu", input, bias, nullptr);
+  const auto [rows, cols] = shape;
   Tensor y = at::empty_like(x);
   if (x.numel() == 0) return y;
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "bias_gelu", [&] {
     using acc_t = at::opmath_type<scalar_t>;
-    with_approx(approx, [&](auto a) {
+    with_gelu_approx(approx, [&](auto a) {
       forward<scalar_t, decltype(a)::value>(x.const_data_ptr<scalar_t>(), b.const_data_ptr<acc_t>(),
                                             y.mutable_data_ptr<scalar_t>(), rows, cols);
     });
@@ -102,22 +88,18 @@ Tensor bias_gelu_cpu(const Tensor& input, const Tensor& bias, c10::string_view a
 
 std::tuple<Tensor, Tensor> bias_gelu_bwd_cpu(const Tensor& grad_out, const Tensor& input,
                                              const Tensor& bias, c10::string_view approximate) {
-  check_bias_op("bias_gelu", input, bias, nullptr);
   const GeluApprox approx = parse_gelu_approx(approximate);
-  TORCH_CHECK(grad_out.sizes() == input.sizes(), "torchpar.bias_gelu backward: grad_out has shape ",
-              grad_out.sizes(), " but input has shape ", input.sizes());
-  const Tensor x = input.contiguous();
-  const Tensor dy = grad_out.to(x.scalar_type()).contiguous();
-  const auto [rows, cols] = rows_cols(x, x.size(-1));
+  const auto [x, b, unused, shape] = prepare_bias_op("bias_gelu", input, bias, nullptr);
+  const auto [rows, cols] = shape;
+  const Tensor dy = prepare_grad("bias_gelu", grad_out, x);
   const auto acc = at::toOpMathType(x.scalar_type());
-  const Tensor b = bias.to(acc).contiguous();
   Tensor dx = at::empty_like(x);
   Tensor db;
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "bias_gelu_bwd", [&] {
     using acc_t = at::opmath_type<scalar_t>;
     ColumnPartials<acc_t> partial(at::get_num_threads(), cols, acc);
     if (x.numel() > 0) {
-      with_approx(approx, [&](auto a) {
+      with_gelu_approx(approx, [&](auto a) {
         backward<scalar_t, decltype(a)::value>(dy.const_data_ptr<scalar_t>(),
                                                x.const_data_ptr<scalar_t>(), b.const_data_ptr<acc_t>(),
                                                dx.mutable_data_ptr<scalar_t>(), partial, rows, cols);

@@ -6,7 +6,6 @@
 #include <ATen/Parallel.h>
 #include <ATen/ops/empty.h>
 #include <ATen/ops/empty_like.h>
-#include <ATen/ops/full.h>
 #include <ATen/ops/zeros.h>
 #include <c10/util/accumulate.h>
 #include <torch/library.h>
@@ -22,9 +21,6 @@ namespace {
 
 using at::Tensor;
 using OptTensor = std::optional<Tensor>;
-
-// Rows per parallel task: enough work (~32K elements) to amortise a task's start.
-int64_t row_grain(int64_t cols) { return std::max<int64_t>(1, 32768 / std::max<int64_t>(cols, 1)); }
 
 template <typename T, typename acc_t, typename Vec>
 acc_t reduce_sum(const Vec& v) {
@@ -169,13 +165,6 @@ void backward(const T* dy, const T* x, const at::opmath_type<T>* mean,
   });
 }
 
-// weight or bias as a contiguous acc_t vector (`fill` where absent): the kernels read them
-// once per row, so converting a bfloat16 weight once here beats converting it per row.
-Tensor param_as_acc(const OptTensor& p, int64_t cols, at::ScalarType acc, double fill) {
-  if (p && p->defined()) return p->reshape({cols}).to(acc).contiguous();
-  return at::full({cols}, fill, at::TensorOptions().dtype(acc));
-}
-
 std::tuple<Tensor, Tensor, Tensor> layer_norm_fwd_cpu(const Tensor& input, c10::IntArrayRef shape,
                                                       const OptTensor& weight,
                                                       const OptTensor& bias, double eps) {
@@ -183,7 +172,7 @@ std::tuple<Tensor, Tensor, Tensor> layer_norm_fwd_cpu(const Tensor& input, c10::
   const Tensor x = input.contiguous();
   const auto [rows, cols] = rows_cols(x, c10::multiply_integers(shape));
   const auto acc = at::toOpMathType(x.scalar_type());
-  Tensor w = param_as_acc(weight, cols, acc, 1.0), b = param_as_acc(bias, cols, acc, 0.0);
+  Tensor w = param_as_acc(weight, cols, x, 1.0), b = param_as_acc(bias, cols, x, 0.0);
   auto stat_shape = x.sizes().slice(0, x.dim() - static_cast<int64_t>(shape.size()));
   Tensor y = at::empty_like(x);
   Tensor mean = at::zeros(stat_shape, x.options().dtype(acc));
@@ -204,13 +193,11 @@ std::tuple<Tensor, Tensor, Tensor> layer_norm_bwd_cpu(const Tensor& grad_out, co
                                                       const Tensor& rstd, const OptTensor& weight,
                                                       const OptTensor& bias) {
   check_layer_norm(input, c10::fromIntArrayRefSlow(shape), weight, bias);
-  TORCH_CHECK(grad_out.sizes() == input.sizes(), "torchpar.layer_norm backward: grad_out has shape ",
-              grad_out.sizes(), " but input has shape ", input.sizes());
   const Tensor x = input.contiguous();
-  const Tensor dy = grad_out.to(x.scalar_type()).contiguous();
+  const Tensor dy = prepare_grad("layer_norm", grad_out, x);
   const auto [rows, cols] = rows_cols(x, c10::multiply_integers(shape));
   const auto acc = at::toOpMathType(x.scalar_type());
-  Tensor w = param_as_acc(weight, cols, acc, 1.0);
+  Tensor w = param_as_acc(weight, cols, x, 1.0);
   Tensor dx = at::empty_like(x);
   Tensor dw_out = at::empty({0}, x.options()), db_out = at::empty({0}, x.options());
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "layer_norm_bwd", [&] {

@@ -12,6 +12,7 @@
 #include <ATen/cpu/vec/vec.h>
 #include <ATen/ops/zeros.h>
 
+#include <algorithm>
 #include <type_traits>
 
 namespace torchpar::kernels::cpu {
@@ -95,6 +96,11 @@ struct VecMath {
   template <typename V>
   static V tanh(const V& x) { return x.tanh(); }
 };
+
+// Rows per at::parallel_for task: enough work (~32K elements) to amortise a task's start.
+inline int64_t row_grain(int64_t cols) {
+  return std::max<int64_t>(1, 32768 / std::max<int64_t>(cols, 1));
+}
 
 // Per-thread accumulators of a column sum (dbias, dweight): one float row per thread,
 // summed at the end. Rows of the reduction are split over threads by at::parallel_for,

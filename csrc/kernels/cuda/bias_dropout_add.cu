@@ -92,24 +92,13 @@ __global__ void backward_kernel(const T* __restrict__ dy, T* __restrict__ dx,
   for (int j = 0; j < N; ++j) db_part[blockIdx.y * cols + c0 + j] = s[j];
 }
 
-template <typename F>
-void with_active(bool active, F&& f) {
-  if (active) {
-    f(std::true_type{});
-  } else {
-    f(std::false_type{});
-  }
-}
-
 std::tuple<Tensor, Tensor> bias_dropout_add_fwd_cuda(const Tensor& input, const Tensor& bias,
                                                      const Tensor& residual, double p,
                                                      bool training) {
-  check_bias_op("bias_dropout_add", input, bias, &residual);
-  check_dropout_p(p);
   c10::cuda::CUDAGuard guard(input.device());
-  const Tensor x = input.contiguous(), res = residual.contiguous();
-  const auto [rows, cols] = rows_cols(x, x.size(-1));
-  const Tensor b = bias.to(at::toOpMathType(x.scalar_type())).contiguous();
+  const auto [x, b, res, shape] = prepare_bias_op("bias_dropout_add", input, bias, &residual);
+  const auto [rows, cols] = shape;
+  check_dropout_p(p);
   const bool draw = training && p > 0.0;
   const DropoutRule rule = DropoutRule::make(p, training, draw ? draw_dropout_seed() : 0);
   Tensor out = at::empty_like(x);
@@ -124,7 +113,7 @@ std::tuple<Tensor, Tensor> bias_dropout_add_fwd_cuda(const Tensor& input, const 
                                              out.const_data_ptr()});
     with_pack<scalar_t>(n, [&](auto pack) {
       constexpr int N = decltype(pack)::value;
-      with_active(rule.active, [&](auto active) {
+      with_flag(rule.active, [&](auto active) {
         const int64_t packs = x.numel() / N;
         const int threads = 256;
         forward_kernel<scalar_t, N, decltype(active)::value>
@@ -162,7 +151,7 @@ std::tuple<Tensor, Tensor> bias_dropout_add_bwd_cuda(const Tensor& grad_out, con
       const dim3 grid = column_tile_grid(rows, cols, threads * N);
       Tensor part = at::zeros({int64_t(grid.y), cols}, dy.options().dtype(acc));
       if (dy.numel() > 0) {
-        with_active(rule.active, [&](auto active) {
+        with_flag(rule.active, [&](auto active) {
           backward_kernel<scalar_t, N, decltype(active)::value>
               <<<grid, threads, 0, at::cuda::getCurrentCUDAStream()>>>(
                   dy.const_data_ptr<scalar_t>(), dx.mutable_data_ptr<scalar_t>(),

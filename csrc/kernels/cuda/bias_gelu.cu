@@ -65,22 +65,11 @@ __global__ void backward_kernel(const T* __restrict__ dy, const T* __restrict__ 
   for (int j = 0; j < N; ++j) db_part[blockIdx.y * cols + c0 + j] = s[j];
 }
 
-template <typename F>
-void with_approx(GeluApprox approx, F&& f) {
-  if (approx == GeluApprox::Tanh) {
-    f(std::integral_constant<GeluApprox, GeluApprox::Tanh>{});
-  } else {
-    f(std::integral_constant<GeluApprox, GeluApprox::None>{});
-  }
-}
-
 Tensor bias_gelu_cuda(const Tensor& input, const Tensor& bias, c10::string_view approximate) {
-  check_bias_op("bias_gelu", input, bias, nullptr);
   const GeluApprox approx = parse_gelu_approx(approximate);
   c10::cuda::CUDAGuard guard(input.device());
-  const Tensor x = input.contiguous();
-  const auto [rows, cols] = rows_cols(x, x.size(-1));
-  const Tensor b = bias.to(at::toOpMathType(x.scalar_type())).contiguous();
+  const auto [x, b, unused, shape] = prepare_bias_op("bias_gelu", input, bias, nullptr);
+  const auto [rows, cols] = shape;
   Tensor y = at::empty_like(x);
   if (x.numel() == 0) return y;
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "bias_gelu", [&] {
@@ -88,7 +77,7 @@ Tensor bias_gelu_cuda(const Tensor& input, const Tensor& bias, c10::string_view 
     const int n = pack_width<scalar_t>(cols, {x.const_data_ptr(), y.const_data_ptr()});
     with_pack<scalar_t>(n, [&](auto pack) {
       constexpr int N = decltype(pack)::value;
-      with_approx(approx, [&](auto a) {
+      with_gelu_approx(approx, [&](auto a) {
         const int64_t packs = x.numel() / N;
         const int threads = 256;
         forward_kernel<scalar_t, N, decltype(a)::value>
@@ -104,16 +93,12 @@ Tensor bias_gelu_cuda(const Tensor& input, const Tensor& bias, c10::string_view 
 
 std::tuple<Tensor, Tensor> bias_gelu_bwd_cuda(const Tensor& grad_out, const Tensor& input,
                                               const Tensor& bias, c10::string_view approximate) {
-  check_bias_op("bias_gelu", input, bias, nullptr);
   const GeluApprox approx = parse_gelu_approx(approximate);
-  TORCH_CHECK(grad_out.sizes() == input.sizes(), "torchpar.bias_gelu backward: grad_out has shape ",
-              grad_out.sizes(), " but input has shape ", input.sizes());
   c10::cuda::CUDAGuard guard(input.device());
-  const Tensor x = input.contiguous();
-  const Tensor dy = grad_out.to(x.scalar_type()).contiguous();
-  const auto [rows, cols] = rows_cols(x, x.size(-1));
+  const auto [x, b, unused, shape] = prepare_bias_op("bias_gelu", input, bias, nullptr);
+  const auto [rows, cols] = shape;
+  const Tensor dy = prepare_grad("bias_gelu", grad_out, x);
   const auto acc = at::toOpMathType(x.scalar_type());
-  const Tensor b = bias.to(acc).contiguous();
   Tensor dx = at::empty_like(x);
   Tensor db = at::empty({cols}, x.options());
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "bias_gelu_bwd", [&] {
@@ -126,7 +111,7 @@ std::tuple<Tensor, Tensor> bias_gelu_bwd_cuda(const Tensor& grad_out, const Tens
       const dim3 grid = column_tile_grid(rows, cols, threads * N);
       Tensor part = at::zeros({int64_t(grid.y), cols}, x.options().dtype(acc));
       if (x.numel() > 0) {
-        with_approx(approx, [&](auto a) {
+        with_gelu_approx(approx, [&](auto a) {
           backward_kernel<scalar_t, N, decltype(a)::value>
               <<<grid, threads, 0, at::cuda::getCurrentCUDAStream()>>>(
                   dy.const_data_ptr<scalar_t>(), x.const_data_ptr<scalar_t>(),

@@ -5,7 +5,6 @@
 #include <ATen/Dispatch.h>
 #include <ATen/ops/empty.h>
 #include <ATen/ops/empty_like.h>
-#include <ATen/ops/full.h>
 #include <ATen/ops/zeros.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/util/accumulate.h>
@@ -127,12 +126,6 @@ __global__ void dwdb_kernel(const T* __restrict__ dy, const T* __restrict__ x,
   db_part[blockIdx.y * cols + c] = sb;
 }
 
-Tensor param_as_acc(const OptTensor& p, int64_t cols, const Tensor& like, at::ScalarType acc,
-                    double fill) {
-  if (p && p->defined()) return p->reshape({cols}).to(acc).contiguous();
-  return at::full({cols}, fill, like.options().dtype(acc));
-}
-
 std::tuple<Tensor, Tensor, Tensor> layer_norm_fwd_cuda(const Tensor& input, c10::IntArrayRef shape,
                                                        const OptTensor& weight,
                                                        const OptTensor& bias, double eps) {
@@ -141,7 +134,7 @@ std::tuple<Tensor, Tensor, Tensor> layer_norm_fwd_cuda(const Tensor& input, c10:
   const Tensor x = input.contiguous();
   const auto [rows, cols] = rows_cols(x, c10::multiply_integers(shape));
   const auto acc = at::toOpMathType(x.scalar_type());
-  Tensor w = param_as_acc(weight, cols, x, acc, 1.0), b = param_as_acc(bias, cols, x, acc, 0.0);
+  Tensor w = param_as_acc(weight, cols, x, 1.0), b = param_as_acc(bias, cols, x, 0.0);
   auto stat_shape = x.sizes().slice(0, x.dim() - static_cast<int64_t>(shape.size()));
   Tensor y = at::empty_like(x);
   Tensor mean = at::zeros(stat_shape, x.options().dtype(acc));
@@ -169,15 +162,13 @@ std::tuple<Tensor, Tensor, Tensor> layer_norm_bwd_cuda(const Tensor& grad_out, c
                                                        const OptTensor& weight,
                                                        const OptTensor& bias) {
   check_layer_norm(input, c10::fromIntArrayRefSlow(shape), weight, bias);
-  TORCH_CHECK(grad_out.sizes() == input.sizes(), "torchpar.layer_norm backward: grad_out has shape ",
-              grad_out.sizes(), " but input has shape ", input.sizes());
   c10::cuda::CUDAGuard guard(input.device());
   const Tensor x = input.contiguous();
-  const Tensor dy = grad_out.to(x.scalar_type()).contiguous();
+  const Tensor dy = prepare_grad("layer_norm", grad_out, x);
   const Tensor mean = mean_in.contiguous(), rstd = rstd_in.contiguous();
   const auto [rows, cols] = rows_cols(x, c10::multiply_integers(shape));
   const auto acc = at::toOpMathType(x.scalar_type());
-  Tensor w = param_as_acc(weight, cols, x, acc, 1.0);
+  Tensor w = param_as_acc(weight, cols, x, 1.0);
   Tensor dx = at::empty_like(x);
   Tensor dw = weight ? at::empty(weight->sizes(), x.options()) : at::empty({0}, x.options());
   Tensor db = bias ? at::empty(bias->sizes(), x.options()) : at::empty({0}, x.options());
