@@ -5,7 +5,9 @@
 #include <ATen/core/Generator.h>
 #include <ATen/Context.h>
 #include <ATen/OpMathType.h>
+#include <ATen/ops/empty_like.h>
 #include <ATen/ops/full.h>
+#include <ATen/ops/zeros.h>
 #include <c10/util/Exception.h>
 
 #include <mutex>
@@ -109,6 +111,13 @@ uint64_t draw_dropout_seed() {
   auto gen = at::detail::getDefaultCPUGenerator();
   std::lock_guard<std::mutex> lock(gen.mutex());
   return gen.get<at::CPUGeneratorImpl>()->random64();
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> layer_norm_outputs(const at::Tensor& x,
+                                                                  int64_t normalized_ndim) {
+  const auto stats = x.options().dtype(at::toOpMathType(x.scalar_type()));
+  const auto stat_shape = x.sizes().slice(0, x.dim() - normalized_ndim);
+  return {at::empty_like(x), at::zeros(stat_shape, stats), at::zeros(stat_shape, stats)};
 }
 
 std::vector<c10::SymInt> layer_norm_stat_shape(const at::Tensor& input, int64_t normalized_ndim) {

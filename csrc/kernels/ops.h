@@ -87,6 +87,11 @@ void check_dropout_p(double p);
 // torch.manual_seed(s) a CPU and a CUDA call draw the same key, hence the same mask.
 uint64_t draw_dropout_seed();
 
+// layer_norm_fwd's outputs for a contiguous input: y like x, and mean and rstd of x's
+// leading shape in the accumulate type (zero-filled, so an empty row has defined stats).
+std::tuple<at::Tensor, at::Tensor, at::Tensor> layer_norm_outputs(const at::Tensor& x,
+                                                                  int64_t normalized_ndim);
+
 // Shape of LayerNorm's saved mean/rstd: input's leading dims (those not normalised).
 std::vector<c10::SymInt> layer_norm_stat_shape(const at::Tensor& input, int64_t normalized_ndim);
 

@@ -171,12 +171,8 @@ std::tuple<Tensor, Tensor, Tensor> layer_norm_fwd_cpu(const Tensor& input, c10::
   check_layer_norm(input, c10::fromIntArrayRefSlow(shape), weight, bias);
   const Tensor x = input.contiguous();
   const auto [rows, cols] = rows_cols(x, c10::multiply_integers(shape));
-  const auto acc = at::toOpMathType(x.scalar_type());
   Tensor w = param_as_acc(weight, cols, x, 1.0), b = param_as_acc(bias, cols, x, 0.0);
-  auto stat_shape = x.sizes().slice(0, x.dim() - static_cast<int64_t>(shape.size()));
-  Tensor y = at::empty_like(x);
-  Tensor mean = at::zeros(stat_shape, x.options().dtype(acc));
-  Tensor rstd = at::zeros(stat_shape, x.options().dtype(acc));
+  auto [y, mean, rstd] = layer_norm_outputs(x, static_cast<int64_t>(shape.size()));
   if (x.numel() == 0) return {y, mean, rstd};
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "layer_norm_fwd", [&] {
     using acc_t = at::opmath_type<scalar_t>;
