@@ -74,23 +74,27 @@ def _grad_inputs(op):
     return {"layer_norm": (0, 1, 2), "bias_gelu": (0, 2), "bias_dropout_add": (0, 2, 3)}[op]
 
 
-def _time(fn, reps, warmup=2):
-    """Best of `reps`: on a shared 2-core machine the other samples measure the neighbours."""
-    for _ in range(warmup):
-        fn()
-    samples = []
+def _time(fns, reps, warmup=2):
+    """Best of `reps` for each of `fns`, taken round-robin: on a shared 2-core machine the
+    neighbours' load then falls on every peer alike, and the best sample is the one they
+    left alone."""
+    for fn in fns:
+        for _ in range(warmup):
+            fn()
+    best = [float("inf")] * len(fns)
     for _ in range(reps):
-        t0 = time.perf_counter()
-        fn()
-        samples.append(time.perf_counter() - t0)
-    return min(samples)
+        for k, fn in enumerate(fns):
+            t0 = time.perf_counter()
+            fn()
+            best[k] = min(best[k], time.perf_counter() - t0)
+    return best
 
 
 def copy_bandwidth(nbytes, reps):
     """GB/s of ``dst.copy_(src)`` (bytes read + written) for arrays of ``nbytes``."""
     src = torch.empty(nbytes // 4, dtype=torch.float32).uniform_()
     dst = torch.empty_like(src)
-    t = _time(lambda: dst.copy_(src), reps)
+    (t,) = _time([lambda: dst.copy_(src)], reps)
     return 2 * nbytes / t / 1e9
 
 
@@ -113,18 +117,24 @@ def measure(op, rows, cols, dtype, reps, use_compile):
         torch._dynamo.reset()
         peers["compile"] = torch.compile(_composite(op), dynamic=False)
     grad_idx = _grad_inputs(op)
-    out = {}
+    names, fns = [], []
     for name, fn in peers.items():
-        with torch.no_grad():
-            fwd = _time(lambda: fn(*args), reps)
         leaves = [a.detach().requires_grad_(i in grad_idx) for i, a in enumerate(args)]
 
-        def fwd_bwd():
+        def fwd(fn=fn):
+            with torch.no_grad():
+                fn(*args)
+
+        def fwd_bwd(fn=fn, leaves=leaves):
             for t in leaves:
                 t.grad = None
             fn(*leaves).backward(dy)
 
-        out[name] = {"fwd": fwd, "fwd_bwd": _time(fwd_bwd, reps)}
+        names += [(name, "fwd"), (name, "fwd_bwd")]
+        fns += [fwd, fwd_bwd]
+    out = {}
+    for (name, mode), t in zip(names, _time(fns, reps)):
+        out.setdefault(name, {})[mode] = t
     return out
 
 
