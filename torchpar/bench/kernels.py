@@ -141,6 +141,7 @@ def measure(op, rows, cols, dtype, reps, use_compile):
 def run(args):
     torch.set_num_threads(args.threads or torch.get_num_threads())
     args.malloc_reuse = args.malloc == "reuse" and reuse_freed_memory()
+    args.load_before = os.getloadavg()[0]
     shapes = [tuple(int(v) for v in s.lower().split("x")) for s in args.shapes]
     elem_bytes_max = max(rows * cols for rows, cols in shapes) * 4
     copy_gbs = copy_bandwidth(DRAM_COPY_BYTES, max(args.reps, 10))
@@ -167,6 +168,9 @@ def run(args):
                     if len(results) == 1:
                         print_header(copy_gbs, copy_op_sized_gbs, elem_bytes_max)
                     print_row(row)
+    args.load_after = os.getloadavg()[0]
+    print(f"load average (1 min) before / after the run: {args.load_before:.2f} / "
+          f"{args.load_after:.2f} on {os.cpu_count()} cores (anything above ~0.2 is a neighbour)")
     return {"copy_gbs": copy_gbs, "copy_op_sized_gbs": copy_op_sized_gbs, "results": results,
             "meta": meta(args)}
 
@@ -176,6 +180,7 @@ def meta(args):
             "torch": torch.__version__, "threads": torch.get_num_threads(),
             "cpu": platform.processor() or platform.machine(), "reps": args.reps,
             "dropout_p": P_DROP, "malloc_reuse": args.malloc_reuse,
+            "load_before": args.load_before, "load_after": args.load_after,
             "torch_cpu_capability": torch.backends.cpu.get_cpu_capability()}
 
 
