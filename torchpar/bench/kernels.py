@@ -170,7 +170,7 @@ def run(args):
                     print_row(row)
     args.load_after = os.getloadavg()[0]
     print(f"load average (1 min) before / after the run: {args.load_before:.2f} / "
-          f"{args.load_after:.2f} on {os.cpu_count()} cores (anything above ~0.2 is a neighbour)")
+          f"{args.load_after:.2f} on {os.cpu_count()} cores (this run adds up to {torch.get_num_threads()}; the rest is neighbours)")
     return {"copy_gbs": copy_gbs, "copy_op_sized_gbs": copy_op_sized_gbs, "results": results,
             "meta": meta(args)}
 
