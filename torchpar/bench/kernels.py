@@ -144,8 +144,9 @@ def run(args):
     args.load_before = os.getloadavg()[0]
     shapes = [tuple(int(v) for v in s.lower().split("x")) for s in args.shapes]
     elem_bytes_max = max(rows * cols for rows, cols in shapes) * 4
-    copy_gbs = copy_bandwidth(DRAM_COPY_BYTES, max(args.reps, 10))
-    copy_op_sized_gbs = copy_bandwidth(elem_bytes_max, max(args.reps, 10))
+    # Many short samples: a copy takes milliseconds, so a neighbour's burst spoils few.
+    copy_gbs = copy_bandwidth(DRAM_COPY_BYTES, max(args.reps, 100))
+    copy_op_sized_gbs = copy_bandwidth(elem_bytes_max, max(args.reps, 200))
     results = []
     for op in args.ops:
         for rows, cols in shapes:
