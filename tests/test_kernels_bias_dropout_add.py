@@ -171,3 +171,21 @@ def test_cuda_draws_the_same_mask_as_cpu(dtype):
     assert torch.equal(outs[0][0] == outs[0][2].detach(), outs[1][0] == outs[1][2].detach())
     for a, c, scale in zip(*outs, (10, 10, 1000, 1)):
         assert_close(a, c.float(), dtype, scale=scale)
+
+
+def test_mask_and_gradients_do_not_depend_on_thread_count():
+    x, b, r = _inputs((96, 130), torch.float32)
+    results = []
+    threads = torch.get_num_threads()
+    try:
+        for n in (1, max(2, threads)):
+            torch.set_num_threads(n)
+            ts = [t.clone().requires_grad_() for t in (x, b, r)]
+            torch.manual_seed(31)
+            y = F.bias_dropout_add(*ts, 0.4, True)
+            y.backward(torch.ones_like(y))
+            results.append([y.detach()] + [t.grad for t in ts])
+    finally:
+        torch.set_num_threads(threads)
+    for a, c in zip(*results):
+        torch.testing.assert_close(a, c, atol=1e-5, rtol=1e-5)
