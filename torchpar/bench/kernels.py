@@ -166,18 +166,16 @@ def run(args):
                     if "compile_ms" in row:
                         row["x_compile"] = row["compile_ms"] / row["torchpar_ms"]
                     results.append(row)
-                    if len(results) == 1:
-                        print_header(copy_gbs, copy_op_sized_gbs, elem_bytes_max)
-                    print_row(row)
+                print(f"measured {op} {rows}x{cols} {dname}", file=sys.stderr, flush=True)
     # Measured again after the ops: a neighbour's burst during one short copy window would
     # otherwise set the roofline; the better of the two windows is the machine's.
     copy_gbs = max(copy_gbs, copy_bandwidth(DRAM_COPY_BYTES, max(args.reps, 100)))
     copy_op_sized_gbs = max(copy_op_sized_gbs, copy_bandwidth(elem_bytes_max, max(args.reps, 200)))
     for row in results:
         row["pct_copy"] = 100 * row["gbs"] / copy_gbs
-    print(f"copy bandwidth again after the ops, best of both: {copy_gbs:.1f} GB/s (DRAM), "
-          f"{copy_op_sized_gbs:.1f} GB/s ({elem_bytes_max >> 20} MiB); %copy in the JSON and "
-          "plot uses these")
+    print_header(copy_gbs, copy_op_sized_gbs, elem_bytes_max)
+    for row in results:
+        print_row(row)
     args.load_after = os.getloadavg()[0]
     print(f"load average (1 min) before / after the run: {args.load_before:.2f} / "
           f"{args.load_after:.2f} on {os.cpu_count()} cores (this run adds up to {torch.get_num_threads()}; the rest is neighbours)")
@@ -199,7 +197,8 @@ HEADER = (f"{'op':<17}{'shape':>10}{'dtype':>9}{'pass':>8}{'torchpar':>10}{'eage
 
 
 def print_header(copy_gbs, copy_op_sized_gbs, op_bytes):
-    print(f"copy bandwidth, dst.copy_(src) read+write: {copy_gbs:.1f} GB/s with "
+    print(f"copy bandwidth, dst.copy_(src) read+write, best of a window before and one after "
+          f"the ops: {copy_gbs:.1f} GB/s with "
           f"{DRAM_COPY_BYTES >> 20} MiB arrays (DRAM; %copy is against this), "
           f"{copy_op_sized_gbs:.1f} GB/s with {op_bytes >> 20} MiB arrays (partly in L3)")
     print(f"torch's kernels: {torch.backends.cpu.get_cpu_capability()}; torchpar: AVX2; "
