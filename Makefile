@@ -5,11 +5,9 @@ PY      := $(VENV)/bin/python
 PIP     := $(VENV)/bin/pip
 TORCH   ?= torch==2.13.0
 NPROC   ?= 2
-# ccache keeps rebuilds on the same machine quick (through Debian's compiler links, which
-# torch's ninja build picks up as plain `c++`); the build works without it.
-ifneq ($(wildcard /usr/lib/ccache/c++),)
-export PATH := /usr/lib/ccache:$(PATH)
-endif
+# ccache keeps rebuilds on the same machine quick; the build works without it. torch's
+# cpp_extension puts ccache in front of g++ by itself when it is on PATH (setting
+# CXX="ccache g++" here would wrap it twice: "ccache: Could not find compiler").
 export MAX_JOBS ?= $(NPROC)
 
 SOURCES := setup.py $(shell find csrc -name '*.cpp' -o -name '*.h' -o -name '*.cu' 2>/dev/null)
@@ -74,9 +72,17 @@ $(CUDA_VENV)/.deps:
 	$(CUDA_VENV)/bin/pip install -q torch==2.14.1 nvidia-nccl-cu13 ninja setuptools wheel numpy pytest pytest-timeout
 	@touch $@
 
+# CUDA_HOME: the toolkit holding nvcc (nvcc on PATH may be a wrapper script, which would
+# make torch guess /usr/local). The CUDA wheels torch pulls in ship the library headers
+# ATen's CUDA headers include (cusparse.h, cublas_v2.h ...); CPATH hands them to g++ and nvcc.
+# The NCCL wheel has only libnccl.so.2, so -lnccl links through a libnccl.so symlink.
+CUDA_HOME ?= $(lastword $(sort $(wildcard /usr/local/cuda-*)))
 build-cuda: $(CUDA_VENV)/.deps
 	NCCL_DIR=$$($(CUDA_VENV)/bin/python -c "import nvidia.nccl, os; print(os.path.dirname(nvidia.nccl.__file__) if nvidia.nccl.__file__ else list(nvidia.nccl.__path__)[0])"); \
-	TORCHPAR_CUDA=1 NCCL_INCLUDE=$$NCCL_DIR/include NCCL_LIB=$$NCCL_DIR/lib \
+	CU_INC=$$($(CUDA_VENV)/bin/python -c "import nvidia, os; print(':'.join(os.path.join(p, 'cu13', 'include') for p in nvidia.__path__))"); \
+	mkdir -p build/nccl-lib && ln -sf $$NCCL_DIR/lib/libnccl.so.2 build/nccl-lib/libnccl.so; \
+	CUDA_HOME=$(CUDA_HOME) CPATH=$$CU_INC$${CPATH:+:$$CPATH} \
+	TORCHPAR_CUDA=1 NCCL_INCLUDE=$$NCCL_DIR/include NCCL_LIB=$(CURDIR)/build/nccl-lib:$$NCCL_DIR/lib \
 	TORCH_CUDA_ARCH_LIST="8.0;9.0" $(CUDA_VENV)/bin/python setup.py -q build_ext --build-temp build/cuda-temp --build-lib build/cuda-lib
 
 clean:

@@ -20,7 +20,10 @@ def sources(pattern):
 def cpu_flags():
     # at::vec picks its vector width from CPU_CAPABILITY_* macros, which torch's own
     # build sets per kernel file; we build one AVX2 flavour (every x86-64 server since 2013).
-    flags = ["-O3", "-std=c++20", "-fvisibility=hidden", "-Wall", "-Wno-unused-function", "-Wno-unknown-pragmas"]
+    # -fopenmp: at::parallel_for is a header template over `#pragma omp parallel` in torch's
+    # OpenMP builds; without the flag it silently runs on one thread. libgomp.so.1 resolves to
+    # the copy torch already loaded, so there is one OpenMP runtime in the process.
+    flags = ["-O3", "-std=c++20", "-fvisibility=hidden", "-Wall", "-Wno-unused-function", "-Wno-unknown-pragmas", "-fopenmp"]
     if os.uname().machine == "x86_64":
         flags += ["-mavx2", "-mfma", "-mf16c", "-DCPU_CAPABILITY_AVX2", "-DCPU_CAPABILITY=AVX2"]
     return flags
@@ -41,6 +44,7 @@ if WITH_CUDA:
         include_dirs=[os.path.join(ROOT, "csrc")] + [p for p in os.environ.get("NCCL_INCLUDE", "").split(":") if p],
         library_dirs=[p for p in os.environ.get("NCCL_LIB", "").split(":") if p],
         libraries=libraries,
+        extra_link_args=["-fopenmp"],
         extra_compile_args=extra,
         define_macros=define_macros,
     )
@@ -50,6 +54,7 @@ else:
         cpp_sources,
         include_dirs=[os.path.join(ROOT, "csrc")],
         libraries=libraries,
+        extra_link_args=["-fopenmp"],
         extra_compile_args=extra,
         define_macros=define_macros,
     )

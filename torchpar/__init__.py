@@ -12,6 +12,7 @@ import torch.distributed  # noqa: F401  (the C++ backend subclasses c10d classes
 
 from torchpar import _C  # noqa: F401  (loads the C++ core and its TORCH_LIBRARY ops)
 from torchpar._backend import register_backend
+from torchpar import nn  # noqa: F401  (fused-kernel modules: torchpar.nn.LayerNorm ...)
 from torchpar import parallel  # noqa: F401,E402  (torchpar.parallel.DistributedDataParallel)
 
 __version__ = "0.1.0"

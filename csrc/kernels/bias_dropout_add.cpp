@@ -1,0 +1,114 @@
+// torchpar::bias_dropout_add: residual + dropout(input + bias), schema, autograd and Meta
+// kernel. CPU and CUDA kernels live in cpu/bias_dropout_add.cpp and cuda/bias_dropout_add.cu.
+//
+// The mask is regenerated in the backward, not stored. Philox (dropout.h) makes element
+// i's keep bit a pure function of (seed, i), so the forward saves one int64 and the
+// backward recomputes the bits at the cost of ten multiply rounds per four elements,
+// which hide behind the memory traffic. A bit-packed mask would be small (1/32 of a
+// float32 activation) but is a second output to write and keep alive until the backward,
+// and a second code path that CPU and CUDA would each have to get right.
+#include <ATen/core/dispatch/Dispatcher.h>
+#include <torch/autograd.h>
+#include <torch/library.h>
+
+#include "kernels/ops.h"
+
+namespace torchpar::kernels {
+namespace {
+
+using at::Tensor;
+
+std::tuple<Tensor, Tensor> bda_fwd(const Tensor& input, const Tensor& bias, const Tensor& residual,
+                                   double p, bool training) {
+  static auto op = c10::Dispatcher::singleton()
+                       .findSchemaOrThrow("torchpar::bias_dropout_add_fwd", "")
+                       .typed<std::tuple<Tensor, Tensor>(const Tensor&, const Tensor&,
+                                                         const Tensor&, double, bool)>();
+  return op.call(input, bias, residual, p, training);
+}
+
+std::tuple<Tensor, Tensor> bda_bwd(const Tensor& grad_out, const Tensor& seed, double p,
+                                   bool training) {
+  static auto op = c10::Dispatcher::singleton()
+                       .findSchemaOrThrow("torchpar::bias_dropout_add_bwd", "")
+                       .typed<std::tuple<Tensor, Tensor>(const Tensor&, const Tensor&, double,
+                                                         bool)>();
+  return op.call(grad_out, seed, p, training);
+}
+
+class BiasDropoutAddFunction : public torch::autograd::Function<BiasDropoutAddFunction> {
+ public:
+  static Tensor forward(torch::autograd::AutogradContext* ctx, const Tensor& input,
+                        const Tensor& bias, const Tensor& residual, double p, bool training) {
+    at::AutoDispatchBelowADInplaceOrView guard;
+    auto [out, seed] = bda_fwd(input, bias, residual, p, training);
+    ctx->save_for_backward({seed});
+    ctx->saved_data["p"] = p;
+    ctx->saved_data["training"] = training;
+    return out;
+  }
+
+  static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
+                                                 torch::autograd::variable_list grads) {
+    auto seed = ctx->get_saved_variables()[0];
+    auto [dx, db] = bda_bwd(grads[0], seed, ctx->saved_data["p"].toDouble(),
+                            ctx->saved_data["training"].toBool());
+    // d(out)/d(residual) is the identity: the incoming gradient passes through untouched.
+    return {dx, db, grads[0], Tensor(), Tensor()};
+  }
+};
+
+Tensor bda_autograd(const Tensor& input, const Tensor& bias, const Tensor& residual, double p,
+                    bool training) {
+  return BiasDropoutAddFunction::apply(input, bias, residual, p, training);
+}
+
+Tensor bda_composite(const Tensor& input, const Tensor& bias, const Tensor& residual, double p,
+                     bool training) {
+  return std::get<0>(bda_fwd(input, bias, residual, p, training));
+}
+
+std::tuple<Tensor, Tensor> bda_fwd_meta(const Tensor& input, const Tensor& bias,
+                                        const Tensor& residual, double p, bool training) {
+  check_bias_op("bias_dropout_add", input, bias, &residual);
+  check_dropout_p(p);
+  return {at::empty_symint(input.sym_sizes(), input.options()),
+          at::empty({1}, input.options().dtype(at::kLong))};
+}
+
+std::tuple<Tensor, Tensor> bda_bwd_meta(const Tensor& grad_out, const Tensor& seed, double p,
+                                        bool training) {
+  return {at::empty_symint(grad_out.sym_sizes(), grad_out.options()),
+          at::empty_symint({grad_out.sym_size(-1)}, grad_out.options())};
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(torchpar, m) {
+  m.def("bias_dropout_add(Tensor input, Tensor bias, Tensor residual, float p=0.1, "
+        "bool training=True) -> Tensor");
+  // Returns (output, seed): seed is the int64 Philox key the mask was drawn with, on
+  // input's device. It draws from torch's default generator, hence the tag: compilers
+  // must neither merge two calls nor reorder them across other random ops.
+  m.def("bias_dropout_add_fwd(Tensor input, Tensor bias, Tensor residual, float p, "
+        "bool training) -> (Tensor, Tensor)",
+        {at::Tag::nondeterministic_seeded});
+  // Returns (grad_input, grad_bias); the mask is regenerated from `seed`.
+  m.def("bias_dropout_add_bwd(Tensor grad_out, Tensor seed, float p, bool training) "
+        "-> (Tensor, Tensor)");
+}
+
+TORCH_LIBRARY_IMPL(torchpar, Autograd, m) {
+  m.impl("bias_dropout_add", &bda_autograd);
+}
+
+TORCH_LIBRARY_IMPL(torchpar, CompositeExplicitAutograd, m) {
+  m.impl("bias_dropout_add", &bda_composite);
+}
+
+TORCH_LIBRARY_IMPL(torchpar, Meta, m) {
+  m.impl("bias_dropout_add_fwd", &bda_fwd_meta);
+  m.impl("bias_dropout_add_bwd", &bda_bwd_meta);
+}
+
+}  // namespace torchpar::kernels

@@ -1,0 +1,88 @@
+// torchpar::bias_gelu: gelu(input + bias), schema, autograd and Meta kernel. CPU and CUDA
+// kernels live in cpu/bias_gelu.cpp and cuda/bias_gelu.cu.
+//
+// The backward recomputes gelu'(input + bias) from the saved input rather than saving the
+// output: the input is saved anyway by the matmul that produced it (its weight gradient
+// needs it), so this costs no extra activation memory, and the extra math is free in a
+// memory-bound kernel.
+#include <ATen/core/dispatch/Dispatcher.h>
+#include <torch/autograd.h>
+#include <torch/library.h>
+
+#include "kernels/ops.h"
+
+namespace torchpar::kernels {
+namespace {
+
+using at::Tensor;
+
+Tensor bias_gelu_op(const Tensor& input, const Tensor& bias, c10::string_view approximate) {
+  static auto op = c10::Dispatcher::singleton()
+                       .findSchemaOrThrow("torchpar::bias_gelu", "")
+                       .typed<Tensor(const Tensor&, const Tensor&, c10::string_view)>();
+  return op.call(input, bias, approximate);
+}
+
+std::tuple<Tensor, Tensor> bias_gelu_bwd(const Tensor& grad_out, const Tensor& input,
+                                         const Tensor& bias, c10::string_view approximate) {
+  static auto op = c10::Dispatcher::singleton()
+                       .findSchemaOrThrow("torchpar::bias_gelu_bwd", "")
+                       .typed<std::tuple<Tensor, Tensor>(const Tensor&, const Tensor&,
+                                                         const Tensor&, c10::string_view)>();
+  return op.call(grad_out, input, bias, approximate);
+}
+
+class BiasGeluFunction : public torch::autograd::Function<BiasGeluFunction> {
+ public:
+  static Tensor forward(torch::autograd::AutogradContext* ctx, const Tensor& input,
+                        const Tensor& bias, c10::string_view approximate) {
+    at::AutoDispatchBelowADInplaceOrView guard;
+    ctx->save_for_backward({input, bias});
+    ctx->saved_data["approximate"] = std::string(approximate);
+    return bias_gelu_op(input, bias, approximate);
+  }
+
+  static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
+                                                 torch::autograd::variable_list grads) {
+    auto saved = ctx->get_saved_variables();
+    auto approximate = ctx->saved_data["approximate"].toStringRef();
+    auto [dx, db] = bias_gelu_bwd(grads[0], saved[0], saved[1], approximate);
+    return {dx, db, Tensor()};
+  }
+};
+
+Tensor bias_gelu_autograd(const Tensor& input, const Tensor& bias, c10::string_view approximate) {
+  return BiasGeluFunction::apply(input, bias, approximate);
+}
+
+Tensor bias_gelu_meta(const Tensor& input, const Tensor& bias, c10::string_view approximate) {
+  check_bias_op("bias_gelu", input, bias, nullptr);
+  parse_gelu_approx(approximate);
+  return at::empty_symint(input.sym_sizes(), input.options());
+}
+
+std::tuple<Tensor, Tensor> bias_gelu_bwd_meta(const Tensor& grad_out, const Tensor& input,
+                                              const Tensor& bias, c10::string_view approximate) {
+  return {at::empty_symint(input.sym_sizes(), input.options()),
+          at::empty_symint(bias.sym_sizes(), bias.options())};
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(torchpar, m) {
+  m.def("bias_gelu(Tensor input, Tensor bias, str approximate='none') -> Tensor");
+  // Returns (grad_input, grad_bias).
+  m.def("bias_gelu_bwd(Tensor grad_out, Tensor input, Tensor bias, str approximate) "
+        "-> (Tensor, Tensor)");
+}
+
+TORCH_LIBRARY_IMPL(torchpar, Autograd, m) {
+  m.impl("bias_gelu", &bias_gelu_autograd);
+}
+
+TORCH_LIBRARY_IMPL(torchpar, Meta, m) {
+  m.impl("bias_gelu", &bias_gelu_meta);
+  m.impl("bias_gelu_bwd", &bias_gelu_bwd_meta);
+}
+
+}  // namespace torchpar::kernels

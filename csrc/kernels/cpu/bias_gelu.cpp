@@ -1,0 +1,120 @@
+// bias + GeLU on CPU: one read of x and one write of y forward; one read of (dy, x) and one
+// write of dx backward, with dbias summed per thread on the way (kernels/gelu.h has the math).
+#include <ATen/Dispatch.h>
+#include <ATen/Parallel.h>
+#include <ATen/ops/empty_like.h>
+#include <torch/library.h>
+
+#include "kernels/cpu/vec.h"
+#include "kernels/gelu.h"
+#include "kernels/ops.h"
+
+namespace torchpar::kernels::cpu {
+namespace {
+
+using at::Tensor;
+
+template <typename T, GeluApprox A>
+void forward(const T* x, const at::opmath_type<T>* bias, T* y, int64_t rows, int64_t cols) {
+  using IO = VecIO<T>;
+  using acc_t = typename IO::acc_t;
+  using Vec = typename IO::Vec;
+  constexpr int64_t V = Vec::size();
+  at::parallel_for(0, rows, row_grain(cols), [&](int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; ++r) {
+      const T* xr = x + r * cols;
+      T* yr = y + r * cols;
+      int64_t i = 0;
+      for (; i + IO::kStep <= cols; i += IO::kStep) {
+        Vec a, b;
+        IO::load2(xr + i, a, b);
+        a = gelu<Vec, VecMath>(a + Vec::loadu(bias + i), A);
+        b = gelu<Vec, VecMath>(b + Vec::loadu(bias + i + V), A);
+        IO::store2(yr + i, a, b);
+      }
+      for (; i < cols; ++i) yr[i] = T(gelu<acc_t>(acc_t(xr[i]) + bias[i], A));
+    }
+  });
+}
+
+template <typename T, GeluApprox A>
+void backward(const T* dy, const T* x, const at::opmath_type<T>* bias, T* dx,
+              ColumnPartials<at::opmath_type<T>>& db, int64_t rows, int64_t cols) {
+  using IO = VecIO<T>;
+  using acc_t = typename IO::acc_t;
+  using Vec = typename IO::Vec;
+  constexpr int64_t V = Vec::size();
+  at::parallel_for(0, rows, row_grain(cols), [&](int64_t r0, int64_t r1) {
+    acc_t* dbp = db.row(at::get_thread_num());
+    for (int64_t r = r0; r < r1; ++r) {
+      const T* dyr = dy + r * cols;
+      const T* xr = x + r * cols;
+      T* dxr = dx + r * cols;
+      int64_t i = 0;
+      for (; i + IO::kStep <= cols; i += IO::kStep) {
+        Vec d0, d1, x0, x1;
+        IO::load2(dyr + i, d0, d1);
+        IO::load2(xr + i, x0, x1);
+        Vec g0 = d0 * gelu_grad<Vec, VecMath>(x0 + Vec::loadu(bias + i), A);
+        Vec g1 = d1 * gelu_grad<Vec, VecMath>(x1 + Vec::loadu(bias + i + V), A);
+        IO::store2(dxr + i, g0, g1);
+        (Vec::loadu(dbp + i) + g0).store(dbp + i);
+        (Vec::loadu(dbp + i + V) + g1).store(dbp + i + V);
+      }
+      for (; i < cols; ++i) {
+        acc_t g = acc_t(dyr[i]) * gelu_grad<acc_t>(acc_t(xr[i]) + bias[i], A);
+        dxr[i] = T(g);
+        dbp[i] += g;
+      }
+    }
+  });
+}
+
+Tensor bias_gelu_cpu(const Tensor& input, const Tensor& bias, c10::string_view approximate) {
+  const GeluApprox approx = parse_gelu_approx(approximate);
+  const auto [x, b, unused, shape] = prepare_bias_op("bias_gelu", input, bias, nullptr);
+  const auto [rows, cols] = shape;
+  Tensor y = at::empty_like(x);
+  if (x.numel() == 0) return y;
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "bias_gelu", [&] {
+    using acc_t = at::opmath_type<scalar_t>;
+    with_gelu_approx(approx, [&](auto a) {
+      forward<scalar_t, decltype(a)::value>(x.const_data_ptr<scalar_t>(), b.const_data_ptr<acc_t>(),
+                                            y.mutable_data_ptr<scalar_t>(), rows, cols);
+    });
+  });
+  return y;
+}
+
+std::tuple<Tensor, Tensor> bias_gelu_bwd_cpu(const Tensor& grad_out, const Tensor& input,
+                                             const Tensor& bias, c10::string_view approximate) {
+  const GeluApprox approx = parse_gelu_approx(approximate);
+  const auto [x, b, unused, shape] = prepare_bias_op("bias_gelu", input, bias, nullptr);
+  const auto [rows, cols] = shape;
+  const Tensor dy = prepare_grad("bias_gelu", grad_out, x);
+  const auto acc = at::toOpMathType(x.scalar_type());
+  Tensor dx = at::empty_like(x);
+  Tensor db;
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "bias_gelu_bwd", [&] {
+    using acc_t = at::opmath_type<scalar_t>;
+    ColumnPartials<acc_t> partial(at::get_num_threads(), cols, acc);
+    if (x.numel() > 0) {
+      with_gelu_approx(approx, [&](auto a) {
+        backward<scalar_t, decltype(a)::value>(dy.const_data_ptr<scalar_t>(),
+                                               x.const_data_ptr<scalar_t>(), b.const_data_ptr<acc_t>(),
+                                               dx.mutable_data_ptr<scalar_t>(), partial, rows, cols);
+      });
+    }
+    db = partial.sum(x.scalar_type());
+  });
+  return {dx, db};
+}
+
+}  // namespace
+
+TORCH_LIBRARY_IMPL(torchpar, CPU, m) {
+  m.impl("bias_gelu", &bias_gelu_cpu);
+  m.impl("bias_gelu_bwd", &bias_gelu_bwd_cpu);
+}
+
+}  // namespace torchpar::kernels::cpu

@@ -1,0 +1,221 @@
+// LayerNorm on CPU (Ba, Kiros & Hinton, arXiv:1607.06450), one row per step of
+// at::parallel_for. Forward: one Welford pass for the statistics, one pass to normalise;
+// the row is back in L1/L2 for the second pass, so memory sees x once and y once.
+// Backward: the same two passes over (dy, x), with dweight/dbias summed per thread.
+#include <ATen/Dispatch.h>
+#include <ATen/Parallel.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/empty_like.h>
+#include <ATen/ops/zeros.h>
+#include <c10/util/accumulate.h>
+#include <torch/library.h>
+
+#include <cmath>
+
+#include "kernels/cpu/vec.h"
+#include "kernels/ops.h"
+#include "kernels/welford.h"
+
+namespace torchpar::kernels::cpu {
+namespace {
+
+using at::Tensor;
+using OptTensor = std::optional<Tensor>;
+
+template <typename T, typename acc_t, typename Vec>
+acc_t reduce_sum(const Vec& v) {
+  return at::vec::vec_reduce_all<acc_t>([](Vec a, Vec b) { return a + b; }, v);
+}
+
+// Mean and population variance of one row, in acc_t: Welford's update applied per chunk
+// (Chan, Golub & LeVeque's merge of exact chunk statistics). A chunk is 256 elements, in
+// L1 after its first read, so its exact mean and M2 cost two short vector passes with
+// independent accumulators; updating per element instead puts a dependent divide-and-FMA
+// chain on every vector, which made this pass compute-bound.
+template <typename T>
+Welford<at::opmath_type<T>> row_stats(const T* x, int64_t cols) {
+  using IO = VecIO<T>;
+  using acc_t = typename IO::acc_t;
+  using Vec = typename IO::Vec;
+  constexpr int64_t kChunk = 256;
+  Welford<acc_t> s;
+  for (int64_t c0 = 0; c0 < cols; c0 += kChunk) {
+    const T* xc = x + c0;
+    const int64_t n = std::min(kChunk, cols - c0);
+    Vec s0(0), s1(0);
+    int64_t i = 0;
+    for (; i + IO::kStep <= n; i += IO::kStep) {
+      Vec a, b;
+      IO::load2(xc + i, a, b);
+      s0 = s0 + a;
+      s1 = s1 + b;
+    }
+    acc_t sum = reduce_sum<T, acc_t>(s0 + s1);
+    for (int64_t j = i; j < n; ++j) sum += acc_t(xc[j]);
+    const acc_t mean = sum / acc_t(n);
+    const Vec vm(mean);
+    Vec q0(0), q1(0);
+    for (i = 0; i + IO::kStep <= n; i += IO::kStep) {
+      Vec a, b;
+      IO::load2(xc + i, a, b);
+      a = a - vm;
+      b = b - vm;
+      q0 = at::vec::fmadd(a, a, q0);
+      q1 = at::vec::fmadd(b, b, q1);
+    }
+    acc_t m2 = reduce_sum<T, acc_t>(q0 + q1);
+    for (int64_t j = i; j < n; ++j) m2 += (acc_t(xc[j]) - mean) * (acc_t(xc[j]) - mean);
+    s.merge(Welford<acc_t>(mean, m2, acc_t(n)));
+  }
+  return s;
+}
+
+template <typename T>
+void forward(const T* x, const at::opmath_type<T>* w, const at::opmath_type<T>* b, T* y,
+             at::opmath_type<T>* mean, at::opmath_type<T>* rstd, int64_t rows, int64_t cols,
+             double eps) {
+  using IO = VecIO<T>;
+  using acc_t = typename IO::acc_t;
+  using Vec = typename IO::Vec;
+  constexpr int64_t V = Vec::size();
+  at::parallel_for(0, rows, row_grain(cols), [&](int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; ++r) {
+      const T* xr = x + r * cols;
+      T* yr = y + r * cols;
+      auto s = row_stats(xr, cols);
+      acc_t mu = s.mean;
+      acc_t rs = acc_t(1) / std::sqrt(std::max(s.var(), acc_t(0)) + acc_t(eps));
+      mean[r] = mu;
+      rstd[r] = rs;
+      // y = (x - mu) * rs * w + b = x * (rs * w) + (b - mu * rs * w)
+      const Vec vmu(mu), vrs(rs);
+      int64_t i = 0;
+      for (; i + IO::kStep <= cols; i += IO::kStep) {
+        Vec a, c;
+        IO::load2(xr + i, a, c);
+        a = at::vec::fmadd((a - vmu) * vrs, Vec::loadu(w + i), Vec::loadu(b + i));
+        c = at::vec::fmadd((c - vmu) * vrs, Vec::loadu(w + i + V), Vec::loadu(b + i + V));
+        IO::store2(yr + i, a, c);
+      }
+      for (; i < cols; ++i) yr[i] = T((acc_t(xr[i]) - mu) * rs * w[i] + b[i]);
+    }
+  });
+}
+
+// dx = rstd * (g - mean(g) - xhat * mean(g * xhat)), g = dy * w, xhat = (x - mean) * rstd.
+template <typename T>
+void backward(const T* dy, const T* x, const at::opmath_type<T>* mean,
+              const at::opmath_type<T>* rstd, const at::opmath_type<T>* w, T* dx,
+              ColumnPartials<at::opmath_type<T>>& dw, ColumnPartials<at::opmath_type<T>>& db,
+              int64_t rows, int64_t cols) {
+  using IO = VecIO<T>;
+  using acc_t = typename IO::acc_t;
+  using Vec = typename IO::Vec;
+  constexpr int64_t V = Vec::size();
+  at::parallel_for(0, rows, row_grain(cols), [&](int64_t r0, int64_t r1) {
+    acc_t* dwp = dw.row(at::get_thread_num());
+    acc_t* dbp = db.row(at::get_thread_num());
+    for (int64_t r = r0; r < r1; ++r) {
+      const T* dyr = dy + r * cols;
+      const T* xr = x + r * cols;
+      T* dxr = dx + r * cols;
+      const acc_t mu = mean[r], rs = rstd[r];
+      const Vec vmu(mu), vrs(rs);
+      // Pass 1: the two row sums, and this row's share of dweight and dbias.
+      Vec sg(0), sgx(0);
+      int64_t i = 0;
+      for (; i + IO::kStep <= cols; i += IO::kStep) {
+        Vec d0, d1, x0, x1;
+        IO::load2(dyr + i, d0, d1);
+        IO::load2(xr + i, x0, x1);
+        Vec h0 = (x0 - vmu) * vrs, h1 = (x1 - vmu) * vrs;
+        Vec g0 = d0 * Vec::loadu(w + i), g1 = d1 * Vec::loadu(w + i + V);
+        sg = sg + g0 + g1;
+        sgx = at::vec::fmadd(g0, h0, at::vec::fmadd(g1, h1, sgx));
+        at::vec::fmadd(d0, h0, Vec::loadu(dwp + i)).store(dwp + i);
+        at::vec::fmadd(d1, h1, Vec::loadu(dwp + i + V)).store(dwp + i + V);
+        (Vec::loadu(dbp + i) + d0).store(dbp + i);
+        (Vec::loadu(dbp + i + V) + d1).store(dbp + i + V);
+      }
+      acc_t sum_g = reduce_sum<T, acc_t>(sg), sum_gx = reduce_sum<T, acc_t>(sgx);
+      const int64_t tail = i;
+      for (; i < cols; ++i) {
+        acc_t d = acc_t(dyr[i]), h = (acc_t(xr[i]) - mu) * rs, g = d * w[i];
+        sum_g += g;
+        sum_gx += g * h;
+        dwp[i] += d * h;
+        dbp[i] += d;
+      }
+      const acc_t c1 = sum_g / acc_t(cols), c2 = sum_gx / acc_t(cols);
+      // Pass 2: dx, with the row still in cache.
+      const Vec vc1(c1), vc2(c2);
+      for (i = 0; i < tail; i += IO::kStep) {
+        Vec d0, d1, x0, x1;
+        IO::load2(dyr + i, d0, d1);
+        IO::load2(xr + i, x0, x1);
+        Vec h0 = (x0 - vmu) * vrs, h1 = (x1 - vmu) * vrs;
+        Vec g0 = d0 * Vec::loadu(w + i), g1 = d1 * Vec::loadu(w + i + V);
+        IO::store2(dxr + i, vrs * (g0 - vc1 - h0 * vc2), vrs * (g1 - vc1 - h1 * vc2));
+      }
+      for (; i < cols; ++i) {
+        acc_t h = (acc_t(xr[i]) - mu) * rs, g = acc_t(dyr[i]) * w[i];
+        dxr[i] = T(rs * (g - c1 - h * c2));
+      }
+    }
+  });
+}
+
+std::tuple<Tensor, Tensor, Tensor> layer_norm_fwd_cpu(const Tensor& input, c10::IntArrayRef shape,
+                                                      const OptTensor& weight,
+                                                      const OptTensor& bias, double eps) {
+  check_layer_norm(input, c10::fromIntArrayRefSlow(shape), weight, bias);
+  const Tensor x = input.contiguous();
+  const auto [rows, cols] = rows_cols(x, c10::multiply_integers(shape));
+  Tensor w = param_as_acc(weight, cols, x, 1.0), b = param_as_acc(bias, cols, x, 0.0);
+  auto [y, mean, rstd] = layer_norm_outputs(x, static_cast<int64_t>(shape.size()));
+  if (x.numel() == 0) return {y, mean, rstd};
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "layer_norm_fwd", [&] {
+    using acc_t = at::opmath_type<scalar_t>;
+    forward<scalar_t>(x.const_data_ptr<scalar_t>(), w.const_data_ptr<acc_t>(),
+                      b.const_data_ptr<acc_t>(), y.mutable_data_ptr<scalar_t>(),
+                      mean.mutable_data_ptr<acc_t>(), rstd.mutable_data_ptr<acc_t>(), rows, cols,
+                      eps);
+  });
+  return {y, mean, rstd};
+}
+
+std::tuple<Tensor, Tensor, Tensor> layer_norm_bwd_cpu(const Tensor& grad_out, const Tensor& input,
+                                                      c10::IntArrayRef shape, const Tensor& mean,
+                                                      const Tensor& rstd, const OptTensor& weight,
+                                                      const OptTensor& bias) {
+  check_layer_norm(input, c10::fromIntArrayRefSlow(shape), weight, bias);
+  const Tensor x = input.contiguous();
+  const Tensor dy = prepare_grad("layer_norm", grad_out, x);
+  const auto [rows, cols] = rows_cols(x, c10::multiply_integers(shape));
+  const auto acc = at::toOpMathType(x.scalar_type());
+  Tensor w = param_as_acc(weight, cols, x, 1.0);
+  Tensor dx = at::empty_like(x);
+  Tensor dw_out = at::empty({0}, x.options()), db_out = at::empty({0}, x.options());
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "layer_norm_bwd", [&] {
+    using acc_t = at::opmath_type<scalar_t>;
+    ColumnPartials<acc_t> dw(at::get_num_threads(), cols, acc), db(at::get_num_threads(), cols, acc);
+    if (x.numel() > 0) {
+      backward<scalar_t>(dy.const_data_ptr<scalar_t>(), x.const_data_ptr<scalar_t>(),
+                         mean.contiguous().const_data_ptr<acc_t>(),
+                         rstd.contiguous().const_data_ptr<acc_t>(), w.const_data_ptr<acc_t>(),
+                         dx.mutable_data_ptr<scalar_t>(), dw, db, rows, cols);
+    }
+    if (weight) dw_out = dw.sum(x.scalar_type()).view(weight->sizes());
+    if (bias) db_out = db.sum(x.scalar_type()).view(bias->sizes());
+  });
+  return {dx, dw_out, db_out};
+}
+
+}  // namespace
+
+TORCH_LIBRARY_IMPL(torchpar, CPU, m) {
+  m.impl("layer_norm_fwd", &layer_norm_fwd_cpu);
+  m.impl("layer_norm_bwd", &layer_norm_bwd_cpu);
+}
+
+}  // namespace torchpar::kernels::cpu

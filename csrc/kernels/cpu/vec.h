@@ -1,0 +1,118 @@
+// at::vec glue for the CPU kernels: every dtype is computed in its accumulate type (float
+// for float16/bfloat16/float32, double for float64), two accumulate vectors per step so a
+// bfloat16 step is one 256-bit load. Kernels loop `for (i = 0; i + kStep <= n; i += kStep)`
+// over load2/store2 and finish the tail with the scalar form of the same math.
+#pragma once
+
+// at::vec's headers carry `#pragma unroll` for nvcc, which g++ -Wall reports at every use.
+#pragma GCC diagnostic ignored "-Wunknown-pragmas"
+
+#include <ATen/OpMathType.h>
+#include <ATen/cpu/vec/functional.h>
+#include <ATen/cpu/vec/vec.h>
+#include <ATen/ops/zeros.h>
+
+#include <algorithm>
+#include <type_traits>
+
+namespace torchpar::kernels::cpu {
+
+template <typename T>
+struct VecIO {
+  using acc_t = at::opmath_type<T>;
+  using Vec = at::vec::Vectorized<acc_t>;
+  static constexpr int64_t kStep = 2 * Vec::size();
+  static constexpr bool kReduced = !std::is_same_v<T, acc_t>;
+
+  static void load2(const T* p, Vec& a, Vec& b) {
+    if constexpr (kReduced) {
+      at::vec::load_to_float<T>(p, a, b);
+    } else {
+      a = Vec::loadu(p);
+      b = Vec::loadu(p + Vec::size());
+    }
+  }
+
+  static void store2(T* p, const Vec& a, const Vec& b) {
+    if constexpr (kReduced) {
+      at::vec::convert_from_float<T>(a, b).store(p);
+    } else {
+      a.store(p);
+      b.store(p + Vec::size());
+    }
+  }
+};
+
+// erf/exp/tanh of at::vec vectors, for the formulas in kernels/gelu.h.
+//
+// GeLU is compute-bound on an AVX2 core, so float vectors use at::vec's inline 20-ulp exp
+// (exp_u20) instead of calls into Sleef's 1-ulp functions: erf by Abramowitz & Stegun
+// 7.1.26 (|error| <= 1.5e-7) and tanh through exp. Both stay within about 1e-6 of the exact
+// value: below float16/bfloat16 rounding, and below the noise of float32 training. Double
+// vectors keep the accurate functions (gradcheck compares to finite differences).
+struct VecMath {
+  using VecF = at::vec::Vectorized<float>;
+
+  static VecF exp(const VecF& x) { return x.exp_u20(); }
+
+  // 1 / d by the 12-bit hardware estimate and one Newton step (~23 bits): a divide has a
+  // quarter of the throughput, and GeLU's erf and tanh need one per element.
+  static VecF reciprocal(const VecF& d) {
+    const VecF r(_mm256_rcp_ps(d));
+    return r * (VecF(2.f) - d * r);
+  }
+
+  static VecF erf(const VecF& x) { return erf_gauss(x, (VecF(0.f) - x * x).exp_u20()); }
+
+  // erf(x) given g = e^{-x^2}:
+  // erf(|x|) = 1 - t (a1 + t (a2 + t (a3 + t (a4 + t a5)))) g,  t = 1 / (1 + p |x|).
+  static VecF erf_gauss(const VecF& x, const VecF& g) {
+    const VecF p(0.3275911f), a1(0.254829592f), a2(-0.284496736f), a3(1.421413741f),
+        a4(-1.453152027f), a5(1.061405429f), one(1.f), sign_bit(-0.f);
+    const VecF sign = x & sign_bit;
+    const VecF t = reciprocal(at::vec::fmadd(p, x.abs(), one));
+    VecF poly = at::vec::fmadd(a5, t, a4);
+    poly = at::vec::fmadd(poly, t, a3);
+    poly = at::vec::fmadd(poly, t, a2);
+    poly = at::vec::fmadd(poly, t, a1) * t;
+    const VecF r = one - poly * g;
+    return r | sign;  // r >= 0, so or-ing in x's sign bit gives erf(x) = sign(x) erf(|x|)
+  }
+
+  static VecF tanh(const VecF& x) {
+    // tanh(u) = 1 - 2 / (e^{2u} + 1); |u| > 9 rounds to +-1 in float anyway, and clamping
+    // keeps exp_u20 inside its range.
+    const VecF one(1.f), two(2.f);
+    const VecF u = at::vec::clamp(x, VecF(-9.f), VecF(9.f));
+    return one - two * reciprocal((u + u).exp_u20() + one);
+  }
+
+  template <typename V>
+  static V erf(const V& x) { return x.erf(); }
+  template <typename V>
+  static V erf_gauss(const V& x, const V& /*g*/) { return x.erf(); }
+  template <typename V>
+  static V exp(const V& x) { return x.exp(); }
+  template <typename V>
+  static V tanh(const V& x) { return x.tanh(); }
+};
+
+// Rows per at::parallel_for task: enough work (~32K elements) to amortise a task's start.
+inline int64_t row_grain(int64_t cols) {
+  return std::max<int64_t>(1, 32768 / std::max<int64_t>(cols, 1));
+}
+
+// Per-thread accumulators of a column sum (dbias, dweight): one float row per thread,
+// summed at the end. Rows of the reduction are split over threads by at::parallel_for,
+// so each thread owns a row of `partial` and nothing is shared while the loops run.
+template <typename acc_t>
+struct ColumnPartials {
+  at::Tensor partial;  // [threads, cols]
+  ColumnPartials(int64_t threads, int64_t cols, at::ScalarType acc_type)
+      : partial(at::zeros({threads, cols}, at::TensorOptions().dtype(acc_type))) {}
+  acc_t* row(int64_t thread) { return partial.data_ptr<acc_t>() + thread * partial.size(1); }
+  // Sum over threads, cast to `dtype`.
+  at::Tensor sum(at::ScalarType dtype) const { return partial.sum(0).to(dtype); }
+};
+
+}  // namespace torchpar::kernels::cpu

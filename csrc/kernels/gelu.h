@@ -1,0 +1,73 @@
+// GeLU and its derivative (Hendrycks & Gimpel, arXiv:1606.08415), written once for every
+// element type: T is a scalar (float, double: CPU tails and CUDA) or an at::vec vector
+// (CPU main loops). `M` supplies erf, exp and tanh for T, so the formulas stay identical
+// on every path and the CPU tests exercise the math the CUDA kernels run.
+#pragma once
+
+#include <c10/macros/Macros.h>
+
+#include <cmath>
+
+namespace torchpar::kernels {
+
+enum class GeluApprox : int { None = 0, Tanh = 1 };
+
+constexpr double kInvSqrt2 = 0.70710678118654752440;
+constexpr double kInvSqrt2Pi = 0.39894228040143267794;
+constexpr double kSqrt2OverPi = 0.79788456080286535588;
+constexpr double kGeluTanhCoef = 0.044715;
+
+// erf/exp/tanh for scalars on host and device. erf_gauss(x, g) is erf(x) given
+// g = exp(-x^2), which GeLU's gradient computes anyway: an implementation whose erf is built
+// on exp(-x^2) (cpu/vec.h) reuses it; these scalar ones ignore it.
+struct ScalarMath {
+  template <typename T>
+  C10_HOST_DEVICE static T erf_gauss(T x, T /*g*/) { return erf(x); }
+  C10_HOST_DEVICE static float erf(float x) { return ::erff(x); }
+  C10_HOST_DEVICE static double erf(double x) { return ::erf(x); }
+  C10_HOST_DEVICE static float exp(float x) { return ::expf(x); }
+  C10_HOST_DEVICE static double exp(double x) { return ::exp(x); }
+  C10_HOST_DEVICE static float tanh(float x) { return ::tanhf(x); }
+  C10_HOST_DEVICE static double tanh(double x) { return ::tanh(x); }
+};
+
+// gelu(z) = z * Phi(z), Phi the standard normal CDF.
+template <typename T, typename M = ScalarMath>
+C10_HOST_DEVICE inline T gelu_erf(T z) {
+  return T(0.5) * z * (T(1.0) + M::erf(z * T(kInvSqrt2)));
+}
+
+// gelu'(z) = Phi(z) + z * phi(z); phi and erf share exp(-z^2 / 2).
+template <typename T, typename M = ScalarMath>
+C10_HOST_DEVICE inline T gelu_erf_grad(T z) {
+  T g = M::exp(T(-0.5) * z * z);
+  T cdf = T(0.5) * (T(1.0) + M::erf_gauss(z * T(kInvSqrt2), g));
+  return cdf + z * g * T(kInvSqrt2Pi);
+}
+
+// The tanh approximation: 0.5 z (1 + tanh(sqrt(2/pi) (z + 0.044715 z^3))).
+template <typename T, typename M = ScalarMath>
+C10_HOST_DEVICE inline T gelu_tanh(T z) {
+  T inner = T(kSqrt2OverPi) * (z + T(kGeluTanhCoef) * z * z * z);
+  return T(0.5) * z * (T(1.0) + M::tanh(inner));
+}
+
+template <typename T, typename M = ScalarMath>
+C10_HOST_DEVICE inline T gelu_tanh_grad(T z) {
+  T z2 = z * z;
+  T t = M::tanh(T(kSqrt2OverPi) * (z + T(kGeluTanhCoef) * z2 * z));
+  T dinner = T(kSqrt2OverPi) * (T(1.0) + T(3.0 * kGeluTanhCoef) * z2);
+  return T(0.5) * (T(1.0) + t) + T(0.5) * z * (T(1.0) - t * t) * dinner;
+}
+
+template <typename T, typename M = ScalarMath>
+C10_HOST_DEVICE inline T gelu(T z, GeluApprox approx) {
+  return approx == GeluApprox::Tanh ? gelu_tanh<T, M>(z) : gelu_erf<T, M>(z);
+}
+
+template <typename T, typename M = ScalarMath>
+C10_HOST_DEVICE inline T gelu_grad(T z, GeluApprox approx) {
+  return approx == GeluApprox::Tanh ? gelu_tanh_grad<T, M>(z) : gelu_erf_grad<T, M>(z);
+}
+
+}  // namespace torchpar::kernels

@@ -1,0 +1,128 @@
+// torchpar::layer_norm: schema, autograd and Meta kernel. CPU and CUDA kernels of
+// layer_norm_fwd / layer_norm_bwd live in cpu/layer_norm.cpp and cuda/layer_norm.cu.
+//
+// layer_norm is the public op. Its Autograd kernel saves the input with the mean and rstd
+// that layer_norm_fwd returns (float32, or float64 for float64 input), so the backward
+// never recomputes statistics; its CompositeExplicitAutograd kernel serves inference.
+#include <ATen/core/dispatch/Dispatcher.h>
+#include <torch/autograd.h>
+#include <torch/library.h>
+
+#include "kernels/ops.h"
+
+namespace torchpar::kernels {
+namespace {
+
+using at::Tensor;
+using OptTensor = std::optional<Tensor>;
+
+std::tuple<Tensor, Tensor, Tensor> layer_norm_fwd(const Tensor& input, c10::SymIntArrayRef shape,
+                                                  const OptTensor& weight, const OptTensor& bias,
+                                                  double eps) {
+  static auto op = c10::Dispatcher::singleton()
+                       .findSchemaOrThrow("torchpar::layer_norm_fwd", "")
+                       .typed<std::tuple<Tensor, Tensor, Tensor>(
+                           const Tensor&, c10::SymIntArrayRef, const OptTensor&,
+                           const OptTensor&, double)>();
+  return op.call(input, shape, weight, bias, eps);
+}
+
+std::tuple<Tensor, Tensor, Tensor> layer_norm_bwd(const Tensor& grad_out, const Tensor& input,
+                                                  c10::SymIntArrayRef shape, const Tensor& mean,
+                                                  const Tensor& rstd, const OptTensor& weight,
+                                                  const OptTensor& bias) {
+  static auto op = c10::Dispatcher::singleton()
+                       .findSchemaOrThrow("torchpar::layer_norm_bwd", "")
+                       .typed<std::tuple<Tensor, Tensor, Tensor>(
+                           const Tensor&, const Tensor&, c10::SymIntArrayRef, const Tensor&,
+                           const Tensor&, const OptTensor&, const OptTensor&)>();
+  return op.call(grad_out, input, shape, mean, rstd, weight, bias);
+}
+
+class LayerNormFunction : public torch::autograd::Function<LayerNormFunction> {
+ public:
+  static Tensor forward(torch::autograd::AutogradContext* ctx, const Tensor& input,
+                        c10::SymIntArrayRef shape, const OptTensor& weight,
+                        const OptTensor& bias, double eps) {
+    at::AutoDispatchBelowADInplaceOrView guard;
+    auto [out, mean, rstd] = layer_norm_fwd(input, shape, weight, bias, eps);
+    ctx->save_for_backward({input, mean, rstd, weight.value_or(Tensor()),
+                            bias.value_or(Tensor())});
+    ctx->saved_data["shape"] = c10::IValue(std::vector<c10::SymInt>(shape.begin(), shape.end()));
+    return out;
+  }
+
+  static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
+                                                 torch::autograd::variable_list grads) {
+    auto saved = ctx->get_saved_variables();
+    auto shape = ctx->saved_data["shape"].toSymIntVector();
+    OptTensor weight = saved[3].defined() ? OptTensor(saved[3]) : std::nullopt;
+    OptTensor bias = saved[4].defined() ? OptTensor(saved[4]) : std::nullopt;
+    auto [dx, dw, db] = layer_norm_bwd(grads[0], saved[0], shape, saved[1], saved[2], weight, bias);
+    return {dx, Tensor(), weight ? dw : Tensor(), bias ? db : Tensor(), Tensor()};
+  }
+};
+
+Tensor layer_norm_autograd(const Tensor& input, c10::SymIntArrayRef shape, const OptTensor& weight,
+                           const OptTensor& bias, double eps) {
+  return LayerNormFunction::apply(input, shape, weight, bias, eps);
+}
+
+Tensor layer_norm_composite(const Tensor& input, c10::SymIntArrayRef shape,
+                            const OptTensor& weight, const OptTensor& bias, double eps) {
+  return std::get<0>(layer_norm_fwd(input, shape, weight, bias, eps));
+}
+
+// Meta: shapes and dtypes only, so torch.compile traces through without a graph break.
+std::tuple<Tensor, Tensor, Tensor> layer_norm_fwd_meta(const Tensor& input,
+                                                       c10::SymIntArrayRef shape,
+                                                       const OptTensor& weight,
+                                                       const OptTensor& bias, double eps) {
+  check_layer_norm(input, shape, weight, bias);
+  auto stat_type = input.scalar_type() == at::kDouble ? at::kDouble : at::kFloat;
+  auto stat_shape = layer_norm_stat_shape(input, static_cast<int64_t>(shape.size()));
+  return {at::empty_symint(input.sym_sizes(), input.options()),
+          at::empty_symint(stat_shape, input.options().dtype(stat_type)),
+          at::empty_symint(stat_shape, input.options().dtype(stat_type))};
+}
+
+std::tuple<Tensor, Tensor, Tensor> layer_norm_bwd_meta(const Tensor& grad_out, const Tensor& input,
+                                                       c10::SymIntArrayRef shape,
+                                                       const Tensor& mean, const Tensor& rstd,
+                                                       const OptTensor& weight,
+                                                       const OptTensor& bias) {
+  auto param = [&](const OptTensor& p) {
+    return p ? at::empty_symint(p->sym_sizes(), p->options())
+             : at::empty({0}, input.options());
+  };
+  return {at::empty_symint(input.sym_sizes(), input.options()), param(weight), param(bias)};
+}
+
+}  // namespace
+
+// FRAGMENT: other layers of torchpar register their own ops in the same namespace.
+TORCH_LIBRARY_FRAGMENT(torchpar, m) {
+  m.def("layer_norm(Tensor input, SymInt[] normalized_shape, Tensor? weight=None, "
+        "Tensor? bias=None, float eps=1e-05) -> Tensor");
+  // Returns (output, mean, rstd); mean and rstd have input's leading shape.
+  m.def("layer_norm_fwd(Tensor input, SymInt[] normalized_shape, Tensor? weight, Tensor? bias, "
+        "float eps) -> (Tensor, Tensor, Tensor)");
+  // Returns (grad_input, grad_weight, grad_bias); a missing weight or bias gets an empty grad.
+  m.def("layer_norm_bwd(Tensor grad_out, Tensor input, SymInt[] normalized_shape, Tensor mean, "
+        "Tensor rstd, Tensor? weight, Tensor? bias) -> (Tensor, Tensor, Tensor)");
+}
+
+TORCH_LIBRARY_IMPL(torchpar, Autograd, m) {
+  m.impl("layer_norm", &layer_norm_autograd);
+}
+
+TORCH_LIBRARY_IMPL(torchpar, CompositeExplicitAutograd, m) {
+  m.impl("layer_norm", &layer_norm_composite);
+}
+
+TORCH_LIBRARY_IMPL(torchpar, Meta, m) {
+  m.impl("layer_norm_fwd", &layer_norm_fwd_meta);
+  m.impl("layer_norm_bwd", &layer_norm_bwd_meta);
+}
+
+}  // namespace torchpar::kernels

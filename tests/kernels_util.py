@@ -1,0 +1,61 @@
+"""Helpers shared by the tests of torchpar's fused kernels (tests/test_kernels_*.py)."""
+import numpy as np
+import pytest
+import torch
+
+requires_cuda = pytest.mark.skipif(not torch.cuda.is_available(),
+                                   reason="no CUDA device on this machine (CPU-only torch or no GPU)")
+
+# Tolerances against a float64 reference computed from the same (rounded) inputs: a fused
+# kernel rounds once at the end, so it may be closer than torch's own low-precision path.
+TOL = {
+    torch.float32: dict(atol=1e-4, rtol=1e-4),
+    torch.bfloat16: dict(atol=2e-2, rtol=2e-2),
+    torch.float16: dict(atol=2e-3, rtol=2e-3),
+}
+
+
+def assert_close(actual, expected, dtype, scale=1.0):
+    tol = TOL[dtype]
+    torch.testing.assert_close(actual.double(), expected.double(), atol=tol["atol"] * scale,
+                               rtol=tol["rtol"])
+
+
+def noncontiguous(t):
+    """The same values as ``t`` in a non-contiguous layout (a transposed copy, transposed back)."""
+    if t.dim() < 2:
+        return t.repeat_interleave(2)[::2]
+    return t.transpose(0, -1).contiguous().transpose(0, -1)
+
+
+# --- Philox4x32-10 in numpy: the specification the CPU and CUDA kernels must both meet ----
+
+_M0, _M1 = np.uint64(0xD2511F53), np.uint64(0xCD9E8D57)
+_W0, _W1 = 0x9E3779B9, 0xBB67AE85
+_MASK32 = np.uint64(0xFFFFFFFF)
+
+
+def philox4x32_10(counter_lo, key):
+    """Words of Philox4x32-10 blocks with counters ``counter_lo`` (uint64 array, high 64
+    counter bits zero) under a 64-bit ``key``; returns a ``[n, 4]`` uint32 array."""
+    c0 = counter_lo & _MASK32
+    c1 = counter_lo >> np.uint64(32)
+    c2 = np.zeros_like(c0)
+    c3 = np.zeros_like(c0)
+    k0, k1 = key & 0xFFFFFFFF, key >> 32
+    for _ in range(10):
+        p0 = _M0 * c0
+        p1 = _M1 * c2
+        c0, c1, c2, c3 = ((p1 >> np.uint64(32)) ^ c1 ^ np.uint64(k0), p1 & _MASK32,
+                          (p0 >> np.uint64(32)) ^ c3 ^ np.uint64(k1), p0 & _MASK32)
+        k0, k1 = (k0 + _W0) & 0xFFFFFFFF, (k1 + _W1) & 0xFFFFFFFF
+    return np.stack([c0, c1, c2, c3], axis=1).astype(np.uint32)
+
+
+def reference_keep_mask(seed, numel, p):
+    """Element i is kept iff word i % 4 of block i // 4 is below round((1 - p) * 2^32)."""
+    idx = np.arange(numel, dtype=np.uint64)
+    words = philox4x32_10(idx >> np.uint64(2), seed & 0xFFFFFFFFFFFFFFFF)
+    word = words[np.arange(numel), (idx & np.uint64(3)).astype(np.int64)].astype(np.uint64)
+    threshold = int(round((1.0 - p) * 2.0**32))
+    return torch.from_numpy((word < threshold).astype(np.bool_))

@@ -1,0 +1,98 @@
+"""torchpar.nn.functional.bias_gelu and torchpar.nn.BiasGeLU against gelu(x + b)."""
+import pytest
+import torch
+import torch.nn.functional as TF
+
+import torchpar.nn as tnn
+from kernels_util import assert_close, noncontiguous, requires_cuda
+
+pytestmark = pytest.mark.timeout(120)
+F = tnn.functional
+
+SHAPES = [(5,), (4, 7), (3, 5, 33), (2, 1024), (9, 1)]
+
+
+def _inputs(shape, dtype, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    x = (torch.randn(shape, generator=g, dtype=torch.float64) * 3).to(dtype)
+    b = torch.randn(shape[-1], generator=g, dtype=torch.float64).to(dtype)
+    return x, b
+
+
+@pytest.mark.parametrize("approximate", ["none", "tanh"])
+@pytest.mark.parametrize("shape", [(3, 5, 6), (37,)])
+def test_gradcheck_float64(shape, approximate):
+    x, b = (t.requires_grad_() for t in _inputs(shape, torch.float64))
+    assert torch.autograd.gradcheck(lambda x, b: F.bias_gelu(x, b, approximate), (x, b))
+
+
+@pytest.mark.parametrize("approximate", ["none", "tanh"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("contiguous", [True, False])
+@pytest.mark.parametrize("shape", SHAPES)
+def test_matches_composite_forward_and_every_gradient(shape, dtype, contiguous, approximate):
+    x, b = _inputs(shape, dtype)
+    if not contiguous:
+        x = noncontiguous(x)
+    dy = torch.randn(shape, generator=torch.Generator().manual_seed(1)).to(dtype)
+    xo, bo = x.clone().requires_grad_(), b.clone().requires_grad_()
+    xr, br = x.double().requires_grad_(), b.double().requires_grad_()
+    y = F.bias_gelu(xo, bo, approximate)
+    y_ref = TF.gelu(xr + br, approximate=approximate)
+    assert y.dtype == dtype and y.shape == x.shape
+    assert_close(y, y_ref, dtype, scale=10)
+    y.backward(dy)
+    y_ref.backward(dy.double())
+    assert_close(xo.grad, xr.grad, dtype, scale=10)
+    assert_close(bo.grad, br.grad, dtype, scale=10 * (x.numel() // shape[-1]))
+
+
+def test_backward_saves_input_not_output():
+    # gelu' is recomputed from x + bias: the graph holds x and bias, never y.
+    x, b = (t.requires_grad_() for t in _inputs((4, 8), torch.float32))
+    packed = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: packed.append(t) or t, lambda t: t):
+        y = F.bias_gelu(x, b)
+    assert len(packed) == 2
+    assert {t.data_ptr() for t in packed} == {x.data_ptr(), b.data_ptr()}
+    y.sum().backward()
+    assert x.grad is not None and b.grad is not None
+
+
+def test_module():
+    m = tnn.BiasGeLU(8, approximate="tanh")
+    with torch.no_grad():
+        m.bias.copy_(torch.randn(8))
+    x = torch.randn(3, 8)
+    torch.testing.assert_close(m(x), TF.gelu(x + m.bias, approximate="tanh"))
+    with pytest.raises(ValueError, match="approximate"):
+        tnn.BiasGeLU(8, approximate="exact")
+
+
+@pytest.mark.parametrize("call,match", [
+    (lambda x, b: F.bias_gelu(x, torch.ones(7)), "bias must have shape"),
+    (lambda x, b: F.bias_gelu(x, torch.ones(1, 8)), "bias must have shape"),
+    (lambda x, b: F.bias_gelu(x, b.double()), "bias has dtype"),
+    (lambda x, b: F.bias_gelu(x, b, "fast"), "approximate must be"),
+    (lambda x, b: F.bias_gelu(x.long(), b.long()), "input must be float"),
+])
+def test_bad_input_names_the_argument(call, match):
+    x, b = _inputs((4, 8), torch.float32)
+    with pytest.raises(RuntimeError, match=match):
+        call(x, b)
+
+
+@requires_cuda
+@pytest.mark.parametrize("approximate", ["none", "tanh"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_cuda_matches_cpu(dtype, approximate):
+    x, b = _inputs((64, 1000), dtype)
+    dy = torch.randn_like(x)
+    outs = []
+    for dev in ("cpu", "cuda"):
+        xd, bd = x.to(dev).requires_grad_(), b.to(dev).requires_grad_()
+        y = F.bias_gelu(xd, bd, approximate)
+        y.backward(dy.to(dev))
+        outs.append([y.cpu(), xd.grad.cpu(), bd.grad.cpu()])
+    for a, c, scale in zip(*outs, (10, 10, 1000)):
+        assert_close(a, c.float(), dtype, scale=scale)

@@ -1,0 +1,55 @@
+"""torch.compile traces the fused ops (Meta kernels, C++ autograd) without graph breaks."""
+import pytest
+import torch
+
+import torchpar.nn as tnn
+
+pytestmark = pytest.mark.timeout(170)
+F = tnn.functional
+
+
+def block(x, w, b, bias1, r):
+    h = F.layer_norm(x, [x.shape[-1]], w, b)
+    h = F.bias_gelu(h, bias1, "tanh")
+    return F.bias_dropout_add(h, bias1, r, 0.2, True)
+
+
+def test_compile_fullgraph_matches_eager_forward_and_gradients():
+    torch._dynamo.reset()
+    g = torch.Generator().manual_seed(0)
+    args = [torch.randn(16, 64, generator=g), torch.randn(64, generator=g),
+            torch.randn(64, generator=g), torch.randn(64, generator=g),
+            torch.randn(16, 64, generator=g)]
+    results = []
+    for fn in (block, torch.compile(block, fullgraph=True, dynamic=False)):
+        ts = [a.clone().requires_grad_() for a in args]
+        torch.manual_seed(42)
+        y = fn(*ts)
+        y.backward(torch.ones_like(y))
+        results.append([y.detach()] + [t.grad for t in ts])
+    for eager, compiled in zip(*results):
+        torch.testing.assert_close(compiled, eager)
+
+
+def test_compiled_dropout_draws_a_fresh_mask_each_call():
+    torch._dynamo.reset()
+    fn = torch.compile(lambda x, b, r: F.bias_dropout_add(x, b, r, 0.5, True), fullgraph=True)
+    x, b, r = torch.ones(32, 32), torch.zeros(32), torch.zeros(32, 32)
+    torch.manual_seed(1)
+    first, second = fn(x, b, r), fn(x, b, r)
+    assert not torch.equal(first, second)
+    torch.manual_seed(1)
+    assert torch.equal(fn(x, b, r), first)
+
+
+def test_meta_kernels_give_shapes_and_dtypes():
+    x = torch.empty(4, 6, 8, device="meta", dtype=torch.bfloat16)
+    w = torch.empty(8, device="meta", dtype=torch.bfloat16)
+    y, mean, rstd = torch.ops.torchpar.layer_norm_fwd(x, [8], w, w, 1e-5)
+    assert y.shape == x.shape and y.dtype == x.dtype
+    assert mean.shape == (4, 6) and mean.dtype == torch.float32 and rstd.shape == (4, 6)
+    assert torch.ops.torchpar.bias_gelu(x, w, "none").shape == x.shape
+    out, seed = torch.ops.torchpar.bias_dropout_add_fwd(x, w, x, 0.1, True)
+    assert out.shape == x.shape and seed.dtype == torch.int64
+    with pytest.raises(RuntimeError, match="bias must have shape"):
+        torch.ops.torchpar.bias_gelu(x, w[:3], "none")

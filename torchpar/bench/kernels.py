@@ -1,0 +1,270 @@
+"""Fused kernels against eager PyTorch and torch.compile: ``python -m torchpar.bench kernels``.
+
+For each op, shape and dtype, times the forward and forward+backward of
+  torchpar   the fused op (torch.ops.torchpar.*),
+  eager      the unfused PyTorch composite (for layer_norm: torch's own layer_norm),
+  compile    torch.compile of that same composite,
+all in one run, and reports achieved GB/s = bytes the op must move / time, beside the copy
+bandwidth (``dst.copy_(src)``, read + write) measured in the same run: the roofline of a
+memory-bound op (llm.c's way of reporting kernels).
+"""
+import argparse
+import ctypes
+import datetime
+import json
+import os
+import platform
+import sys
+import time
+
+import torch
+import torch.nn.functional as TF
+
+import torchpar.nn.functional as F
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+P_DROP = 0.1
+
+# Bytes each op must move, in units of one activation tensor (rows x cols elements):
+# forward reads and writes; backward reads dy (and x where the math needs it) and writes dx.
+# Parameters, per-row statistics and dbias are a vector each: negligible, not counted.
+TRAFFIC = {
+    #                 fwd  bwd
+    "layer_norm": (2, 3),        # x -> y ; dy, x -> dx
+    "bias_gelu": (2, 3),         # x -> y ; dy, x -> dx
+    "bias_dropout_add": (3, 2),  # x, residual -> out ; dy -> dx (d residual is dy itself)
+}
+
+
+def reuse_freed_memory():
+    """Make glibc keep freed activations for reuse, for every peer alike.
+
+    By default glibc serves blocks of >= 32 MiB with a fresh mmap and unmaps them on free,
+    so each op call page-faults its whole output in (about 5 ms per 32 MiB on the 2-core
+    dev machine, more than the kernels themselves): the bench would time the kernel's page
+    zeroing. Training frameworks avoid this with a caching allocator; raising the mmap and
+    trim thresholds does the same here. ``--malloc default`` measures without it.
+    """
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+    except OSError:
+        return False
+    m_trim_threshold, m_mmap_threshold = -1, -3
+    return bool(libc.mallopt(m_trim_threshold, 2**31 - 1) and libc.mallopt(m_mmap_threshold, 2**30))
+
+
+def _composite(op):
+    if op == "layer_norm":
+        return lambda x, w, b, r: TF.layer_norm(x, (x.shape[-1],), w, b, 1e-5)
+    if op == "bias_gelu":
+        return lambda x, w, b, r: TF.gelu(x + b, approximate="none")
+    return lambda x, w, b, r: r + TF.dropout(x + b, P_DROP, training=True)
+
+
+def _fused(op):
+    if op == "layer_norm":
+        return lambda x, w, b, r: F.layer_norm(x, [x.shape[-1]], w, b, 1e-5)
+    if op == "bias_gelu":
+        return lambda x, w, b, r: F.bias_gelu(x, b, "none")
+    return lambda x, w, b, r: F.bias_dropout_add(x, b, r, P_DROP, True)
+
+
+def _grad_inputs(op):
+    # Tensors that get a gradient in the forward+backward timing.
+    return {"layer_norm": (0, 1, 2), "bias_gelu": (0, 2), "bias_dropout_add": (0, 2, 3)}[op]
+
+
+def _time(fns, reps, warmup=2):
+    """Best of `reps` for each of `fns`, taken round-robin: on a shared 2-core machine the
+    neighbours' load then falls on every peer alike, and the best sample is the one they
+    left alone."""
+    for fn in fns:
+        for _ in range(warmup):
+            fn()
+    best = [float("inf")] * len(fns)
+    for _ in range(reps):
+        for k, fn in enumerate(fns):
+            t0 = time.perf_counter()
+            fn()
+            best[k] = min(best[k], time.perf_counter() - t0)
+    return best
+
+
+def copy_bandwidth(nbytes, reps):
+    """GB/s of ``dst.copy_(src)`` (bytes read + written) for arrays of ``nbytes``."""
+    src = torch.empty(nbytes // 4, dtype=torch.float32).uniform_()
+    dst = torch.empty_like(src)
+    (t,) = _time([lambda: dst.copy_(src)], reps)
+    return 2 * nbytes / t / 1e9
+
+
+# STREAM's rule: arrays well beyond the last-level cache, so the copy measures DRAM. The
+# ops' own tensors (32 MiB each, 2-3 per call) are about the size of this CPU's L3, so the
+# copy of one op-sized array is reported too: it is partly served from L3.
+DRAM_COPY_BYTES = 256 << 20
+
+
+def measure(op, rows, cols, dtype, reps, use_compile):
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(rows, cols, generator=g).to(dtype)
+    w = torch.randn(cols, generator=g).to(dtype)
+    b = torch.randn(cols, generator=g).to(dtype)
+    r = torch.randn(rows, cols, generator=g).to(dtype)
+    dy = torch.randn(rows, cols, generator=g).to(dtype)
+    args = [x, w, b, r]
+    peers = {"torchpar": _fused(op), "eager": _composite(op)}
+    if use_compile:
+        torch._dynamo.reset()
+        peers["compile"] = torch.compile(_composite(op), dynamic=False)
+    grad_idx = _grad_inputs(op)
+    names, fns = [], []
+    for name, fn in peers.items():
+        leaves = [a.detach().requires_grad_(i in grad_idx) for i, a in enumerate(args)]
+
+        def fwd(fn=fn):
+            with torch.no_grad():
+                fn(*args)
+
+        def fwd_bwd(fn=fn, leaves=leaves):
+            for t in leaves:
+                t.grad = None
+            fn(*leaves).backward(dy)
+
+        names += [(name, "fwd"), (name, "fwd_bwd")]
+        fns += [fwd, fwd_bwd]
+    out = {}
+    for (name, mode), t in zip(names, _time(fns, reps)):
+        out.setdefault(name, {})[mode] = t
+    return out
+
+
+def run(args):
+    torch.set_num_threads(args.threads or torch.get_num_threads())
+    args.malloc_reuse = args.malloc == "reuse" and reuse_freed_memory()
+    args.load_before = os.getloadavg()[0]
+    shapes = [tuple(int(v) for v in s.lower().split("x")) for s in args.shapes]
+    elem_bytes_max = max(rows * cols for rows, cols in shapes) * 4
+    # Many short samples: a copy takes milliseconds, so a neighbour's burst spoils few.
+    copy_gbs = copy_bandwidth(DRAM_COPY_BYTES, max(args.reps, 100))
+    copy_op_sized_gbs = copy_bandwidth(elem_bytes_max, max(args.reps, 200))
+    results = []
+    for op in args.ops:
+        for rows, cols in shapes:
+            for dname in args.dtypes:
+                dtype = DTYPES[dname]
+                t = measure(op, rows, cols, dtype, args.reps, not args.no_compile)
+                act = rows * cols * torch.empty((), dtype=dtype).element_size()
+                fwd_units, bwd_units = TRAFFIC[op]
+                for mode, units in (("fwd", fwd_units), ("fwd_bwd", fwd_units + bwd_units)):
+                    row = {"op": op, "shape": f"{rows}x{cols}", "dtype": dname, "pass": mode,
+                           "bytes": units * act}
+                    for peer, times in t.items():
+                        row[f"{peer}_ms"] = times[mode] * 1e3
+                    row["gbs"] = row["bytes"] / (row["torchpar_ms"] * 1e-3) / 1e9
+                    row["pct_copy"] = 100 * row["gbs"] / copy_gbs
+                    row["x_eager"] = row["eager_ms"] / row["torchpar_ms"]
+                    if "compile_ms" in row:
+                        row["x_compile"] = row["compile_ms"] / row["torchpar_ms"]
+                    results.append(row)
+                print(f"measured {op} {rows}x{cols} {dname}", file=sys.stderr, flush=True)
+    # Measured again after the ops: a neighbour's burst during one short copy window would
+    # otherwise set the roofline; the better of the two windows is the machine's.
+    copy_gbs = max(copy_gbs, copy_bandwidth(DRAM_COPY_BYTES, max(args.reps, 100)))
+    copy_op_sized_gbs = max(copy_op_sized_gbs, copy_bandwidth(elem_bytes_max, max(args.reps, 200)))
+    for row in results:
+        row["pct_copy"] = 100 * row["gbs"] / copy_gbs
+    print_header(copy_gbs, copy_op_sized_gbs, elem_bytes_max)
+    for row in results:
+        print_row(row)
+    args.load_after = os.getloadavg()[0]
+    print(f"load average (1 min) before / after the run: {args.load_before:.2f} / "
+          f"{args.load_after:.2f} on {os.cpu_count()} cores (this run adds up to {torch.get_num_threads()}; the rest is neighbours)")
+    return {"copy_gbs": copy_gbs, "copy_op_sized_gbs": copy_op_sized_gbs, "results": results,
+            "meta": meta(args)}
+
+
+def meta(args):
+    return {"date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+            "torch": torch.__version__, "threads": torch.get_num_threads(),
+            "cpu": platform.processor() or platform.machine(), "reps": args.reps,
+            "dropout_p": P_DROP, "malloc_reuse": args.malloc_reuse,
+            "load_before": args.load_before, "load_after": args.load_after,
+            "torch_cpu_capability": torch.backends.cpu.get_cpu_capability()}
+
+
+HEADER = (f"{'op':<17}{'shape':>10}{'dtype':>9}{'pass':>8}{'torchpar':>10}{'eager':>9}"
+          f"{'compile':>9}{'x eager':>9}{'x comp':>8}{'GB/s':>7}{'%copy':>7}")
+
+
+def print_header(copy_gbs, copy_op_sized_gbs, op_bytes):
+    print(f"copy bandwidth, dst.copy_(src) read+write, best of a window before and one after "
+          f"the ops: {copy_gbs:.1f} GB/s with "
+          f"{DRAM_COPY_BYTES >> 20} MiB arrays (DRAM; %copy is against this), "
+          f"{copy_op_sized_gbs:.1f} GB/s with {op_bytes >> 20} MiB arrays (partly in L3)")
+    print(f"torch's kernels: {torch.backends.cpu.get_cpu_capability()}; torchpar: AVX2; "
+          f"{torch.get_num_threads()} threads; times in ms, best of --reps; "
+          "x eager / x comp = peer time / torchpar time")
+    print(HEADER)
+
+
+def print_row(row):
+    comp = f"{row['compile_ms']:>9.2f}" if "compile_ms" in row else f"{'-':>9}"
+    xcomp = f"{row['x_compile']:>8.2f}" if "x_compile" in row else f"{'-':>8}"
+    print(f"{row['op']:<17}{row['shape']:>10}{row['dtype']:>9}{row['pass']:>8}"
+          f"{row['torchpar_ms']:>10.2f}{row['eager_ms']:>9.2f}{comp}{row['x_eager']:>9.2f}"
+          f"{xcomp}{row['gbs']:>7.1f}{row['pct_copy']:>7.0f}", flush=True)
+
+
+def plot(report, path):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = report["results"]
+    peers = [p for p in ("torchpar", "eager", "compile") if f"{p}_ms" in rows[0]]
+    labels = [f"{r['op']}\n{r['shape']} {r['dtype']}\n{r['pass']}" for r in rows]
+    fig, ax = plt.subplots(figsize=(max(10, len(rows) * 0.7), 5))
+    width = 0.8 / len(peers)
+    for k, peer in enumerate(peers):
+        gbs = [r["bytes"] / (r[f"{peer}_ms"] * 1e-3) / 1e9 for r in rows]
+        ax.bar([i + k * width for i in range(len(rows))], gbs, width, label=peer)
+    ax.axhline(report["copy_gbs"], color="k", linestyle="--", label="copy bandwidth")
+    ax.axhline(0.6 * report["copy_gbs"], color="grey", linestyle=":", label="60% of copy")
+    ax.set_xticks([i + 0.4 - width / 2 for i in range(len(rows))])
+    ax.set_xticklabels(labels, fontsize=6, rotation=90)
+    ax.set_ylabel("achieved GB/s (bytes the op must move / time)")
+    ax.set_title(f"torchpar fused kernels, {report['meta']['date']}, "
+                 f"{report['meta']['threads']} threads")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    fig.savefig(path, dpi=120)
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(prog="python -m torchpar.bench kernels", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--ops", nargs="+", default=list(TRAFFIC), choices=list(TRAFFIC))
+    ap.add_argument("--shapes", nargs="+", default=["8192x1024", "2048x4096"])
+    ap.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"], choices=list(DTYPES))
+    ap.add_argument("--reps", type=int, default=10, help="timed repetitions (the best is reported)")
+    ap.add_argument("--threads", type=int, default=0, help="torch threads (default: torch's)")
+    ap.add_argument("--no-compile", action="store_true", help="skip the torch.compile peer")
+    ap.add_argument("--malloc", choices=["reuse", "default"], default="reuse",
+                    help="reuse: keep freed activations in glibc's heap (see reuse_freed_memory)")
+    ap.add_argument("--json", metavar="PATH", help="write the results as JSON")
+    ap.add_argument("--plot", metavar="PATH", help="write a PNG of GB/s per peer")
+    args = ap.parse_args(argv)
+    report = run(args)
+    if args.json:
+        os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
+        with open(args.json, "w") as f:
+            json.dump(report, f, indent=2)
+    if args.plot:
+        plot(report, args.plot)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

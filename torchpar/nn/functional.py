@@ -1,0 +1,41 @@
+"""Fused element-wise and normalisation ops (``torch.ops.torchpar.*``), as functions.
+
+Each is one pass over memory in C++ (CPU) or CUDA, with its backward in C++; all three
+trace under ``torch.compile`` without a graph break. See ``csrc/kernels/``.
+"""
+from typing import List, Optional, Union
+
+import torch
+from torch import Tensor
+
+import torchpar._C  # noqa: F401  (registers torch.ops.torchpar)
+
+__all__ = ["layer_norm", "bias_gelu", "bias_dropout_add"]
+
+_ops = torch.ops.torchpar
+
+
+def layer_norm(input: Tensor, normalized_shape: Union[int, List[int], torch.Size],
+               weight: Optional[Tensor] = None, bias: Optional[Tensor] = None,
+               eps: float = 1e-5) -> Tensor:
+    """Same contract as :func:`torch.nn.functional.layer_norm`; statistics in float32
+    (float64 for float64 input), saved for the backward."""
+    if isinstance(normalized_shape, int):
+        normalized_shape = [normalized_shape]
+    return _ops.layer_norm(input, list(normalized_shape), weight, bias, float(eps))
+
+
+def bias_gelu(input: Tensor, bias: Tensor, approximate: str = "none") -> Tensor:
+    """``gelu(input + bias)``; ``bias`` has shape ``[input.shape[-1]]``; ``approximate`` is
+    ``"none"`` (erf) or ``"tanh"``, as in :func:`torch.nn.functional.gelu`."""
+    return _ops.bias_gelu(input, bias, approximate)
+
+
+def bias_dropout_add(input: Tensor, bias: Tensor, residual: Tensor, p: float = 0.1,
+                     training: bool = True) -> Tensor:
+    """``residual + dropout(input + bias, p, training)``.
+
+    The mask comes from Philox keyed by one draw from torch's default (CPU) generator, so
+    ``torch.manual_seed`` fixes it, on CPU and CUDA alike; the backward regenerates it.
+    """
+    return _ops.bias_dropout_add(input, bias, residual, float(p), bool(training))
