@@ -220,3 +220,40 @@ def test_dead_peer_fails_a_pending_recv():
 
 def test_recv_without_a_sender_times_out():
     assert spawn(_p2p_timeout, 2, timeout=60) == [True, True]
+
+
+def _failure_stays_in_its_group(rank, world_size, init_file):
+    _init(rank, world_size, init_file, 30)
+    pair = dist.new_group([0, 1], timeout=timedelta(seconds=2))
+    t = torch.ones(4)
+    if rank == 0:
+        expect_error(lambda: dist.all_reduce(t, group=pair), "timed out", "rank 1")
+    if rank == 1:
+        time.sleep(3)  # misses the pair's collective: the pair fails ...
+        expect_error(lambda: dist.all_reduce(t, group=pair), "aborted by rank 0")
+    # ... and the world group, which shares ranks 0 and 1, does not.
+    w = torch.ones(4)
+    dist.all_reduce(w)
+    assert w[0].item() == world_size
+    dist.destroy_process_group()
+    return True
+
+
+def _destroy_with_async_work_pending(rank, world_size, init_file):
+    _init(rank, world_size, init_file, 30)
+    works = [dist.all_reduce(torch.ones(1000), async_op=True) for _ in range(5)]
+    if rank == 0:
+        works.append(dist.irecv(torch.empty(3), src=1, tag=77))  # never sent
+    works[4].wait()
+    dist.destroy_process_group()  # returns; the unmatched receive fails instead of hanging
+    if rank == 0:
+        assert works[-1].is_completed() and not works[-1].is_success()
+    return True
+
+
+def test_a_failed_group_leaves_other_groups_usable():
+    assert spawn(_failure_stays_in_its_group, 3, timeout=60) == [True] * 3
+
+
+def test_destroy_with_pending_work_does_not_hang():
+    assert spawn(_destroy_with_async_work_pending, 2, timeout=60) == [True, True]
