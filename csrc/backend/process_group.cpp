@@ -44,6 +44,24 @@ void check_single_host(Rendezvous& rv, int rank, int size) {
   }
 }
 
+// The message of a stored exception (c10 errors without their C++ backtrace).
+std::string message_of(std::exception_ptr error) {
+  try {
+    std::rethrow_exception(error);
+  } catch (const c10::Error& e) {
+    return e.what_without_backtrace();
+  } catch (const std::exception& e) {
+    return e.what();
+  } catch (...) {
+    return "unknown error";
+  }
+}
+
+std::exception_ptr dist_backend_error(std::string msg) {
+  return std::make_exception_ptr(c10::DistBackendError(
+      c10::SourceLocation{__func__, __FILE__, static_cast<uint32_t>(__LINE__)}, std::move(msg)));
+}
+
 std::vector<void*> data_ptrs(const std::vector<Staged>& staged) {
   std::vector<void*> out;
   for (auto& s : staged) out.push_back(s.data());
@@ -181,13 +199,7 @@ void ProcessGroupTorchpar::execute(Queued& item, bool caller_blocks) {
     bool fatal = false;
     error = describe_failure(item.name, seq, std::current_exception(), &fatal);
     if (fatal) {
-      std::string reason;
-      try {
-        std::rethrow_exception(error);
-      } catch (const std::exception& e) {
-        reason = e.what();
-      }
-      transport_->abort(reason);
+      transport_->abort(message_of(error));
       std::lock_guard<std::mutex> lock(mu_);
       if (!group_error_) group_error_ = error;
     }
@@ -197,24 +209,19 @@ void ProcessGroupTorchpar::execute(Queued& item, bool caller_blocks) {
 
 std::exception_ptr ProcessGroupTorchpar::describe_failure(const char* op, uint64_t seq,
                                                           std::exception_ptr error, bool* fatal) const {
-  std::string what;
   *fatal = true;
   try {
     std::rethrow_exception(error);
-  } catch (const UsageError& e) {
+  } catch (const UsageError&) {
     *fatal = false;  // every rank saw the same thing and stopped in step
-    what = e.what();
-  } catch (const c10::Error& e) {
-    what = e.what_without_backtrace();
-  } catch (const std::exception& e) {
-    what = e.what();
+  } catch (...) {
   }
+  std::string what = message_of(error);
   std::string msg = std::string("torchpar ") + op + " failed on rank " + std::to_string(getRank()) + "/" +
                     std::to_string(getSize()) + " of group '" + group_name_ + "' (collective #" +
                     std::to_string(seq) + "): " + what;
   if (*fatal) msg += " [the group is no longer usable]";
-  return std::make_exception_ptr(c10::DistBackendError(
-      c10::SourceLocation{__func__, __FILE__, static_cast<uint32_t>(__LINE__)}, std::move(msg)));
+  return dist_backend_error(std::move(msg));
 }
 
 // ---------------------------------------------------------------------------------------
@@ -583,16 +590,8 @@ c10::intrusive_ptr<Work> ProcessGroupTorchpar::post_p2p(bool is_send, at::Tensor
       }
     }
     if (error) {
-      std::string what;
-      try {
-        std::rethrow_exception(error);
-      } catch (const std::exception& e) {
-        what = e.what();
-      }
-      error = std::make_exception_ptr(c10::DistBackendError(
-          c10::SourceLocation{__func__, __FILE__, static_cast<uint32_t>(__LINE__)},
-          std::string("torchpar ") + (is_send ? "send" : "recv") + " failed on rank " + std::to_string(rank) +
-              " of group '" + group + "': " + what));
+      error = dist_backend_error(std::string("torchpar ") + (is_send ? "send" : "recv") + " failed on rank " +
+                                 std::to_string(rank) + " of group '" + group + "': " + message_of(error));
     }
     work->complete(error);
   });

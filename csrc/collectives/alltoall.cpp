@@ -1,6 +1,5 @@
 #include <algorithm>
 #include <cstring>
-#include <sstream>
 #include <vector>
 
 #include "collectives/collectives.h"
