@@ -18,50 +18,73 @@ def sources(pattern):
 
 
 def cpu_flags():
-    # at::vec picks its vector width from CPU_CAPABILITY_* macros, which torch's own
-    # build sets per kernel file; we build one AVX2 flavour (every x86-64 server since 2013).
     # -fopenmp: at::parallel_for is a header template over `#pragma omp parallel` in torch's
     # OpenMP builds; without the flag it silently runs on one thread. libgomp.so.1 resolves to
     # the copy torch already loaded, so there is one OpenMP runtime in the process.
-    flags = ["-O3", "-std=c++20", "-fvisibility=hidden", "-Wall", "-Wno-unused-function", "-Wno-unknown-pragmas", "-fopenmp"]
-    if os.uname().machine == "x86_64":
-        flags += ["-mavx2", "-mfma", "-mf16c", "-DCPU_CAPABILITY_AVX2", "-DCPU_CAPABILITY=AVX2"]
-    return flags
+    return ["-O3", "-std=c++20", "-fvisibility=hidden", "-Wall", "-Wno-unused-function", "-Wno-unknown-pragmas", "-fopenmp"]
 
 
-cpp_sources = sources("csrc/**/*.cpp")
-extra = {"cxx": cpu_flags()}
-define_macros = []
+# at::vec picks its vector width from CPU_CAPABILITY_* macros, which torch's own build sets
+# per kernel file. The extension's baseline is AVX2 (every x86-64 server since 2013);
+# csrc/kernels/cpu/ is also built once per wider instruction set, each copy in its own
+# namespace, and picked at run time (csrc/kernels/cpu/kernels.h).
+def isa_flags(isa):
+    march = {"AVX2": ["-mavx2", "-mfma", "-mf16c"],
+             "AVX512": ["-mavx2", "-mfma", "-mf16c", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq",
+                        "-Wno-uninitialized"],  # GCC 12: false positives in avx512fintrin.h
+             "DEFAULT": []}[isa]
+    return march + [f"-DCPU_CAPABILITY_{isa}", f"-DCPU_CAPABILITY={isa}"]
+
+
+X86 = os.uname().machine == "x86_64"
+BASE_ISA = "AVX2" if X86 else "DEFAULT"
+KERNEL_ISAS = ["AVX2", "AVX512"] if X86 else ["DEFAULT"]
+KERNEL_SOURCES = sources("csrc/kernels/cpu/*.cpp")
+
+
+class BuildExtension(cpp_extension.BuildExtension):
+    """torch's BuildExtension, plus csrc/kernels/cpu/ compiled once per KERNEL_ISAS entry."""
+
+    def build_extension(self, ext):
+        objects = []
+        for isa in KERNEL_ISAS:  # the baseline first: the linker keeps the first copy of an inline function
+            args = dict(ext.extra_compile_args)
+            base = [f for f in args["cxx"] if f not in isa_flags(BASE_ISA)]
+            args["cxx"] = base + isa_flags(isa) + ["-DTORCHPAR_KERNEL_ISA"]
+            objects += self.compiler.compile(
+                KERNEL_SOURCES, output_dir=os.path.join(self.build_temp, "isa-" + isa),
+                macros=ext.define_macros, include_dirs=ext.include_dirs, extra_postargs=args,
+                depends=ext.depends)
+        ext.extra_objects = objects
+        super().build_extension(ext)
+
+
+cpp_sources = [s for s in sources("csrc/**/*.cpp") if s not in KERNEL_SOURCES]
+extra = {"cxx": cpu_flags() + isa_flags(BASE_ISA)}
+define_macros = [("TORCHPAR_HAVE_AVX512", None)] if "AVX512" in KERNEL_ISAS else []
 libraries = ["rt"]
+common = dict(
+    include_dirs=[os.path.join(ROOT, "csrc")],
+    depends=KERNEL_SOURCES + sources("csrc/**/*.h"),
+    libraries=libraries,
+    extra_link_args=["-fopenmp"],
+    extra_compile_args=extra,
+    define_macros=define_macros,
+)
 if WITH_CUDA:
-    cu_sources = sources("csrc/**/*.cu")
     extra["nvcc"] = ["-O3", "--use_fast_math", "-DTORCHPAR_WITH_CUDA"]
     extra["cxx"].append("-DTORCHPAR_WITH_CUDA")
     libraries.append("nccl")
+    common["include_dirs"] += [p for p in os.environ.get("NCCL_INCLUDE", "").split(":") if p]
     ext = cpp_extension.CUDAExtension(
-        "torchpar._C",
-        cpp_sources + cu_sources,
-        include_dirs=[os.path.join(ROOT, "csrc")] + [p for p in os.environ.get("NCCL_INCLUDE", "").split(":") if p],
-        library_dirs=[p for p in os.environ.get("NCCL_LIB", "").split(":") if p],
-        libraries=libraries,
-        extra_link_args=["-fopenmp"],
-        extra_compile_args=extra,
-        define_macros=define_macros,
-    )
+        "torchpar._C", cpp_sources + sources("csrc/**/*.cu"),
+        library_dirs=[p for p in os.environ.get("NCCL_LIB", "").split(":") if p], **common)
 else:
-    ext = cpp_extension.CppExtension(
-        "torchpar._C",
-        cpp_sources,
-        include_dirs=[os.path.join(ROOT, "csrc")],
-        libraries=libraries,
-        extra_link_args=["-fopenmp"],
-        extra_compile_args=extra,
-        define_macros=define_macros,
-    )
+    ext = cpp_extension.CppExtension("torchpar._C", cpp_sources, **common)
 
 setup(
     name="torchpar",
     packages=find_packages(include=["torchpar", "torchpar.*"]),
     ext_modules=[ext],
-    cmdclass={"build_ext": cpp_extension.BuildExtension.with_options(use_ninja=True)},
+    cmdclass={"build_ext": BuildExtension.with_options(use_ninja=True)},
 )

@@ -6,16 +6,16 @@
 #include <ATen/Parallel.h>
 #include <ATen/ops/empty.h>
 #include <ATen/ops/empty_like.h>
-#include <torch/library.h>
 
 #include <vector>
 
-#include "kernels/cpu/philox_avx2.h"
+#include "kernels/cpu/philox_simd.h"
+#include "kernels/cpu/kernels.h"
 #include "kernels/cpu/vec.h"
 #include "kernels/dropout.h"
 #include "kernels/ops.h"
 
-namespace torchpar::kernels::cpu {
+namespace torchpar::kernels::cpu::CPU_CAPABILITY {
 namespace {
 
 using at::Tensor;
@@ -111,7 +111,10 @@ void backward(const T* dy, T* dx, ColumnPartials<at::opmath_type<T>>& db, const 
   });
 }
 
-std::tuple<Tensor, Tensor> bias_dropout_add_fwd_cpu(const Tensor& input, const Tensor& bias,
+}  // namespace
+
+
+std::tuple<Tensor, Tensor> bias_dropout_add_fwd(const Tensor& input, const Tensor& bias,
                                                     const Tensor& residual, double p,
                                                     bool training) {
   const auto [x, b, res, shape] = prepare_bias_op("bias_dropout_add", input, bias, &residual);
@@ -134,7 +137,7 @@ std::tuple<Tensor, Tensor> bias_dropout_add_fwd_cpu(const Tensor& input, const T
   return {out, seed};
 }
 
-std::tuple<Tensor, Tensor> bias_dropout_add_bwd_cpu(const Tensor& grad_out, const Tensor& seed,
+std::tuple<Tensor, Tensor> bias_dropout_add_bwd(const Tensor& grad_out, const Tensor& seed,
                                                     double p, bool training) {
   check_dropout_p(p);
   TORCH_CHECK(seed.numel() == 1 && seed.scalar_type() == at::kLong,
@@ -160,11 +163,4 @@ std::tuple<Tensor, Tensor> bias_dropout_add_bwd_cpu(const Tensor& grad_out, cons
   return {dx, db};
 }
 
-}  // namespace
-
-TORCH_LIBRARY_IMPL(torchpar, CPU, m) {
-  m.impl("bias_dropout_add_fwd", &bias_dropout_add_fwd_cpu);
-  m.impl("bias_dropout_add_bwd", &bias_dropout_add_bwd_cpu);
-}
-
-}  // namespace torchpar::kernels::cpu
+}  // namespace torchpar::kernels::cpu::CPU_CAPABILITY

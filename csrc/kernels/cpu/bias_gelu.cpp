@@ -3,13 +3,13 @@
 #include <ATen/Dispatch.h>
 #include <ATen/Parallel.h>
 #include <ATen/ops/empty_like.h>
-#include <torch/library.h>
 
+#include "kernels/cpu/kernels.h"
 #include "kernels/cpu/vec.h"
 #include "kernels/gelu.h"
 #include "kernels/ops.h"
 
-namespace torchpar::kernels::cpu {
+namespace torchpar::kernels::cpu::CPU_CAPABILITY {
 namespace {
 
 using at::Tensor;
@@ -70,7 +70,10 @@ void backward(const T* dy, const T* x, const at::opmath_type<T>* bias, T* dx,
   });
 }
 
-Tensor bias_gelu_cpu(const Tensor& input, const Tensor& bias, c10::string_view approximate) {
+}  // namespace
+
+
+Tensor bias_gelu(const Tensor& input, const Tensor& bias, c10::string_view approximate) {
   const GeluApprox approx = parse_gelu_approx(approximate);
   const auto [x, b, unused, shape] = prepare_bias_op("bias_gelu", input, bias, nullptr);
   const auto [rows, cols] = shape;
@@ -86,7 +89,7 @@ Tensor bias_gelu_cpu(const Tensor& input, const Tensor& bias, c10::string_view a
   return y;
 }
 
-std::tuple<Tensor, Tensor> bias_gelu_bwd_cpu(const Tensor& grad_out, const Tensor& input,
+std::tuple<Tensor, Tensor> bias_gelu_bwd(const Tensor& grad_out, const Tensor& input,
                                              const Tensor& bias, c10::string_view approximate) {
   const GeluApprox approx = parse_gelu_approx(approximate);
   const auto [x, b, unused, shape] = prepare_bias_op("bias_gelu", input, bias, nullptr);
@@ -110,11 +113,4 @@ std::tuple<Tensor, Tensor> bias_gelu_bwd_cpu(const Tensor& grad_out, const Tenso
   return {dx, db};
 }
 
-}  // namespace
-
-TORCH_LIBRARY_IMPL(torchpar, CPU, m) {
-  m.impl("bias_gelu", &bias_gelu_cpu);
-  m.impl("bias_gelu_bwd", &bias_gelu_bwd_cpu);
-}
-
-}  // namespace torchpar::kernels::cpu
+}  // namespace torchpar::kernels::cpu::CPU_CAPABILITY

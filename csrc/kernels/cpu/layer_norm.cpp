@@ -8,19 +8,18 @@
 #include <ATen/ops/empty_like.h>
 #include <ATen/ops/zeros.h>
 #include <c10/util/accumulate.h>
-#include <torch/library.h>
 
 #include <cmath>
 
+#include "kernels/cpu/kernels.h"
 #include "kernels/cpu/vec.h"
 #include "kernels/ops.h"
 #include "kernels/welford.h"
 
-namespace torchpar::kernels::cpu {
+namespace torchpar::kernels::cpu::CPU_CAPABILITY {
 namespace {
 
 using at::Tensor;
-using OptTensor = std::optional<Tensor>;
 
 template <typename T, typename acc_t, typename Vec>
 acc_t reduce_sum(const Vec& v) {
@@ -165,7 +164,10 @@ void backward(const T* dy, const T* x, const at::opmath_type<T>* mean,
   });
 }
 
-std::tuple<Tensor, Tensor, Tensor> layer_norm_fwd_cpu(const Tensor& input, c10::IntArrayRef shape,
+}  // namespace
+
+
+std::tuple<Tensor, Tensor, Tensor> layer_norm_fwd(const Tensor& input, c10::IntArrayRef shape,
                                                       const OptTensor& weight,
                                                       const OptTensor& bias, double eps) {
   check_layer_norm(input, c10::fromIntArrayRefSlow(shape), weight, bias);
@@ -184,7 +186,7 @@ std::tuple<Tensor, Tensor, Tensor> layer_norm_fwd_cpu(const Tensor& input, c10::
   return {y, mean, rstd};
 }
 
-std::tuple<Tensor, Tensor, Tensor> layer_norm_bwd_cpu(const Tensor& grad_out, const Tensor& input,
+std::tuple<Tensor, Tensor, Tensor> layer_norm_bwd(const Tensor& grad_out, const Tensor& input,
                                                       c10::IntArrayRef shape, const Tensor& mean,
                                                       const Tensor& rstd, const OptTensor& weight,
                                                       const OptTensor& bias) {
@@ -211,11 +213,4 @@ std::tuple<Tensor, Tensor, Tensor> layer_norm_bwd_cpu(const Tensor& grad_out, co
   return {dx, dw_out, db_out};
 }
 
-}  // namespace
-
-TORCH_LIBRARY_IMPL(torchpar, CPU, m) {
-  m.impl("layer_norm_fwd", &layer_norm_fwd_cpu);
-  m.impl("layer_norm_bwd", &layer_norm_bwd_cpu);
-}
-
-}  // namespace torchpar::kernels::cpu
+}  // namespace torchpar::kernels::cpu::CPU_CAPABILITY

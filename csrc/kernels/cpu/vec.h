@@ -15,7 +15,8 @@
 #include <algorithm>
 #include <type_traits>
 
-namespace torchpar::kernels::cpu {
+// In the instruction set's own namespace: each copy of the kernels gets its own (kernels.h).
+namespace torchpar::kernels::cpu::CPU_CAPABILITY {
 
 template <typename T>
 struct VecIO {
@@ -45,7 +46,7 @@ struct VecIO {
 
 // erf/exp/tanh of at::vec vectors, for the formulas in kernels/gelu.h.
 //
-// GeLU is compute-bound on an AVX2 core, so float vectors use at::vec's inline 20-ulp exp
+// GeLU is compute-bound on a CPU core, so float vectors use at::vec's inline 20-ulp exp
 // (exp_u20) instead of calls into Sleef's 1-ulp functions: erf by Abramowitz & Stegun
 // 7.1.26 (|error| <= 1.5e-7) and tanh through exp. Both stay within about 1e-6 of the exact
 // value: below float16/bfloat16 rounding, and below the noise of float32 training. Double
@@ -58,7 +59,13 @@ struct VecMath {
   // 1 / d by the 12-bit hardware estimate and one Newton step (~23 bits): a divide has a
   // quarter of the throughput, and GeLU's erf and tanh need one per element.
   static VecF reciprocal(const VecF& d) {
+#if defined(CPU_CAPABILITY_AVX512)
+    const VecF r(_mm512_rcp14_ps(d));  // 14 bits; after the Newton step, ~24
+#elif defined(CPU_CAPABILITY_AVX2)
     const VecF r(_mm256_rcp_ps(d));
+#else
+    const VecF r = VecF(1.f) / d;  // no estimate instruction: divide (the step keeps it)
+#endif
     return r * (VecF(2.f) - d * r);
   }
 
@@ -115,4 +122,4 @@ struct ColumnPartials {
   at::Tensor sum(at::ScalarType dtype) const { return partial.sum(0).to(dtype); }
 };
 
-}  // namespace torchpar::kernels::cpu
+}  // namespace torchpar::kernels::cpu::CPU_CAPABILITY

@@ -1,0 +1,9 @@
+// Python bindings of the fused kernels' dispatch; the ops themselves are torch operators
+// (torch.ops.torchpar.*) registered in csrc/kernels/.
+#include "kernels/cpu/kernels.h"
+#include "python/bindings.h"
+
+TORCHPAR_PYBIND(kernels) {
+  m.def("cpu_kernels_isa", [] { return std::string(torchpar::kernels::cpu::kernels().isa); },
+        "Instruction set of the CPU kernels the fused ops run: AVX512 or AVX2.");
+}
