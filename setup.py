@@ -29,16 +29,17 @@ def cpu_flags():
 # csrc/kernels/cpu/ is also built once per wider instruction set, each copy in its own
 # namespace, and picked at run time (csrc/kernels/cpu/kernels.h).
 def isa_flags(isa):
-    march = {"AVX2": ["-mavx2", "-mfma", "-mf16c"],
-             "AVX512": ["-mavx2", "-mfma", "-mf16c", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq",
-                        "-Wno-uninitialized"],  # GCC 12: false positives in avx512fintrin.h
-             "DEFAULT": []}[isa]
-    return march + [f"-DCPU_CAPABILITY_{isa}", f"-DCPU_CAPABILITY={isa}"]
+    avx512 = ["-mavx2", "-mfma", "-mf16c", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq",
+              "-Wno-uninitialized"]  # GCC 12: false positives in avx512fintrin.h
+    march = {"AVX2": ["-mavx2", "-mfma", "-mf16c"], "AVX512": avx512,
+             "AVX512_BF16": avx512 + ["-mavx512bf16"], "DEFAULT": []}[isa]
+    vec = "AVX512" if isa.startswith("AVX512") else isa  # at::vec's width
+    return march + [f"-DCPU_CAPABILITY_{vec}", f"-DCPU_CAPABILITY={isa}"]
 
 
 X86 = os.uname().machine == "x86_64"
 BASE_ISA = "AVX2" if X86 else "DEFAULT"
-KERNEL_ISAS = ["AVX2", "AVX512"] if X86 else ["DEFAULT"]
+KERNEL_ISAS = ["AVX2", "AVX512", "AVX512_BF16"] if X86 else ["DEFAULT"]
 KERNEL_SOURCES = sources("csrc/kernels/cpu/*.cpp")
 
 
@@ -61,7 +62,7 @@ class BuildExtension(cpp_extension.BuildExtension):
 
 cpp_sources = [s for s in sources("csrc/**/*.cpp") if s not in KERNEL_SOURCES]
 extra = {"cxx": cpu_flags() + isa_flags(BASE_ISA)}
-define_macros = [("TORCHPAR_HAVE_AVX512", None)] if "AVX512" in KERNEL_ISAS else []
+define_macros = [("TORCHPAR_KERNELS_X86", None)] if X86 else []
 libraries = ["rt"]
 common = dict(
     include_dirs=[os.path.join(ROOT, "csrc")],

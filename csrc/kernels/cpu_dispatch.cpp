@@ -3,18 +3,68 @@
 #include <ATen/Version.h>
 #include <torch/library.h>
 
+#include <atomic>
+#include <string_view>
+#include <utility>
+#include <vector>
+
 #include "kernels/cpu/kernels.h"
 
 namespace torchpar::kernels::cpu {
 
-const CpuKernels& kernels() {
-  static const CpuKernels* const chosen = [] {
-#if defined(TORCHPAR_HAVE_AVX512)
-    if (at::get_cpu_capability() == "AVX512") return &AVX512::kKernels;
+namespace {
+
+// Every table this build has, narrowest first, each with whether this CPU can run it.
+std::vector<std::pair<const CpuKernels*, bool>> tables() {
+#if defined(TORCHPAR_KERNELS_X86)
+  __builtin_cpu_init();
+  const bool avx512 = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+                      __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq");
+  return {{&AVX2::kKernels, true},
+          {&AVX512::kKernels, avx512},
+          {&AVX512_BF16::kKernels, avx512 && __builtin_cpu_supports("avx512bf16")}};
+#else
+  return {{&DEFAULT::kKernels, true}};
 #endif
-    return &AVX2::kKernels;
-  }();
-  return *chosen;
+}
+
+const CpuKernels* default_table() {
+  const bool torch_avx512 = at::get_cpu_capability() == "AVX512";
+  const CpuKernels* chosen = tables().front().first;
+  for (const auto& [table, runs] : tables()) {
+    if (runs && (torch_avx512 || std::string_view(table->isa).find("AVX512") == std::string_view::npos)) {
+      chosen = table;
+    }
+  }
+  return chosen;
+}
+
+std::atomic<const CpuKernels*> current{nullptr};
+
+}  // namespace
+
+const CpuKernels& kernels() {
+  const CpuKernels* table = current.load(std::memory_order_acquire);
+  if (table == nullptr) {
+    const CpuKernels* chosen = default_table();
+    // First use from several threads: all choose the same table; keep the first store.
+    current.compare_exchange_strong(table, chosen, std::memory_order_acq_rel);
+    table = current.load(std::memory_order_acquire);
+  }
+  return *table;
+}
+
+void use_kernels(const std::string& isa) {
+  std::string have;
+  for (const auto& [table, runs] : tables()) {
+    if (isa == table->isa) {
+      TORCH_CHECK(runs, "torchpar: this CPU cannot run the ", isa, " kernels");
+      current.store(table, std::memory_order_release);
+      return;
+    }
+    have += std::string(have.empty() ? "" : ", ") + table->isa;
+  }
+  TORCH_CHECK(false, "torchpar: no ", isa, " CPU kernels in this build; it has ", have);
 }
 
 namespace {

@@ -5,5 +5,7 @@
 
 TORCHPAR_PYBIND(kernels) {
   m.def("cpu_kernels_isa", [] { return std::string(torchpar::kernels::cpu::kernels().isa); },
-        "Instruction set of the CPU kernels the fused ops run: AVX512 or AVX2.");
+        "Instruction set of the CPU kernels the fused ops run: AVX2, AVX512 or AVX512_BF16.");
+  m.def("set_cpu_kernels_isa", &torchpar::kernels::cpu::use_kernels, pybind11::arg("isa"),
+        "Run the fused ops' CPU kernels built for `isa` from now on (to compare them).");
 }

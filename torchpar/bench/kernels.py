@@ -20,6 +20,7 @@ import time
 import torch
 import torch.nn.functional as TF
 
+import torchpar
 import torchpar.nn.functional as F
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -189,7 +190,8 @@ def meta(args):
             "cpu": platform.processor() or platform.machine(), "reps": args.reps,
             "dropout_p": P_DROP, "malloc_reuse": args.malloc_reuse,
             "load_before": args.load_before, "load_after": args.load_after,
-            "torch_cpu_capability": torch.backends.cpu.get_cpu_capability()}
+            "torch_cpu_capability": torch.backends.cpu.get_cpu_capability(),
+            "torchpar_cpu_kernels": torchpar._C.cpu_kernels_isa()}
 
 
 HEADER = (f"{'op':<17}{'shape':>10}{'dtype':>9}{'pass':>8}{'torchpar':>10}{'eager':>9}"
@@ -201,7 +203,7 @@ def print_header(copy_gbs, copy_op_sized_gbs, op_bytes):
           f"the ops: {copy_gbs:.1f} GB/s with "
           f"{DRAM_COPY_BYTES >> 20} MiB arrays (DRAM; %copy is against this), "
           f"{copy_op_sized_gbs:.1f} GB/s with {op_bytes >> 20} MiB arrays (partly in L3)")
-    print(f"torch's kernels: {torch.backends.cpu.get_cpu_capability()}; torchpar: AVX2; "
+    print(f"torch's kernels: {torch.backends.cpu.get_cpu_capability()}; torchpar: {torchpar._C.cpu_kernels_isa()}; "
           f"{torch.get_num_threads()} threads; times in ms, best of --reps; "
           "x eager / x comp = peer time / torchpar time")
     print(HEADER)
@@ -255,7 +257,11 @@ def main(argv=None):
                     help="reuse: keep freed activations in glibc's heap (see reuse_freed_memory)")
     ap.add_argument("--json", metavar="PATH", help="write the results as JSON")
     ap.add_argument("--plot", metavar="PATH", help="write a PNG of GB/s per peer")
+    ap.add_argument("--cpu-kernels", metavar="ISA", choices=["AVX2", "AVX512", "AVX512_BF16"],
+                    help="run torchpar's CPU kernels built for ISA (default: the widest this CPU runs)")
     args = ap.parse_args(argv)
+    if args.cpu_kernels:
+        torchpar._C.set_cpu_kernels_isa(args.cpu_kernels)
     report = run(args)
     if args.json:
         os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)

@@ -1,11 +1,12 @@
 // The CPU kernels' entry points, one table of them per instruction set.
 //
-// setup.py compiles csrc/kernels/cpu/*.cpp once per instruction set (AVX2, and AVX-512 where
-// the compiler has it), each copy with at::vec at that width and in its own namespace,
-// cpu::AVX2 or cpu::AVX512 (the CPU_CAPABILITY macro, as in ATen's own kernel files). The
-// dispatch (kernels/cpu_dispatch.cpp) registers one CPU kernel per op, which calls the table
-// for the instruction set torch's own kernels use: at::get_cpu_capability(), so
-// ATEN_CPU_CAPABILITY=avx2 turns ours down along with torch's.
+// setup.py compiles csrc/kernels/cpu/*.cpp once per instruction set, each copy with at::vec
+// at that width and in its own namespace (the CPU_CAPABILITY macro, as in ATen's own kernel
+// files): cpu::AVX2; cpu::AVX512; and cpu::AVX512_BF16, the same plus the AVX512-BF16
+// conversion instructions (Zen 4 and later, Sapphire Rapids and later). The dispatch
+// (kernels/cpu_dispatch.cpp) registers one CPU kernel per op, which calls the table chosen
+// for this CPU: the widest one at most as wide as torch's own kernels run
+// (at::get_cpu_capability(), so ATEN_CPU_CAPABILITY=avx2 turns ours down along with torch's).
 #pragma once
 
 #include <ATen/core/Tensor.h>
@@ -13,6 +14,7 @@
 #include <c10/util/string_view.h>
 
 #include <optional>
+#include <string>
 #include <tuple>
 
 namespace torchpar::kernels::cpu {
@@ -22,7 +24,7 @@ using Tensor2 = std::tuple<at::Tensor, at::Tensor>;
 using OptTensor = std::optional<at::Tensor>;
 
 struct CpuKernels {
-  const char* isa;  // "AVX2", "AVX512"
+  const char* isa;  // "AVX2", "AVX512", "AVX512_BF16"
   Tensor3 (*layer_norm_fwd)(const at::Tensor& input, c10::IntArrayRef normalized_shape,
                             const OptTensor& weight, const OptTensor& bias, double eps);
   Tensor3 (*layer_norm_bwd)(const at::Tensor& grad_out, const at::Tensor& input,
@@ -46,6 +48,12 @@ extern const CpuKernels kKernels;
 namespace AVX512 {
 extern const CpuKernels kKernels;
 }
+namespace AVX512_BF16 {
+extern const CpuKernels kKernels;
+}
+namespace DEFAULT {  // builds for other architectures: at::vec's generic or NEON code
+extern const CpuKernels kKernels;
+}
 
 // The entry points of the instruction set this file is being compiled for.
 #if defined(TORCHPAR_KERNEL_ISA)
@@ -66,8 +74,11 @@ Tensor2 bias_dropout_add_bwd(const at::Tensor& grad_out, const at::Tensor& seed,
 }  // namespace CPU_CAPABILITY
 #endif
 
-// The table the CPU kernels run: AVX-512 when it was built and torch runs AVX-512 on
-// this CPU, else AVX2 (the extension's baseline).
+// The table the fused ops run (chosen on first use).
 const CpuKernels& kernels();
+
+// Makes the fused ops run `isa`'s table from now on ("AVX2", "AVX512", "AVX512_BF16"): for
+// tests and benchmarks that compare them. Throws if this build or this CPU lacks it.
+void use_kernels(const std::string& isa);
 
 }  // namespace torchpar::kernels::cpu

@@ -1,0 +1,106 @@
+"""The CPU kernels are built once per instruction set (AVX2, AVX512, AVX512_BF16) and the
+fused ops run the widest this CPU and torch allow. The other suites test that one against
+PyTorch; these pin every other copy this CPU can run to it: the same dropout mask bit for
+bit, and the same values and gradients up to float rounding."""
+import pytest
+import torch
+
+import torchpar
+import torchpar.nn as tnn
+
+pytestmark = pytest.mark.timeout(120)
+F = tnn.functional
+C = torchpar._C
+ISAS = ("AVX2", "AVX512", "AVX512_BF16")
+
+
+def _runnable():
+    default = C.cpu_kernels_isa()
+    isas = []
+    try:
+        for isa in ISAS:
+            try:
+                C.set_cpu_kernels_isa(isa)
+                isas.append(isa)
+            except RuntimeError:
+                pass
+    finally:
+        C.set_cpu_kernels_isa(default)
+    return default, isas
+
+
+DEFAULT, RUNNABLE = _runnable()
+OTHERS = [isa for isa in RUNNABLE if isa != DEFAULT]
+
+
+@pytest.fixture
+def use_isa():
+    def use(isa):
+        C.set_cpu_kernels_isa(isa)
+    yield use
+    C.set_cpu_kernels_isa(DEFAULT)
+
+
+def test_the_default_is_the_widest_this_cpu_runs():
+    assert DEFAULT == RUNNABLE[-1]
+    assert "AVX2" in RUNNABLE
+
+
+def test_an_unknown_or_unbuilt_isa_is_refused_by_name():
+    with pytest.raises(RuntimeError, match="no SSE4 CPU kernels in this build; it has AVX2"):
+        C.set_cpu_kernels_isa("SSE4")
+    assert C.cpu_kernels_isa() == DEFAULT
+
+
+def _run_all(shape, dtype):
+    """Outputs and gradients of the three ops on fixed inputs."""
+    g = torch.Generator().manual_seed(3)
+    cols = shape[-1]
+    x, r = (torch.randn(shape, generator=g).to(dtype).requires_grad_() for _ in range(2))
+    w, b, bias = (torch.randn(cols, generator=g).to(dtype).requires_grad_() for _ in range(3))
+    dy = torch.randn(shape, generator=g).to(dtype)
+    outs = []
+    for fn in (lambda: F.layer_norm(x, [cols], w, b),
+               lambda: F.bias_gelu(x, bias, "none"),
+               lambda: F.bias_gelu(x, bias, "tanh"),
+               lambda: F.bias_dropout_add(x, bias, r, 0.3, True)):
+        for t in (x, r, w, b, bias):
+            t.grad = None
+        torch.manual_seed(11)
+        y = fn()
+        y.backward(dy)
+        outs.append([y.detach()] + [t.grad for t in (x, r, w, b, bias) if t.grad is not None])
+    return outs
+
+
+# Column counts around each copy's vector widths (8, 16, 32 floats), with tails.
+SHAPES = [(3, 37), (5, 64), (4, 1000), (2, 4099)]
+
+
+@pytest.mark.skipif(not OTHERS, reason="this CPU runs only one copy of the kernels")
+@pytest.mark.parametrize("isa", OTHERS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.float64])
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
+def test_every_copy_computes_what_the_default_does(isa, dtype, shape, use_isa):
+    expected = _run_all(shape, dtype)
+    use_isa(isa)
+    got = _run_all(shape, dtype)
+    # float32 sums in another order: a few ulps; reduced types: one rounding step.
+    tol = {torch.float32: dict(rtol=1e-5, atol=1e-5), torch.float64: dict(rtol=1e-12, atol=1e-12),
+           torch.bfloat16: dict(rtol=1.6e-2, atol=2e-2), torch.float16: dict(rtol=2e-3, atol=2e-3)}[dtype]
+    for op_expected, op_got in zip(expected, got):
+        for e, g in zip(op_expected, op_got):
+            torch.testing.assert_close(g, e, **tol)
+
+
+@pytest.mark.skipif(not OTHERS, reason="this CPU runs only one copy of the kernels")
+@pytest.mark.parametrize("isa", OTHERS)
+@pytest.mark.parametrize("shape", [(1, 1), (3, 37), (9, 515), (2, 4099)], ids=lambda s: "x".join(map(str, s)))
+def test_every_copy_draws_the_same_dropout_mask(isa, shape, use_isa):
+    def mask():
+        torch.manual_seed(5)
+        return F.bias_dropout_add(torch.ones(shape), torch.zeros(shape[-1]), torch.zeros(shape), 0.5, True) != 0
+
+    expected = mask()
+    use_isa(isa)
+    assert torch.equal(mask(), expected)
