@@ -20,20 +20,6 @@ namespace {
 
 using at::Tensor;
 
-// mult[k] = scale if element (start + k) is kept, else 0.
-template <typename acc_t>
-void row_multipliers(const DropoutRule& rule, uint64_t start, int64_t n, uint32_t* words,
-                     acc_t* mult) {
-  const acc_t scale = acc_t(rule.scale);
-  if (rule.threshold > UINT32_MAX) {  // keep probability rounds to 1
-    std::fill(mult, mult + n, scale);
-    return;
-  }
-  philox_fill(rule.seed, start, n, words);
-  const uint32_t t = uint32_t(rule.threshold);
-  for (int64_t k = 0; k < n; ++k) mult[k] = words[k] < t ? scale : acc_t(0);
-}
-
 template <typename T, bool Active>
 void forward(const T* x, const at::opmath_type<T>* bias, const T* res, T* out,
              const DropoutRule& rule, int64_t rows, int64_t cols) {
@@ -42,13 +28,18 @@ void forward(const T* x, const at::opmath_type<T>* bias, const T* res, T* out,
   using Vec = typename IO::Vec;
   constexpr int64_t V = Vec::size();
   at::parallel_for(0, rows, row_grain(cols), [&](int64_t r0, int64_t r1) {
-    std::vector<uint32_t> words(Active ? cols : 0);
     std::vector<acc_t> mult(Active ? cols : 0);
     for (int64_t r = r0; r < r1; ++r) {
       const T* xr = x + r * cols;
       const T* rr = res + r * cols;
       T* outr = out + r * cols;
-      if constexpr (Active) row_multipliers(rule, uint64_t(r * cols), cols, words.data(), mult.data());
+      if constexpr (Active) {
+        if (r + 1 < r1) {  // the next row streams in while this one's multipliers are drawn
+          prefetch(xr + cols, cols);
+          prefetch(rr + cols, cols);
+        }
+        dropout_multipliers(rule, uint64_t(r * cols), cols, mult.data());
+      }
       int64_t i = 0;
       for (; i + IO::kStep <= cols; i += IO::kStep) {
         Vec a, b, ra, rb;
@@ -82,13 +73,15 @@ void backward(const T* dy, T* dx, ColumnPartials<at::opmath_type<T>>& db, const 
   using Vec = typename IO::Vec;
   constexpr int64_t V = Vec::size();
   at::parallel_for(0, rows, row_grain(cols), [&](int64_t r0, int64_t r1) {
-    std::vector<uint32_t> words(Active ? cols : 0);
     std::vector<acc_t> mult(Active ? cols : 0);
     acc_t* dbp = db.row(at::get_thread_num());
     for (int64_t r = r0; r < r1; ++r) {
       const T* dyr = dy + r * cols;
       T* dxr = dx + r * cols;
-      if constexpr (Active) row_multipliers(rule, uint64_t(r * cols), cols, words.data(), mult.data());
+      if constexpr (Active) {
+        if (r + 1 < r1) prefetch(dyr + cols, cols);
+        dropout_multipliers(rule, uint64_t(r * cols), cols, mult.data());
+      }
       int64_t i = 0;
       for (; i + IO::kStep <= cols; i += IO::kStep) {
         Vec a, b;

@@ -112,6 +112,14 @@ struct VecMath {
   static V tanh(const V& x) { return x.tanh(); }
 };
 
+// Asks for p[0 .. n) to be brought into cache ahead of use, a line at a time: for a loop that
+// computes for a while (drawing dropout words) before it streams the next row.
+template <typename T>
+inline void prefetch(const T* p, int64_t n) {
+  const char* c = reinterpret_cast<const char*>(p);
+  for (int64_t b = 0; b < n * int64_t(sizeof(T)); b += 64) __builtin_prefetch(c + b);
+}
+
 // Rows per at::parallel_for task: enough work (~32K elements) to amortise a task's start.
 inline int64_t row_grain(int64_t cols) {
   return std::max<int64_t>(1, 32768 / std::max<int64_t>(cols, 1));
