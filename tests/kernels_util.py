@@ -53,9 +53,11 @@ def philox4x32_10(counter_lo, key):
 
 
 def reference_keep_mask(seed, numel, p):
-    """Element i is kept iff word i % 4 of block i // 4 is below round((1 - p) * 2^32)."""
+    """Element i is kept iff half i % 2 (low first) of word (i // 2) % 4 of block i // 8 is
+    below round((1 - p) * 2^16)."""
     idx = np.arange(numel, dtype=np.uint64)
-    words = philox4x32_10(idx >> np.uint64(2), seed & 0xFFFFFFFFFFFFFFFF)
-    word = words[np.arange(numel), (idx & np.uint64(3)).astype(np.int64)].astype(np.uint64)
-    threshold = int(round((1.0 - p) * 2.0**32))
-    return torch.from_numpy((word < threshold).astype(np.bool_))
+    words = philox4x32_10(idx >> np.uint64(3), seed & 0xFFFFFFFFFFFFFFFF)
+    word = words[np.arange(numel), ((idx >> np.uint64(1)) & np.uint64(3)).astype(np.int64)]
+    bits = (word.astype(np.uint64) >> (np.uint64(16) * (idx & np.uint64(1)))) & np.uint64(0xFFFF)
+    threshold = int(round((1.0 - p) * 2.0**16))
+    return torch.from_numpy((bits < threshold).astype(np.bool_))

@@ -93,14 +93,15 @@ def test_same_seed_same_mask_and_new_draws_differ():
     assert torch.equal(first, a) and not torch.equal(first, second)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16])
 @pytest.mark.parametrize("shape", [(37, 45), (3, 1000), (5,), (2, 3, 129)])
-def test_mask_follows_the_philox_rule_cpu_and_cuda_share(shape):
+def test_mask_follows_the_philox_rule_cpu_and_cuda_share(shape, dtype):
     # The rule in csrc/kernels/dropout.h, checked against an independent numpy Philox: the
-    # AVX2 lanes, the scalar edges and the CUDA kernel all implement this one function.
+    # vector lanes, the scalar edges and the CUDA kernel all implement this one function.
     p = 0.3
     torch.manual_seed(2024)
-    out, seed = ops.bias_dropout_add_fwd(torch.ones(shape), torch.zeros(shape[-1]),
-                                         torch.zeros(shape), p, True)
+    out, seed = ops.bias_dropout_add_fwd(torch.ones(shape, dtype=dtype), torch.zeros(shape[-1], dtype=dtype),
+                                         torch.zeros(shape, dtype=dtype), p, True)
     numel = math.prod(shape)
     expected = reference_keep_mask(int(seed.item()) & ((1 << 64) - 1), numel, p)
     assert torch.equal(out.reshape(-1) != 0, expected)

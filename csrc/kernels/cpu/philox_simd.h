@@ -58,13 +58,16 @@ struct Lanes {
   }
   static void storeu(uint32_t* p, V v) { _mm512_storeu_si512(p, v); }
 
-  // out[k] = scale if word k < threshold, else 0: the dropout multipliers of 16 elements.
+  // The dropout multipliers of the 32 elements whose bits are the 16-bit halves of w, in
+  // order: scale where the bits are below the threshold, else 0.
   struct Keep {
     V threshold;
     __m512 scale;
-    Keep(uint32_t t, float s) : threshold(set1(t)), scale(_mm512_set1_ps(s)) {}
+    Keep(uint32_t t, float s) : threshold(_mm512_set1_epi16(short(t))), scale(_mm512_set1_ps(s)) {}
     void store(float* out, V w) const {
-      _mm512_storeu_ps(out, _mm512_maskz_mov_ps(_mm512_cmplt_epu32_mask(w, threshold), scale));
+      const __mmask32 kept = _mm512_cmplt_epu16_mask(w, threshold);
+      _mm512_storeu_ps(out, _mm512_maskz_mov_ps(__mmask16(kept), scale));
+      _mm512_storeu_ps(out + 16, _mm512_maskz_mov_ps(__mmask16(kept >> 16), scale));
     }
   };
 };
@@ -99,14 +102,18 @@ struct Lanes {
   }
   static void storeu(uint32_t* p, V v) { _mm256_storeu_si256(reinterpret_cast<V*>(p), v); }
 
-  // AVX2 compares signed only: flipping both sides' top bit turns it into unsigned order.
+  // Keep for 16 elements. AVX2 compares signed only: flipping both sides' top bit turns it
+  // into unsigned order; each 16-bit result then widens to its float's 32 bits.
   struct Keep {
     V threshold;  // top bit flipped
     __m256 scale;
-    Keep(uint32_t t, float s) : threshold(set1(t ^ 0x80000000u)), scale(_mm256_set1_ps(s)) {}
+    Keep(uint32_t t, float s) : threshold(_mm256_set1_epi16(short(t ^ 0x8000u))), scale(_mm256_set1_ps(s)) {}
     void store(float* out, V w) const {
-      const V kept = _mm256_cmpgt_epi32(threshold, _mm256_xor_si256(w, set1(0x80000000u)));
-      _mm256_storeu_ps(out, _mm256_and_ps(_mm256_castsi256_ps(kept), scale));
+      const V kept = _mm256_cmpgt_epi16(threshold, _mm256_xor_si256(w, _mm256_set1_epi16(short(0x8000))));
+      const V lo = _mm256_cvtepi16_epi32(_mm256_castsi256_si128(kept));
+      const V hi = _mm256_cvtepi16_epi32(_mm256_extracti128_si256(kept, 1));
+      _mm256_storeu_ps(out, _mm256_and_ps(_mm256_castsi256_ps(lo), scale));
+      _mm256_storeu_ps(out + 8, _mm256_and_ps(_mm256_castsi256_ps(hi), scale));
     }
   };
 };
@@ -140,7 +147,7 @@ struct PhiloxLanes {
 };
 
 // The words of blocks first .. first + Groups * kBlocks - 1, handed to sink(k, words) kBlocks
-// elements at a time, k counting elements from the first block's. Groups go through the rounds
+// words at a time, k counting words from the first block's. Groups go through the rounds
 // together: one group's round is a chain of dependent multiplies and shuffles, and the other
 // groups fill its latency (two groups: 20% faster than one with AVX2; four: 20% faster than two
 // with AVX-512, which has the registers). Requires the low counter word not to wrap inside
@@ -167,36 +174,38 @@ inline void philox_groups(uint64_t seed, uint64_t first, Sink& sink) {
 }  // namespace detail
 #endif
 
-// The dropout words of elements start .. start + n - 1: vector_sink(k, words) for runs of
-// Lanes::kBlocks elements from element start + k, scalar_sink(k, word) for single ones.
+// The dropout bits of elements start .. start + n - 1 (dropout.h): vector_sink(k, words) for
+// runs of 2 * Lanes::kBlocks elements from element start + k (two per word, low half first),
+// scalar_sink(k, bits) for single ones.
 template <typename VectorSink, typename ScalarSink>
 inline void philox_run(uint64_t seed, uint64_t start, int64_t n, VectorSink&& vector_sink,
                        ScalarSink&& scalar_sink) {
+  constexpr int64_t kPerBlock = int64_t(kDropoutElemsPerBlock);
   int64_t k = 0;
-  auto scalar_until = [&](int64_t end) {  // one block per four elements, as the rule says
+  auto scalar_until = [&](int64_t end) {
     while (k < end) {
       const Philox4x32 block = dropout_block(seed, start + uint64_t(k));
       do {
-        scalar_sink(k, block.w[(start + uint64_t(k)) & 3]);
+        scalar_sink(k, dropout_bits(block, start + uint64_t(k)));
         ++k;
-      } while (k < end && ((start + uint64_t(k)) & 3) != 0);
+      } while (k < end && (start + uint64_t(k)) % kPerBlock != 0);
     }
   };
 #if defined(TORCHPAR_PHILOX_LANES)
   // Scalar up to a block boundary, then kGroups groups of lanes at a time, then one.
   constexpr int64_t kBlocks = detail::Lanes::kBlocks;
   constexpr int64_t kGroups = detail::Lanes::kGroups;
-  scalar_until(std::min<int64_t>(n, int64_t((4 - (start & 3)) & 3)));
+  scalar_until(std::min<int64_t>(n, int64_t((kPerBlock - start % kPerBlock) % kPerBlock)));
   int64_t base = 0;
-  auto sink = [&](int64_t offset, detail::Lanes::V w) { vector_sink(base + offset, w); };
-  for (; k + 4 * kGroups * kBlocks <= n; k += 4 * kGroups * kBlocks) {
-    const uint64_t block = (start + uint64_t(k)) >> 2;
+  auto sink = [&](int64_t word, detail::Lanes::V w) { vector_sink(base + 2 * word, w); };
+  for (; k + kPerBlock * kGroups * kBlocks <= n; k += kPerBlock * kGroups * kBlocks) {
+    const uint64_t block = (start + uint64_t(k)) / kPerBlock;
     if (uint32_t(block) > uint32_t(-kGroups * kBlocks)) break;  // low word would wrap: scalar
     base = k;
     detail::philox_groups<kGroups>(seed, block, sink);
   }
-  for (; k + 4 * kBlocks <= n; k += 4 * kBlocks) {
-    const uint64_t block = (start + uint64_t(k)) >> 2;
+  for (; k + kPerBlock * kBlocks <= n; k += kPerBlock * kBlocks) {
+    const uint64_t block = (start + uint64_t(k)) / kPerBlock;
     if (uint32_t(block) > uint32_t(-kBlocks)) break;
     base = k;
     detail::philox_groups<1>(seed, block, sink);
@@ -209,12 +218,12 @@ inline void philox_run(uint64_t seed, uint64_t start, int64_t n, VectorSink&& ve
 template <typename acc_t>
 inline void dropout_multipliers(const DropoutRule& rule, uint64_t start, int64_t n, acc_t* mult) {
   const acc_t scale = acc_t(rule.scale);
-  if (rule.threshold > UINT32_MAX) {  // keep probability rounds to 1
+  if (rule.keeps_all()) {
     std::fill(mult, mult + n, scale);
     return;
   }
   const uint32_t t = uint32_t(rule.threshold);
-  auto scalar = [&](int64_t k, uint32_t word) { mult[k] = word < t ? scale : acc_t(0); };
+  auto scalar = [&](int64_t k, uint32_t bits) { mult[k] = bits < t ? scale : acc_t(0); };
 #if defined(TORCHPAR_PHILOX_LANES)
   using detail::Lanes;
   if constexpr (std::is_same_v<acc_t, float>) {
@@ -222,9 +231,9 @@ inline void dropout_multipliers(const DropoutRule& rule, uint64_t start, int64_t
     philox_run(rule.seed, start, n, [&](int64_t k, Lanes::V w) { keep.store(mult + k, w); }, scalar);
   } else {
     philox_run(rule.seed, start, n, [&](int64_t k, Lanes::V w) {
-      uint32_t words[Lanes::kBlocks];
-      Lanes::storeu(words, w);
-      for (int j = 0; j < Lanes::kBlocks; ++j) scalar(k + j, words[j]);
+      uint16_t bits[2 * Lanes::kBlocks];
+      Lanes::storeu(reinterpret_cast<uint32_t*>(bits), w);
+      for (int j = 0; j < 2 * Lanes::kBlocks; ++j) scalar(k + j, bits[j]);
     }, scalar);
   }
 #else

@@ -1,5 +1,5 @@
 // bias + dropout + residual add on CUDA. Each thread draws the Philox blocks covering its
-// pack (one block per 4 elements, dropout.h's rule), so the mask needs no memory at all.
+// pack (one block per 8 elements, dropout.h's rule), so the mask needs no memory at all.
 // Forward: grid-stride over packs. Backward: column tiles, as in bias_gelu.cu, so dbias
 // is summed in registers while dx streams out.
 #include <ATen/Dispatch.h>
@@ -26,7 +26,7 @@ __device__ __forceinline__ void pack_multipliers(uint64_t seed, uint64_t thresho
 #pragma unroll
   for (int j = 0; j < N; ++j) {
     const uint64_t e = i + j;
-    if (j > 0 && (e & 3) == 0) blk = dropout_block(seed, e);
+    if (j > 0 && e % kDropoutElemsPerBlock == 0) blk = dropout_block(seed, e);
     m[j] = dropout_keep(blk, e, threshold) ? scale : acc_t(0);
   }
 }
