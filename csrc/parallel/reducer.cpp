@@ -110,6 +110,7 @@ void Reducer::reset_step() {
   for (auto& b : buckets_) {
     b.pending = b.params.size();
     b.work.reset();
+    b.hook_result.reset();
   }
   next_launch_ = 0;
 }
@@ -190,7 +191,8 @@ void Reducer::mark_ready(int64_t index, bool has_gradient) {
   // Averaging = dividing by the group size before the sum (an average of low-precision
   // values overflows less than their sum), fused with the copy into the bucket where the
   // dtypes allow, to read and write the gradient once.
-  const double scale = 1.0 / group_->getSize();
+  // With a comm hook the hook averages, as with torch's DDP (its allreduce_hook divides).
+  const double scale = comm_hook_ ? 1.0 : 1.0 / group_->getSize();
   if (!has_gradient || !grad.defined()) {
     view.zero_();
   } else if (b.grads_are_views) {
@@ -213,12 +215,58 @@ void Reducer::mark_ready(int64_t index, bool has_gradient) {
 
 void Reducer::launch_ready_buckets() {
   while (next_launch_ < buckets_.size() && buckets_[next_launch_].pending == 0) {
-    Bucket& b = buckets_[next_launch_];
-    std::vector<at::Tensor> tensors{b.flat};
-    b.work = group_->allreduce(tensors);
+    launch(next_launch_);
     trace_.push_back({TraceEvent::kLaunch, static_cast<int64_t>(next_launch_)});
     ++next_launch_;
   }
+}
+
+void Reducer::launch(size_t index) {
+  Bucket& b = buckets_[index];
+  if (!comm_hook_) {
+    std::vector<at::Tensor> tensors{b.flat};
+    b.work = group_->allreduce(tensors);
+    return;
+  }
+  std::vector<size_t> offsets, lengths;
+  std::vector<c10::IntArrayRef> sizes;
+  std::vector<at::Tensor> params;
+  for (size_t k = 0; k < b.params.size(); ++k) {
+    const at::Tensor& view = b.views[k];
+    offsets.push_back(view.storage_offset() - b.flat.storage_offset());
+    lengths.push_back(view.numel());
+    sizes.push_back(params_[b.params[k]].sizes());
+    params.push_back(params_[b.params[k]]);
+  }
+  c10d::GradBucket bucket(index, buckets_.size(), b.flat, std::move(offsets), std::move(lengths),
+                          std::move(sizes), std::move(params), std::nullopt);
+  b.hook_result = comm_hook_->runHook(bucket);
+}
+
+void Reducer::wait(Bucket& b) {
+  if (!b.hook_result) {
+    b.work->wait();
+    return;
+  }
+  b.hook_result->wait();
+  if (b.hook_result->hasError()) {
+    b.hook_result->value();  // rethrows the hook's error
+  }
+  const at::Tensor reduced = comm_hook_->parseHookResult(b.hook_result->value());
+  TORCH_CHECK(reduced.numel() == b.flat.numel(),
+              "torchpar DDP: the comm hook's future holds a tensor of ", reduced.numel(),
+              " elements; the bucket has ", b.flat.numel());
+  if (!reduced.is_same(b.flat)) {
+    b.flat.copy_(reduced.view(b.flat.sizes()));
+  }
+}
+
+void Reducer::register_comm_hook(std::unique_ptr<c10d::CommHookInterface> hook) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  TORCH_CHECK(!comm_hook_, "torchpar DDP: register_comm_hook can only be called once");
+  TORCH_CHECK(!synced_once_,
+              "torchpar DDP: register_comm_hook must be called before the first backward");
+  comm_hook_ = std::move(hook);
 }
 
 void Reducer::finalize() {
@@ -228,6 +276,7 @@ void Reducer::finalize() {
     return;
   }
   trace_.push_back({TraceEvent::kFinalize, -1});
+  synced_once_ = true;
   try {
     if (next_launch_ < buckets_.size()) {
       std::ostringstream missing;
@@ -251,7 +300,7 @@ void Reducer::finalize() {
     // Bucket by bucket, so that copying out an early bucket overlaps the all-reduce of
     // the later ones.
     for (auto& b : buckets_) {
-      b.work->wait();
+      wait(b);
       write_back(b, used_anywhere);
     }
     if (!rebuilt_) {

@@ -17,8 +17,10 @@
 #include <ATen/core/Tensor.h>
 #include <torch/csrc/autograd/node.h>
 #include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
+#include <torch/csrc/distributed/c10d/comm.hpp>
 
 #include <cstdint>
+#include <memory>
 #include <mutex>
 #include <optional>
 #include <string>
@@ -66,6 +68,13 @@ class Reducer {
   // not preceded by this call (no_sync) just accumulates gradients locally.
   void prepare_for_backward(const std::vector<at::Tensor>& outputs);
 
+  // Replaces each bucket's all-reduce with `hook` (c10d's interface, so torch's own hooks
+  // and Python hooks through c10d::PythonCommHook both fit): it gets the bucket's summed-
+  // not-averaged gradients as a c10d::GradBucket and returns a future of the reduced flat
+  // tensor, as with torch's DDP.register_comm_hook. Once, before the first synchronised
+  // backward.
+  void register_comm_hook(std::unique_ptr<c10d::CommHookInterface> hook);
+
   // The events of the last synchronised step, in order.
   std::vector<TraceEvent> trace() const;
   // Bucket -> parameter indices, and each bucket's flat tensor (for tests and tools).
@@ -79,7 +88,8 @@ class Reducer {
     std::vector<at::Tensor> views;    // views of `flat` shaped like each parameter
     bool grads_are_views = false;     // .grad aliases `views` (gradient_as_bucket_view)
     size_t pending = 0;               // gradients still to arrive this step
-    c10::intrusive_ptr<c10d::Work> work;
+    c10::intrusive_ptr<c10d::Work> work;                // the all-reduce, or
+    c10::intrusive_ptr<c10::ivalue::Future> hook_result;  // the comm hook's future
   };
   struct Slot {                       // where parameter i lives
     size_t bucket;
@@ -91,6 +101,8 @@ class Reducer {
   void on_gradient(int64_t index);
   void mark_ready(int64_t index, bool has_gradient);
   void launch_ready_buckets();
+  void launch(size_t index);
+  void wait(Bucket& b);
   void finalize();
   std::vector<int32_t> reduce_used_flags();
   void write_back(Bucket& b, const std::vector<int32_t>& used_anywhere);
@@ -102,6 +114,8 @@ class Reducer {
   std::vector<Slot> slots_;
   c10::intrusive_ptr<c10d::ProcessGroup> group_;
   ReducerOptions options_;
+  std::unique_ptr<c10d::CommHookInterface> comm_hook_;
+  bool synced_once_ = false;          // a synchronised backward has run
 
   // Grad accumulators are held here: a parameter only keeps a weak reference to its own,
   // and a fresh one (without our hook) would be made if this one were freed.

@@ -4,6 +4,7 @@
 #include "parallel/reducer.h"
 #include "python/bindings.h"
 
+#include <torch/csrc/distributed/c10d/python_comm_hook.h>
 #include <torch/csrc/utils/pybind.h>
 
 namespace py = pybind11;
@@ -51,6 +52,13 @@ TORCHPAR_PYBIND(reducer) {
            },
            "Events of the last synchronised step: ('ready', param), ('launch', bucket), "
            "('finalize', -1).")
+      .def("register_comm_hook",
+           [](Reducer& r, py::object state, py::object hook) {
+             r.register_comm_hook(std::make_unique<c10d::PythonCommHook>(std::move(state), std::move(hook)));
+           },
+           py::arg("state"), py::arg("hook"),
+           "hook(state, torch.distributed.GradBucket) -> torch.futures.Future[Tensor] replaces "
+           "each bucket's all-reduce (torch DDP's register_comm_hook contract).")
       .def("bucket_indices", &Reducer::bucket_indices)
       .def("bucket_tensors", &Reducer::bucket_tensors);
 }

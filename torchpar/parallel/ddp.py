@@ -83,6 +83,17 @@ class DistributedDataParallel(nn.Module):
             self.reducer.prepare_for_backward(tensors if self.find_unused_parameters else [])
         return outputs
 
+    def register_comm_hook(self, state, hook):
+        """Replace each bucket's all-reduce with ``hook(state, bucket)``, as torch's DDP does:
+        ``bucket`` is a ``torch.distributed.GradBucket`` holding the bucket's gradients summed
+        over this rank's backward but *not* averaged, and the hook returns a
+        ``torch.futures.Future`` of the reduced flat tensor (the hooks in
+        ``torch.distributed.algorithms.ddp_comm_hooks`` work as they are). Call it once,
+        before the first backward."""
+        if not callable(hook):
+            raise TypeError(f"torchpar DDP: the comm hook must be callable, got {type(hook).__name__}")
+        self.reducer.register_comm_hook(state, hook)
+
     @contextmanager
     def no_sync(self):
         """Backward passes inside only accumulate gradients locally; the first synchronised

@@ -1,0 +1,121 @@
+"""DistributedDataParallel.register_comm_hook: torch's hook contract, checked against torch's
+DDP running the same hook, on the torchpar backend and on gloo."""
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+from test_ddp import _assert_same_params, _batch, _loss, _mlp, _pool, _setup, _shard, multi_rank, on_backends
+from torchpar.parallel import DistributedDataParallel as DDP
+
+pytestmark = pytest.mark.timeout(120)
+
+# (torch's bf16_compress_hook refuses to run without CUDA and NCCL.)
+HOOKS = {
+    "allreduce": default_hooks.allreduce_hook,
+    "fp16_compress": default_hooks.fp16_compress_hook,
+}
+
+
+def _train_with_hook_vs_torch_ddp(ctx, hook_name):
+    _setup(ctx)
+    ours_model, torch_model = _mlp(2), _mlp(2)
+    ours = DDP(ours_model, process_group=ctx.pg, bucket_cap_mb=0.0002)
+    theirs = nn.parallel.DistributedDataParallel(torch_model, process_group=ctx.pg, bucket_cap_mb=0.0002)
+    ours.register_comm_hook(ctx.pg, HOOKS[hook_name])
+    theirs.register_comm_hook(ctx.pg, HOOKS[hook_name])
+    opts = [torch.optim.SGD(m.parameters(), lr=0.1) for m in (ours, theirs)]
+    for step in range(4):
+        x, y = _batch(step, 3 * ctx.world_size)
+        for ddp, o in zip((ours, theirs), opts):
+            o.zero_grad()
+            _loss(ddp(_shard(x, ctx)), _shard(y, ctx)).backward()
+            o.step()
+        # Compressed sums round differently where the two DDPs' buckets cut the tensors
+        # differently (the ring splits each bucket by position); averaging errors are 2x.
+        tol = {} if hook_name == "allreduce" else dict(rtol=1e-3, atol=1e-4)
+        _assert_same_params(ours_model, torch_model, step, **tol)
+
+
+@on_backends
+@multi_rank
+@pytest.mark.parametrize("hook_name", list(HOOKS))
+def test_torch_default_hooks_match_torch_ddp_with_the_same_hook(backend, world_size, hook_name):
+    _pool(backend, world_size).run(_train_with_hook_vs_torch_ddp, hook_name)
+
+
+def _averaging_hook(state, bucket):
+    """A stateful hook: records what it is given, then all-reduces and averages."""
+    state["calls"].append((bucket.index(), bucket.is_last(), len(bucket.parameters()),
+                           bucket.buffer().numel(), sum(p.numel() for p in bucket.parameters())))
+    group = state["group"]
+    fut = dist.all_reduce(bucket.buffer(), group=group, async_op=True).get_future()
+    return fut.then(lambda f: f.value()[0].div_(group.size()))
+
+
+def _custom_hook_sees_each_bucket_once_in_order(ctx):
+    _setup(ctx)
+    model, ref = _mlp(3), _mlp(3)
+    ddp = DDP(model, process_group=ctx.pg, bucket_cap_mb=0.0002)
+    state = {"group": ctx.pg, "calls": []}
+    ddp.register_comm_hook(state, _averaging_hook)
+    n_buckets = len(ddp.reducer.bucket_indices())
+    opt, ref_opt = (torch.optim.SGD(m.parameters(), lr=0.1) for m in (ddp, ref))
+    for step in range(3):
+        x, y = _batch(step, 2 * ctx.world_size)
+        state["calls"].clear()
+        opt.zero_grad()
+        _loss(ddp(_shard(x, ctx)), _shard(y, ctx)).backward()
+        opt.step()
+        ref_opt.zero_grad()
+        _loss(ref(x), y).backward()
+        ref_opt.step()
+        _assert_same_params(model, ref, step)
+        assert [c[0] for c in state["calls"]] == list(range(n_buckets))
+        assert [c[1] for c in state["calls"]] == [False] * (n_buckets - 1) + [True]
+        assert all(c[2] >= 1 and c[3] == c[4] for c in state["calls"])
+
+
+@on_backends
+@multi_rank
+def test_a_stateful_hook_sees_every_bucket_once_in_order_and_trains_like_one_process(backend, world_size):
+    _pool(backend, world_size).run(_custom_hook_sees_each_bucket_once_in_order)
+
+
+def _failing_hook(state, bucket):
+    raise ValueError(f"hook refuses bucket {bucket.index()}")
+
+
+def _hook_error_reaches_backward(ctx):
+    _setup(ctx)
+    ddp = DDP(_mlp(), process_group=ctx.pg)
+    ddp.register_comm_hook(None, _failing_hook)
+    x, y = _batch(0, 2)
+    with pytest.raises(Exception, match="hook refuses bucket 0"):
+        _loss(ddp(x), y).backward()
+
+
+def _registration_rules(ctx):
+    _setup(ctx)
+    ddp = DDP(_mlp(), process_group=ctx.pg)
+    with pytest.raises(TypeError, match="must be callable"):
+        ddp.register_comm_hook(None, "allreduce")
+    ddp.register_comm_hook(ctx.pg, default_hooks.allreduce_hook)
+    with pytest.raises(RuntimeError, match="only be called once"):
+        ddp.register_comm_hook(ctx.pg, default_hooks.allreduce_hook)
+    late = DDP(_mlp(), process_group=ctx.pg)
+    x, y = _batch(0, 2)
+    _loss(late(x), y).backward()
+    with pytest.raises(RuntimeError, match="before the first backward"):
+        late.register_comm_hook(ctx.pg, default_hooks.allreduce_hook)
+
+
+@on_backends
+def test_an_error_in_the_hook_is_raised_by_backward(backend):
+    _pool(backend, 2).run(_hook_error_reaches_backward)
+
+
+@on_backends
+def test_a_hook_is_registered_once_and_before_the_first_backward(backend):
+    _pool(backend, 2).run(_registration_rules)
