@@ -30,8 +30,9 @@ std::vector<std::pair<const CpuKernels*, bool>> tables() {
 
 const CpuKernels* default_table() {
   const bool torch_avx512 = at::get_cpu_capability() == "AVX512";
-  const CpuKernels* chosen = tables().front().first;
-  for (const auto& [table, runs] : tables()) {
+  const auto all = tables();
+  const CpuKernels* chosen = all.front().first;
+  for (const auto& [table, runs] : all) {
     if (runs && (torch_avx512 || std::string_view(table->isa).find("AVX512") == std::string_view::npos)) {
       chosen = table;
     }
@@ -46,9 +47,8 @@ std::atomic<const CpuKernels*> current{nullptr};
 const CpuKernels& kernels() {
   const CpuKernels* table = current.load(std::memory_order_acquire);
   if (table == nullptr) {
-    const CpuKernels* chosen = default_table();
-    // First use from several threads: all choose the same table; keep the first store.
-    current.compare_exchange_strong(table, chosen, std::memory_order_acq_rel);
+    // First use from several threads: all choose the same table; the first store stays.
+    current.compare_exchange_strong(table, default_table(), std::memory_order_acq_rel);
     table = current.load(std::memory_order_acquire);
   }
   return *table;

@@ -249,15 +249,12 @@ void Reducer::wait(Bucket& b) {
     return;
   }
   b.hook_result->wait();
-  if (b.hook_result->hasError()) {
-    b.hook_result->value();  // rethrows the hook's error
-  }
-  const at::Tensor reduced = comm_hook_->parseHookResult(b.hook_result->value());
+  const at::Tensor reduced = comm_hook_->parseHookResult(b.hook_result->value());  // value() rethrows the hook's error
   TORCH_CHECK(reduced.numel() == b.flat.numel(),
               "torchpar DDP: the comm hook's future holds a tensor of ", reduced.numel(),
               " elements; the bucket has ", b.flat.numel());
   if (!reduced.is_same(b.flat)) {
-    b.flat.copy_(reduced.view(b.flat.sizes()));
+    b.flat.copy_(reduced.reshape(b.flat.sizes()));
   }
 }
 
