@@ -1,7 +1,7 @@
 // bias + dropout + residual add on CPU: out = residual + mask * scale * (x + bias).
 // Forward reads x and residual once and writes out once; backward reads dy once and
-// writes dx once, with dbias summed per thread. Each row first expands its Philox words
-// into a row of multipliers (scale or 0) that stays in L1/L2 while the row streams past.
+// writes dx once, with dbias summed per thread. Each chunk of a row first expands its Philox
+// words into multipliers (scale or 0) that stay in L1 while the chunk streams past.
 #include <ATen/Dispatch.h>
 #include <ATen/Parallel.h>
 #include <ATen/ops/empty.h>
@@ -20,6 +20,10 @@ namespace {
 
 using at::Tensor;
 
+// Rows are taken kChunk columns at a time: a chunk's multipliers stay in L1 beside the
+// chunk of data they scale (a whole 4096-column row's did not, and ran 25% slower).
+constexpr int64_t kChunk = 1024;
+
 template <typename T, bool Active>
 void forward(const T* x, const at::opmath_type<T>* bias, const T* res, T* out,
              const DropoutRule& rule, int64_t rows, int64_t cols) {
@@ -28,38 +32,42 @@ void forward(const T* x, const at::opmath_type<T>* bias, const T* res, T* out,
   using Vec = typename IO::Vec;
   constexpr int64_t V = Vec::size();
   at::parallel_for(0, rows, row_grain(cols), [&](int64_t r0, int64_t r1) {
-    std::vector<acc_t> mult(Active ? cols : 0);
+    std::vector<acc_t> mult(Active ? std::min(cols, kChunk) : 0);
+    const int64_t end = r1 * cols;
     for (int64_t r = r0; r < r1; ++r) {
-      const T* xr = x + r * cols;
-      const T* rr = res + r * cols;
-      T* outr = out + r * cols;
-      if constexpr (Active) {
-        if (r + 1 < r1) {  // the next row streams in while this one's multipliers are drawn
-          prefetch(xr + cols, cols);
-          prefetch(rr + cols, cols);
-        }
-        dropout_multipliers(rule, uint64_t(r * cols), cols, mult.data());
-      }
-      int64_t i = 0;
-      for (; i + IO::kStep <= cols; i += IO::kStep) {
-        Vec a, b, ra, rb;
-        IO::load2(xr + i, a, b);
-        IO::load2(rr + i, ra, rb);
-        a = a + Vec::loadu(bias + i);
-        b = b + Vec::loadu(bias + i + V);
+      for (int64_t c0 = 0; c0 < cols; c0 += kChunk) {
+        const int64_t n = std::min(kChunk, cols - c0), e = r * cols + c0;
+        const T* xc = x + e;
+        const T* rc = res + e;
+        T* oc = out + e;
+        const acc_t* bc = bias + c0;
         if constexpr (Active) {
-          a = at::vec::fmadd(a, Vec::loadu(mult.data() + i), ra);
-          b = at::vec::fmadd(b, Vec::loadu(mult.data() + i + V), rb);
-        } else {
-          a = a + ra;
-          b = b + rb;
+          // The next chunk streams in while this one's multipliers are drawn.
+          prefetch(xc + n, std::min(kChunk, end - e - n));
+          prefetch(rc + n, std::min(kChunk, end - e - n));
+          dropout_multipliers(rule, uint64_t(e), n, mult.data());
         }
-        IO::store2(outr + i, a, b);
-      }
-      for (; i < cols; ++i) {
-        acc_t v = acc_t(xr[i]) + bias[i];
-        if constexpr (Active) v = v * mult[i];
-        outr[i] = T(v + acc_t(rr[i]));
+        int64_t i = 0;
+        for (; i + IO::kStep <= n; i += IO::kStep) {
+          Vec a, b, ra, rb;
+          IO::load2(xc + i, a, b);
+          IO::load2(rc + i, ra, rb);
+          a = a + Vec::loadu(bc + i);
+          b = b + Vec::loadu(bc + i + V);
+          if constexpr (Active) {
+            a = at::vec::fmadd(a, Vec::loadu(mult.data() + i), ra);
+            b = at::vec::fmadd(b, Vec::loadu(mult.data() + i + V), rb);
+          } else {
+            a = a + ra;
+            b = b + rb;
+          }
+          IO::store2(oc + i, a, b);
+        }
+        for (; i < n; ++i) {
+          acc_t v = acc_t(xc[i]) + bc[i];
+          if constexpr (Active) v = v * mult[i];
+          oc[i] = T(v + acc_t(rc[i]));
+        }
       }
     }
   });
@@ -73,32 +81,37 @@ void backward(const T* dy, T* dx, ColumnPartials<at::opmath_type<T>>& db, const 
   using Vec = typename IO::Vec;
   constexpr int64_t V = Vec::size();
   at::parallel_for(0, rows, row_grain(cols), [&](int64_t r0, int64_t r1) {
-    std::vector<acc_t> mult(Active ? cols : 0);
-    acc_t* dbp = db.row(at::get_thread_num());
+    std::vector<acc_t> mult(Active ? std::min(cols, kChunk) : 0);
+    acc_t* dbp_row = db.row(at::get_thread_num());
+    const int64_t end = r1 * cols;
     for (int64_t r = r0; r < r1; ++r) {
-      const T* dyr = dy + r * cols;
-      T* dxr = dx + r * cols;
-      if constexpr (Active) {
-        if (r + 1 < r1) prefetch(dyr + cols, cols);
-        dropout_multipliers(rule, uint64_t(r * cols), cols, mult.data());
-      }
-      int64_t i = 0;
-      for (; i + IO::kStep <= cols; i += IO::kStep) {
-        Vec a, b;
-        IO::load2(dyr + i, a, b);
+      for (int64_t c0 = 0; c0 < cols; c0 += kChunk) {
+        const int64_t n = std::min(kChunk, cols - c0), e = r * cols + c0;
+        const T* dyc = dy + e;
+        T* dxc = dx + e;
+        acc_t* dbp = dbp_row + c0;
         if constexpr (Active) {
-          a = a * Vec::loadu(mult.data() + i);
-          b = b * Vec::loadu(mult.data() + i + V);
+          prefetch(dyc + n, std::min(kChunk, end - e - n));
+          dropout_multipliers(rule, uint64_t(e), n, mult.data());
         }
-        IO::store2(dxr + i, a, b);
-        (Vec::loadu(dbp + i) + a).store(dbp + i);
-        (Vec::loadu(dbp + i + V) + b).store(dbp + i + V);
-      }
-      for (; i < cols; ++i) {
-        acc_t g = acc_t(dyr[i]);
-        if constexpr (Active) g = g * mult[i];
-        dxr[i] = T(g);
-        dbp[i] += g;
+        int64_t i = 0;
+        for (; i + IO::kStep <= n; i += IO::kStep) {
+          Vec a, b;
+          IO::load2(dyc + i, a, b);
+          if constexpr (Active) {
+            a = a * Vec::loadu(mult.data() + i);
+            b = b * Vec::loadu(mult.data() + i + V);
+          }
+          IO::store2(dxc + i, a, b);
+          (Vec::loadu(dbp + i) + a).store(dbp + i);
+          (Vec::loadu(dbp + i + V) + b).store(dbp + i + V);
+        }
+        for (; i < n; ++i) {
+          acc_t g = acc_t(dyc[i]);
+          if constexpr (Active) g = g * mult[i];
+          dxc[i] = T(g);
+          dbp[i] += g;
+        }
       }
     }
   });
