@@ -223,11 +223,17 @@ void Reducer::launch_ready_buckets() {
 
 void Reducer::launch(size_t index) {
   Bucket& b = buckets_[index];
-  if (!comm_hook_) {
+  if (comm_hook_) {
+    auto bucket = grad_bucket(index, b.flat);
+    b.hook_result = comm_hook_->runHook(bucket);
+  } else {
     std::vector<at::Tensor> tensors{b.flat};
     b.work = group_->allreduce(tensors);
-    return;
   }
+}
+
+c10d::GradBucket Reducer::grad_bucket(size_t index, const at::Tensor& buffer) const {
+  const Bucket& b = buckets_[index];
   std::vector<size_t> offsets, lengths;
   std::vector<c10::IntArrayRef> sizes;
   std::vector<at::Tensor> params;
@@ -238,9 +244,32 @@ void Reducer::launch(size_t index) {
     sizes.push_back(params_[b.params[k]].sizes());
     params.push_back(params_[b.params[k]]);
   }
-  c10d::GradBucket bucket(index, buckets_.size(), b.flat, std::move(offsets), std::move(lengths),
+  return c10d::GradBucket(index, buckets_.size(), buffer, std::move(offsets), std::move(lengths),
                           std::move(sizes), std::move(params), std::nullopt);
-  b.hook_result = comm_hook_->runHook(bucket);
+}
+
+void Reducer::join_shadow_backward() {
+  std::lock_guard<std::mutex> lock(mutex_);
+  at::NoGradGuard no_grad;
+  synced_once_ = true;
+  for (size_t i = 0; i < buckets_.size(); ++i) {
+    at::Tensor zeros = at::zeros_like(buckets_[i].flat);
+    if (comm_hook_) {
+      auto bucket = grad_bucket(i, zeros);
+      comm_hook_->runHook(bucket)->wait();
+    } else {
+      std::vector<at::Tensor> tensors{zeros};
+      group_->allreduce(tensors)->wait();
+    }
+  }
+  if (options_.find_unused_parameters) {
+    std::vector<at::Tensor> tensors{at::zeros({static_cast<int64_t>(params_.size())},
+                                              params_.front().options().dtype(at::kInt))};
+    group_->allreduce(tensors)->wait();
+  }
+  if (!rebuilt_) {
+    rebuild_in_observed_order();  // takes rank 0's order, as the training ranks do
+  }
 }
 
 void Reducer::wait(Bucket& b) {

@@ -75,6 +75,11 @@ class Reducer {
   // backward.
   void register_comm_hook(std::unique_ptr<c10d::CommHookInterface> hook);
 
+  // For a rank whose inputs have run out while others train on (DDP's join()): issues the
+  // collectives of one synchronised backward (each bucket's all-reduce or comm hook, the
+  // unused-parameter flags, the one-time bucket rebuild) with zeros as this rank's share.
+  void join_shadow_backward();
+
   // The events of the last synchronised step, in order.
   std::vector<TraceEvent> trace() const;
   // Bucket -> parameter indices, and each bucket's flat tensor (for tests and tools).
@@ -102,6 +107,7 @@ class Reducer {
   void mark_ready(int64_t index, bool has_gradient);
   void launch_ready_buckets();
   void launch(size_t index);
+  c10d::GradBucket grad_bucket(size_t index, const at::Tensor& buffer) const;
   void wait(Bucket& b);
   void finalize();
   std::vector<int32_t> reduce_used_flags();

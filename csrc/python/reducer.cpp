@@ -59,6 +59,10 @@ TORCHPAR_PYBIND(reducer) {
            py::arg("state"), py::arg("hook"),
            "hook(state, torch.distributed.GradBucket) -> torch.futures.Future[Tensor] replaces "
            "each bucket's all-reduce (torch DDP's register_comm_hook contract).")
+      .def("join_shadow_backward", &Reducer::join_shadow_backward,
+           py::call_guard<py::gil_scoped_release>(),
+           "The collectives of one synchronised backward with zeros as this rank's share "
+           "(for DDP.join()).")
       .def("bucket_indices", &Reducer::bucket_indices)
       .def("bucket_tensors", &Reducer::bucket_tensors);
 }

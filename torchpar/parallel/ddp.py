@@ -17,6 +17,7 @@ from contextlib import contextmanager
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.algorithms.join import Join, Joinable, JoinHook
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 from torch.utils._pytree import tree_flatten
 
@@ -33,7 +34,7 @@ _DTYPE_CODES = {dt: i for i, dt in enumerate([
     torch.bool])}
 
 
-class DistributedDataParallel(nn.Module):
+class DistributedDataParallel(nn.Module, Joinable):
     """Wraps ``module`` so that ``loss.backward()`` leaves gradients averaged over
     ``process_group`` (default: the world) in every parameter's ``.grad``.
 
@@ -45,6 +46,7 @@ class DistributedDataParallel(nn.Module):
     def __init__(self, module, process_group=None, bucket_cap_mb=25, gradient_as_bucket_view=False,
                  find_unused_parameters=False, broadcast_buffers=True, grad_reduce_dtype=None):
         super().__init__()
+        Joinable.__init__(self)
         self.module = module
         self.process_group = process_group if process_group is not None else dist.group.WORLD
         if self.process_group is None:
@@ -74,6 +76,11 @@ class DistributedDataParallel(nn.Module):
 
     def forward(self, *inputs, **kwargs):
         sync = torch.is_grad_enabled() and self.require_backward_grad_sync
+        if self._join_config.enable:
+            # Inside join(): count this rank as not joined, and let the joined ranks know
+            # whether this step synchronises, so they shadow its collectives or not.
+            Join.notify_join_context(self)
+            sync = _any_rank(sync, self.process_group, self.join_device)
         if sync and self.broadcast_buffers:
             with torch.no_grad():
                 _broadcast_from_rank0(list(self.module.buffers()), self.process_group)
@@ -94,6 +101,28 @@ class DistributedDataParallel(nn.Module):
             raise TypeError(f"torchpar DDP: the comm hook must be callable, got {type(hook).__name__}")
         self.reducer.register_comm_hook(state, hook)
 
+    def join(self, divide_by_initial_world_size=True, enable=True, throw_on_early_termination=False):
+        """Training with uneven inputs, as torch's ``DDP.join()``: a rank whose inputs run out
+        first keeps taking part in the other ranks' collectives, contributing zero gradients,
+        until every rank is done; then all ranks take the model of one of the last to finish.
+        Gradients stay divided by the whole group's size (``divide_by_initial_world_size``)."""
+        if not divide_by_initial_world_size:
+            raise NotImplementedError(
+                "torchpar DDP: join(divide_by_initial_world_size=False) is not supported; "
+                "gradients are always divided by the group's size")
+        return Join([self], enable, throw_on_early_termination)
+
+    def join_hook(self, **kwargs):
+        return _JoinHook(self)
+
+    @property
+    def join_device(self):
+        return next(self.module.parameters()).device
+
+    @property
+    def join_process_group(self):
+        return self.process_group
+
     @contextmanager
     def no_sync(self):
         """Backward passes inside only accumulate gradients locally; the first synchronised
@@ -106,9 +135,45 @@ class DistributedDataParallel(nn.Module):
             self.require_backward_grad_sync = old
 
 
-def _broadcast_from_rank0(tensors, group):
-    """Rank 0's values everywhere, one broadcast per (device, dtype) rather than per tensor."""
-    src = dist.get_global_rank(group, 0) if group is not dist.group.WORLD else 0
+class _JoinHook(JoinHook):
+    """What a joined rank does while others still train (see ``DistributedDataParallel.join``)."""
+
+    def __init__(self, ddp):
+        self.ddp = ddp
+
+    def main_hook(self):
+        # The collectives of one training step of the others, in their order: forward's
+        # sync vote and buffer broadcast, then backward's (reducer.join_shadow_backward).
+        ddp = self.ddp
+        if not _any_rank(False, ddp.process_group, ddp.join_device):
+            return
+        if ddp.broadcast_buffers:
+            with torch.no_grad():
+                _broadcast_from_rank0(list(ddp.module.buffers()), ddp.process_group)
+        ddp.reducer.join_shadow_backward()
+
+    def post_hook(self, is_last_joiner):
+        # Joined ranks stopped stepping: everyone takes the model of the highest last joiner.
+        ddp, group = self.ddp, self.ddp.process_group
+        rank = dist.get_rank(group)
+        src = torch.tensor([rank if is_last_joiner else -1], device=ddp.join_device)
+        dist.all_reduce(src, op=dist.ReduceOp.MAX, group=group)
+        with torch.no_grad():
+            _broadcast_from_rank0(list(ddp.module.parameters()) + list(ddp.module.buffers()), group,
+                                  group_src=int(src.item()))
+
+
+def _any_rank(flag, group, device):
+    """True on every rank if ``flag`` is true on any."""
+    t = torch.tensor([int(flag)], dtype=torch.int32, device=device)
+    dist.all_reduce(t, group=group)
+    return bool(t.item())
+
+
+def _broadcast_from_rank0(tensors, group, group_src=0):
+    """Rank ``group_src``'s values everywhere (rank 0 of the group by default), one
+    broadcast per (device, dtype) rather than per tensor."""
+    src = dist.get_global_rank(group, group_src) if group is not dist.group.WORLD else group_src
     by_kind = {}
     for t in tensors:
         by_kind.setdefault((t.device, t.dtype), []).append(t)

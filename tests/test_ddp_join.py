@@ -1,0 +1,85 @@
+"""DistributedDataParallel.join(): uneven inputs across ranks, checked against torch's DDP
+doing the same under its own join(), on the torchpar backend and on gloo."""
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+from test_ddp import _batch, _loss, _mlp, _pool, _setup, multi_rank, on_backends
+from torchpar.parallel import DistributedDataParallel as DDP
+
+pytestmark = pytest.mark.timeout(120)
+
+
+def _uneven_steps(ctx):
+    return 2 + 2 * ctx.rank  # rank 0 runs out first; the last rank trains longest
+
+
+def _train_uneven(ctx, make_ddp, hook):
+    model = _mlp(5)
+    ddp = make_ddp(model)
+    if hook:
+        ddp.register_comm_hook(ctx.pg, default_hooks.fp16_compress_hook)
+    opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
+    with ddp.join():
+        for step in range(_uneven_steps(ctx)):
+            x, y = _batch(100 * ctx.rank + step, 4)
+            opt.zero_grad()
+            _loss(ddp(x), y).backward()
+            opt.step()
+    return [p.detach().clone() for p in model.parameters()]
+
+
+def _join_matches_torch_ddp(ctx, find_unused, hook):
+    _setup(ctx)
+    kwargs = dict(process_group=ctx.pg, bucket_cap_mb=0.0002, find_unused_parameters=find_unused)
+    ours = _train_uneven(ctx, lambda m: DDP(m, **kwargs), hook)
+    theirs = _train_uneven(ctx, lambda m: nn.parallel.DistributedDataParallel(m, **kwargs), hook)
+    tol = dict(rtol=1e-3, atol=1e-4) if hook else {}
+    for a, b in zip(ours, theirs):
+        torch.testing.assert_close(a, b, **tol)
+    # Every rank ends with the same model (the last joiner's).
+    for p in ours:
+        gathered = [torch.empty_like(p) for _ in range(ctx.world_size)]
+        dist.all_gather(gathered, p, group=ctx.pg)
+        for g in gathered:
+            assert torch.equal(g, p)
+
+
+@on_backends
+@multi_rank
+@pytest.mark.parametrize("find_unused", [False, True], ids=["all_used", "find_unused"])
+def test_uneven_inputs_train_like_torch_ddp_join(backend, world_size, find_unused):
+    _pool(backend, world_size).run(_join_matches_torch_ddp, find_unused, False)
+
+
+@on_backends
+def test_uneven_inputs_with_a_comm_hook(backend):
+    _pool(backend, 2).run(_join_matches_torch_ddp, False, True)
+
+
+def _early_termination_raises_everywhere(ctx):
+    _setup(ctx)
+    ddp = DDP(_mlp(), process_group=ctx.pg)
+    with pytest.raises(RuntimeError, match="exhausted"):
+        with ddp.join(throw_on_early_termination=True):
+            for step in range(_uneven_steps(ctx)):
+                x, y = _batch(step, 4)
+                _loss(ddp(x), y).backward()
+
+
+@on_backends
+def test_throw_on_early_termination_raises_on_every_rank(backend):
+    _pool(backend, 2).run(_early_termination_raises_everywhere)
+
+
+def _unsupported_divisor(ctx):
+    ddp = DDP(_mlp(), process_group=ctx.pg)
+    with pytest.raises(NotImplementedError, match="divide_by_initial_world_size=False"):
+        ddp.join(divide_by_initial_world_size=False)
+
+
+@on_backends
+def test_dividing_by_the_joined_count_is_refused_by_name(backend):
+    _pool(backend, 2).run(_unsupported_divisor)
