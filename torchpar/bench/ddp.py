@@ -64,10 +64,12 @@ def _steps(model, pg, args):
     grads = [torch.zeros_like(p) for p in model.parameters()]
 
     return {
-        "torchpar_ddp": trainer(DistributedDataParallel(copy.deepcopy(model), process_group=pg,
-                                                    bucket_cap_mb=args.bucket_cap_mb)),
-        "torch_ddp": trainer(nn.parallel.DistributedDataParallel(copy.deepcopy(model), process_group=pg,
-                                                             bucket_cap_mb=args.bucket_cap_mb)),
+        "torchpar_ddp": trainer(DistributedDataParallel(
+            copy.deepcopy(model), process_group=pg, bucket_cap_mb=args.bucket_cap_mb,
+            gradient_as_bucket_view=args.gradient_as_bucket_view)),
+        "torch_ddp": trainer(nn.parallel.DistributedDataParallel(
+            copy.deepcopy(model), process_group=pg, bucket_cap_mb=args.bucket_cap_mb,
+            gradient_as_bucket_view=args.gradient_as_bucket_view)),
         "no_overlap": trainer(copy.deepcopy(model), allreduce_each),
         "compute_only": trainer(copy.deepcopy(model)),
         "comm_only": lambda: allreduce_each(grads),
@@ -186,6 +188,8 @@ def main(argv=None):
     ap.add_argument("--batch", type=int, default=64, help="samples per rank")
     ap.add_argument("--threads", type=int, default=1, help="torch intra-op threads per rank")
     ap.add_argument("--bucket-cap-mb", type=float, default=25)
+    ap.add_argument("--gradient-as-bucket-view", action="store_true",
+                    help="both DDPs keep .grad as views into their buckets (no copy in or out)")
     ap.add_argument("--steps", type=int, default=2, help="timed steps per mode per round")
     ap.add_argument("--rounds", type=int, default=20)
     ap.add_argument("--warmup", type=int, default=1, help="untimed steps before each mode in each round")
@@ -195,7 +199,8 @@ def main(argv=None):
     ap.add_argument("--plot", help="write a PNG bar chart here")
     args = ap.parse_args(argv)
 
-    meta = {k: getattr(args, k) for k in ("world_size", "width", "depth", "batch", "threads", "bucket_cap_mb")}
+    meta = {k: getattr(args, k) for k in ("world_size", "width", "depth", "batch", "threads", "bucket_cap_mb",
+                                          "gradient_as_bucket_view")}
     meta["params"] = args.depth * (args.width * args.width + args.width)
     meta["samples"] = args.steps * args.rounds
     meta["date"] = datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
