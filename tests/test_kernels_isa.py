@@ -2,6 +2,11 @@
 fused ops run the widest this CPU and torch allow. The other suites test that one against
 PyTorch; these pin every other copy this CPU can run to it: the same dropout mask bit for
 bit, and the same values and gradients up to float rounding."""
+import platform
+import re
+import shutil
+import subprocess
+
 import pytest
 import torch
 
@@ -104,3 +109,23 @@ def test_every_copy_draws_the_same_dropout_mask(isa, shape, use_isa):
     expected = mask()
     use_isa(isa)
     assert torch.equal(mask(), expected)
+
+
+@pytest.mark.skipif(shutil.which("objdump") is None or platform.machine() != "x86_64",
+                    reason="needs binutils' objdump on x86-64")
+def test_no_avx512_instruction_outside_the_avx512_copies():
+    """The extension must load and run on AVX2-only CPUs: every function holding an AVX-512
+    instruction (an EVEX prefix, a zmm or mask register) must belong to an AVX-512 copy of
+    the kernels. An inline function the linker took from an AVX-512 object would break that."""
+    lines = subprocess.run(["objdump", "-d", "-C", "--no-addresses", torchpar._C.__file__],
+                           capture_output=True, text=True, check=True).stdout.splitlines()
+    function, offenders, found, evex = None, set(), 0, re.compile(r"^\t62 |zmm|%k[0-7]")
+    for line in lines:
+        if line.startswith("<") and line.endswith(">:"):
+            function = line
+        elif function and evex.search(line):
+            found += 1
+            if "AVX512" not in function:
+                offenders.add(function)
+    assert found, "no AVX-512 instruction found at all: is the scan still reading objdump's format?"
+    assert not offenders, f"AVX-512 instructions outside the AVX-512 copies: {sorted(offenders)[:5]}"
