@@ -262,6 +262,67 @@ def test_tied_weights_are_reduced_once(backend, world_size):
     _pool(backend, world_size).run(_train_tied)
 
 
+# ---- activation checkpointing ----
+
+class _Checkpointed(nn.Module):
+    """The middle block recomputes its activations in backward (torch.utils.checkpoint)."""
+
+    def __init__(self, reentrant):
+        super().__init__()
+        torch.manual_seed(12)
+        self.reentrant = reentrant
+        self.first, self.block, self.last = nn.Linear(6, 8), nn.Sequential(nn.Linear(8, 8), nn.Tanh()), nn.Linear(8, 3)
+
+    def forward(self, x):
+        h = torch.tanh(self.first(x))
+        h = torch.utils.checkpoint.checkpoint(self.block, h, use_reentrant=self.reentrant)
+        return self.last(h)
+
+
+def _train_checkpointed(ctx, reentrant):
+    _setup(ctx)
+    model = _Checkpointed(reentrant)
+    ref = copy.deepcopy(model)
+    ddp = DDP(model, process_group=ctx.pg, bucket_cap_mb=0)
+    opt, ref_opt = (torch.optim.SGD(m.parameters(), lr=0.2) for m in (ddp, ref))
+    for step in range(3):
+        x, y = _batch(step, 2 * ctx.world_size)
+        _step_shard_and_whole(ctx, ddp, opt, ref, ref_opt, x, y)
+        _assert_same_params(model, ref, step)
+
+
+@on_backends
+@multi_rank
+@pytest.mark.parametrize("reentrant", [False, True], ids=["non_reentrant", "reentrant"])
+def test_activation_checkpointing_trains_like_one_process(backend, world_size, reentrant):
+    _pool(backend, world_size).run(_train_checkpointed, reentrant)
+
+
+class _CheckpointedHead(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.first, self.head = nn.Linear(6, 8), nn.Sequential(nn.Tanh(), nn.Linear(8, 3))
+
+    def forward(self, x):
+        return torch.utils.checkpoint.checkpoint(self.head, self.first(x), use_reentrant=True)
+
+
+def _reentrant_head_raises(ctx):
+    # The first gradients arrive inside the checkpoint's nested backward, which ends before
+    # the outer one reaches `first`: a clear error naming the way out, not a silent miss.
+    _setup(ctx)
+    ddp = DDP(_CheckpointedHead(), process_group=ctx.pg, bucket_cap_mb=0)
+    x, y = _batch(0, 4)
+    with pytest.raises(RuntimeError, match="use_reentrant=False") as err:
+        _loss(ddp(x), y).backward()
+    assert "first.weight" in str(err.value)
+
+
+@on_backends
+def test_reentrant_checkpoint_around_the_last_layers_raises_clear_error(backend):
+    _pool(backend, 2).run(_reentrant_head_raises)
+
+
 # ---- frozen parameters ----
 
 def _train_frozen(ctx):

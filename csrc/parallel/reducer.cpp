@@ -315,7 +315,9 @@ void Reducer::finalize() {
       const char* hint = options_.find_unused_parameters
                              ? "They are reachable from the forward's outputs, yet autograd did not "
                                "reach them: was backward started from another tensor?"
-                             : "Pass find_unused_parameters=True if a step may leave parameters unused.";
+                             : "Pass find_unused_parameters=True if a step may leave parameters "
+                               "unused. (A torch.utils.checkpoint(use_reentrant=True) around the "
+                               "model's last layers ends backward early too: use use_reentrant=False.)";
       TORCH_CHECK(false, "torchpar DDP: backward finished but these parameters got no gradient: ",
                   missing.str(), ". ", hint);
     }
