@@ -18,11 +18,12 @@ HOOKS = {
 }
 
 
-def _train_with_hook_vs_torch_ddp(ctx, hook_name):
+def _train_with_hook_vs_torch_ddp(ctx, hook_name, **options):
     _setup(ctx)
     ours_model, torch_model = _mlp(2), _mlp(2)
-    ours = DDP(ours_model, process_group=ctx.pg, bucket_cap_mb=0.0002)
-    theirs = nn.parallel.DistributedDataParallel(torch_model, process_group=ctx.pg, bucket_cap_mb=0.0002)
+    ours = DDP(ours_model, process_group=ctx.pg, bucket_cap_mb=0.0002, **options)
+    theirs = nn.parallel.DistributedDataParallel(torch_model, process_group=ctx.pg, bucket_cap_mb=0.0002,
+                                                 **options)
     ours.register_comm_hook(ctx.pg, HOOKS[hook_name])
     theirs.register_comm_hook(ctx.pg, HOOKS[hook_name])
     opts = [torch.optim.SGD(m.parameters(), lr=0.1) for m in (ours, theirs)]
@@ -43,6 +44,16 @@ def _train_with_hook_vs_torch_ddp(ctx, hook_name):
 @pytest.mark.parametrize("hook_name", list(HOOKS))
 def test_torch_default_hooks_match_torch_ddp_with_the_same_hook(backend, world_size, hook_name):
     _pool(backend, world_size).run(_train_with_hook_vs_torch_ddp, hook_name)
+
+
+def _hook_with_options(ctx, option):
+    _train_with_hook_vs_torch_ddp(ctx, "fp16_compress", **{option: True})
+
+
+@on_backends
+@pytest.mark.parametrize("option", ["gradient_as_bucket_view", "find_unused_parameters"])
+def test_a_hook_combines_with_the_ddp_options(backend, option):
+    _pool(backend, 2).run(_hook_with_options, option)
 
 
 def _averaging_hook(state, bucket):
