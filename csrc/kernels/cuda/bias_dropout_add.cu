@@ -6,6 +6,7 @@
 #include <ATen/ops/empty.h>
 #include <ATen/ops/empty_like.h>
 #include <ATen/ops/zeros.h>
+#include <c10/cuda/CUDAGraphsC10Utils.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <torch/library.h>
 
@@ -100,6 +101,11 @@ std::tuple<Tensor, Tensor> bias_dropout_add_fwd_cuda(const Tensor& input, const 
   const auto [rows, cols] = shape;
   check_dropout_p(p);
   const bool draw = training && p > 0.0;
+  // The key is drawn on the host, so a captured graph would replay one mask forever.
+  TORCH_CHECK(!draw || c10::cuda::currentStreamCaptureStatusMayInitCtx() == c10::cuda::CaptureStatus::None,
+              "torchpar.bias_dropout_add: dropout (training=True, p > 0) cannot be captured in a "
+              "CUDA graph yet: every replay would reuse the mask drawn at capture. Capture with "
+              "p=0 or training=False, or leave this op outside the graph.");
   const DropoutRule rule = DropoutRule::make(p, training, draw ? draw_dropout_seed() : 0);
   Tensor out = at::empty_like(x);
   Tensor seed = at::empty({1}, x.options().dtype(at::kLong));
