@@ -43,7 +43,7 @@ struct Lanes {
   }
   // Lane k of c_j is word j of block k; elements want block-major order. Within each
   // 128-bit lane, unpacks gather block 4l + m into b_m; then a 4x4 transpose of 128-bit
-  // lanes puts blocks 4q .. 4q + 3, the words of elements 16q .. 16q + 15, into w[q].
+  // lanes puts the words of blocks 4q .. 4q + 3, in order, into w[q].
   static void transpose(V c0, V c1, V c2, V c3, V (&w)[4]) {
     V t0 = _mm512_unpacklo_epi32(c0, c1), t1 = _mm512_unpackhi_epi32(c0, c1);
     V t2 = _mm512_unpacklo_epi32(c2, c3), t3 = _mm512_unpackhi_epi32(c2, c3);
@@ -89,7 +89,7 @@ struct Lanes {
     hi = _mm256_blend_epi32(_mm256_srli_epi64(even, 32), odd, 0xAA);
   }
   // A 4x8 transpose: unpacks within 128-bit lanes, then swap the lanes' halves; w[q] holds
-  // the words of elements 8q .. 8q + 7.
+  // the words of blocks 2q and 2q + 1, in order.
   static void transpose(V c0, V c1, V c2, V c3, V (&w)[4]) {
     V t0 = _mm256_unpacklo_epi32(c0, c1), t1 = _mm256_unpackhi_epi32(c0, c1);
     V t2 = _mm256_unpacklo_epi32(c2, c3), t3 = _mm256_unpackhi_epi32(c2, c3);
