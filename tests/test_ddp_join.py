@@ -16,8 +16,13 @@ def _uneven_steps(ctx):
     return 2 + 2 * ctx.rank  # rank 0 runs out first; the last rank trains longest
 
 
-def _train_uneven(ctx, make_ddp, hook):
-    model = _mlp(5)
+def _mlp_bn(seed):
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(6, 10), nn.BatchNorm1d(10), nn.Tanh(), nn.Linear(10, 3))
+
+
+def _train_uneven(ctx, make_ddp, hook, batchnorm=False):
+    model = _mlp_bn(5) if batchnorm else _mlp(5)
     ddp = make_ddp(model)
     if hook:
         ddp.register_comm_hook(ctx.pg, default_hooks.fp16_compress_hook)
@@ -28,14 +33,14 @@ def _train_uneven(ctx, make_ddp, hook):
             opt.zero_grad()
             _loss(ddp(x), y).backward()
             opt.step()
-    return [p.detach().clone() for p in model.parameters()]
+    return [t.detach().clone() for t in list(model.parameters()) + list(model.buffers())]
 
 
-def _join_matches_torch_ddp(ctx, find_unused, hook):
+def _join_matches_torch_ddp(ctx, find_unused, hook, batchnorm=False):
     _setup(ctx)
     kwargs = dict(process_group=ctx.pg, bucket_cap_mb=0.0002, find_unused_parameters=find_unused)
-    ours = _train_uneven(ctx, lambda m: DDP(m, **kwargs), hook)
-    theirs = _train_uneven(ctx, lambda m: nn.parallel.DistributedDataParallel(m, **kwargs), hook)
+    ours = _train_uneven(ctx, lambda m: DDP(m, **kwargs), hook, batchnorm)
+    theirs = _train_uneven(ctx, lambda m: nn.parallel.DistributedDataParallel(m, **kwargs), hook, batchnorm)
     tol = dict(rtol=1e-3, atol=1e-4) if hook else {}
     for a, b in zip(ours, theirs):
         torch.testing.assert_close(a, b, **tol)
@@ -52,6 +57,14 @@ def _join_matches_torch_ddp(ctx, find_unused, hook):
 @pytest.mark.parametrize("find_unused", [False, True], ids=["all_used", "find_unused"])
 def test_uneven_inputs_train_like_torch_ddp_join(backend, world_size, find_unused):
     _pool(backend, world_size).run(_join_matches_torch_ddp, find_unused, False)
+
+
+@on_backends
+@multi_rank
+def test_buffers_come_from_a_rank_still_training(backend, world_size):
+    # BatchNorm's running statistics: each step broadcasts them from the highest rank still
+    # training, as torch's DDP does; a joined rank's have stopped moving.
+    _pool(backend, world_size).run(_join_matches_torch_ddp, False, False, True)
 
 
 @on_backends

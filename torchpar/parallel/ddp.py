@@ -76,14 +76,15 @@ class DistributedDataParallel(nn.Module, Joinable):
 
     def forward(self, *inputs, **kwargs):
         sync = torch.is_grad_enabled() and self.require_backward_grad_sync
+        buffer_src = 0
         if self._join_config.enable:
             # Inside join(): count this rank as not joined, and let the joined ranks know
             # whether this step synchronises, so they shadow its collectives or not.
             Join.notify_join_context(self)
-            sync = _any_rank(sync, self.process_group, self.join_device)
+            sync, buffer_src = _join_vote(sync, True, self.process_group, self.join_device)
         if sync and self.broadcast_buffers:
             with torch.no_grad():
-                _broadcast_from_rank0(list(self.module.buffers()), self.process_group)
+                _broadcast_from_rank0(list(self.module.buffers()), self.process_group, buffer_src)
         outputs = self.module(*inputs, **kwargs)
         if sync:
             tensors = [t for t in tree_flatten(outputs)[0] if isinstance(t, torch.Tensor)]
@@ -145,11 +146,12 @@ class _JoinHook(JoinHook):
         # The collectives of one training step of the others, in their order: forward's
         # sync vote and buffer broadcast, then backward's (reducer.join_shadow_backward).
         ddp = self.ddp
-        if not _any_rank(False, ddp.process_group, ddp.join_device):
+        sync, buffer_src = _join_vote(False, False, ddp.process_group, ddp.join_device)
+        if not sync:
             return
         if ddp.broadcast_buffers:
             with torch.no_grad():
-                _broadcast_from_rank0(list(ddp.module.buffers()), ddp.process_group)
+                _broadcast_from_rank0(list(ddp.module.buffers()), ddp.process_group, buffer_src)
         ddp.reducer.join_shadow_backward()
 
     def post_hook(self, is_last_joiner):
@@ -163,11 +165,13 @@ class _JoinHook(JoinHook):
                                   group_src=int(src.item()))
 
 
-def _any_rank(flag, group, device):
-    """True on every rank if ``flag`` is true on any."""
-    t = torch.tensor([int(flag)], dtype=torch.int32, device=device)
-    dist.all_reduce(t, group=group)
-    return bool(t.item())
+def _join_vote(sync, active, group, device):
+    """One all-reduce per step inside join(): whether any rank synchronises this step, and
+    the highest rank still training, whose buffers are the ones to broadcast (a joined
+    rank's have stopped being updated)."""
+    t = torch.tensor([int(sync), dist.get_rank(group) if active else -1], device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
+    return bool(t[0]), int(t[1])
 
 
 def _broadcast_from_rank0(tensors, group, group_src=0):
