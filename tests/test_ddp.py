@@ -9,6 +9,7 @@ import copy
 
 import pytest
 import torch
+import torch.distributed as dist
 from torch import nn
 
 import torchpar
@@ -596,3 +597,48 @@ def test_buckets_follow_an_explicit_order():
         _C.ddp_assign_buckets(params, 80, 40, order=[1, 1, 0, 2])
     with pytest.raises(RuntimeError, match="lists 3 of 4"):
         _C.ddp_assign_buckets(params, 80, 40, order=[1, 0, 2])
+
+
+# ---- torch's constructor, argument for argument ----
+
+def _torch_signature(ctx):
+    _setup(ctx)
+    model, ref = _mlp(7), _mlp(7)
+    # Positional, in torch's order: device_ids, output_device, dim, broadcast_buffers,
+    # init_sync, process_group, bucket_cap_mb; static_graph accepted as a hint.
+    ddp = DDP(model, None, None, 0, True, True, ctx.pg, 0.0002, static_graph=True)
+    ref_ddp = nn.parallel.DistributedDataParallel(ref, None, None, 0, True, True, ctx.pg, 0.0002,
+                                                   static_graph=True)
+    opts = [torch.optim.SGD(m.parameters(), lr=0.1) for m in (ddp, ref_ddp)]
+    for step in range(3):
+        x, y = _batch(step, 2 * ctx.world_size)
+        for m, o in zip((ddp, ref_ddp), opts):
+            o.zero_grad()
+            _loss(m(_shard(x, ctx)), _shard(y, ctx)).backward()
+            o.step()
+        _assert_same_params(model, ref, step)
+
+
+@on_backends
+def test_torch_constructor_arguments_in_torch_order(backend):
+    _pool(backend, 2).run(_torch_signature)
+
+
+def _constructor_refusals(ctx):
+    with pytest.raises(ValueError, match="be None for a CPU module"):
+        DDP(_mlp(), device_ids=[0], process_group=ctx.pg)
+    with pytest.raises(ValueError, match="output_device needs device_ids"):
+        DDP(_mlp(), output_device=0, process_group=ctx.pg)
+    with pytest.raises(NotImplementedError, match="grad_reduce_dtype"):
+        DDP(_mlp(), process_group=ctx.pg, mixed_precision=object())
+    # init_sync=False: no check, no broadcast; each rank keeps its own initial weights.
+    ddp = DDP(_mlp(seed=ctx.rank), process_group=ctx.pg, init_sync=False)
+    w = ddp.module[0].weight.detach().clone()
+    others = [torch.empty_like(w) for _ in range(ctx.world_size)]
+    dist.all_gather(others, w, group=ctx.pg)
+    assert not torch.equal(others[0], others[1])
+
+
+@on_backends
+def test_constructor_refuses_what_it_cannot_honour_and_init_sync_false_skips_the_broadcast(backend):
+    _pool(backend, 2).run(_constructor_refusals)

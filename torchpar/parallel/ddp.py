@@ -19,7 +19,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.algorithms.join import Join, Joinable, JoinHook
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
-from torch.utils._pytree import tree_flatten
+from torch.utils._pytree import tree_flatten, tree_map
 
 from torchpar import _C
 
@@ -38,19 +38,31 @@ class DistributedDataParallel(nn.Module, Joinable):
     """Wraps ``module`` so that ``loss.backward()`` leaves gradients averaged over
     ``process_group`` (default: the world) in every parameter's ``.grad``.
 
-    Arguments match torch's DDP; ``grad_reduce_dtype`` (e.g. ``torch.float32`` for
-    bfloat16 parameters) makes the buckets hold and reduce gradients in that dtype, the
-    result being cast back, because sums of many low-precision values lose precision.
+    Arguments match torch's DDP, in its order, so that code written for it runs unchanged:
+    ``device_ids`` names the one device a CUDA module lives on (inputs are moved there, as
+    torch does), ``static_graph`` is accepted as the hint it is (this reducer needs no
+    static-graph mode) and ``init_sync=False`` skips the model check and broadcast.
+    ``grad_reduce_dtype`` (e.g. ``torch.float32`` for bfloat16 parameters) is ours: the
+    buckets hold and reduce gradients in that dtype and the result is cast back, because
+    sums of many low-precision values lose precision.
     """
 
-    def __init__(self, module, process_group=None, bucket_cap_mb=25, gradient_as_bucket_view=False,
-                 find_unused_parameters=False, broadcast_buffers=True, grad_reduce_dtype=None):
+    def __init__(self, module, device_ids=None, output_device=None, dim=0, broadcast_buffers=True,
+                 init_sync=True, process_group=None, bucket_cap_mb=None, find_unused_parameters=False,
+                 check_reduction=False, gradient_as_bucket_view=False, static_graph=False,
+                 mixed_precision=None, grad_reduce_dtype=None):
         super().__init__()
         Joinable.__init__(self)
         self.module = module
         self.process_group = process_group if process_group is not None else dist.group.WORLD
         if self.process_group is None:
             raise RuntimeError("torchpar DDP: call torch.distributed.init_process_group first")
+        if mixed_precision is not None:
+            raise NotImplementedError("torchpar DDP: mixed_precision is not supported; use "
+                                      "grad_reduce_dtype to reduce low-precision gradients in float32")
+        self.device, self.output_device = _single_device(module, device_ids, output_device)
+        self.dim = dim
+        self.static_graph = static_graph
         self.broadcast_buffers = broadcast_buffers
         self.find_unused_parameters = find_unused_parameters
         self.gradient_as_bucket_view = gradient_as_bucket_view
@@ -58,10 +70,13 @@ class DistributedDataParallel(nn.Module, Joinable):
         self.require_backward_grad_sync = True
 
         named = list(module.named_parameters())
-        _verify_same_model(named, self.process_group)
-        with torch.no_grad():
-            _broadcast_from_rank0([p for _, p in named] + list(module.buffers()), self.process_group)
+        if init_sync:
+            _verify_same_model(named, self.process_group)
+            with torch.no_grad():
+                _broadcast_from_rank0([p for _, p in named] + list(module.buffers()), self.process_group)
 
+        if bucket_cap_mb is None:
+            bucket_cap_mb = 25  # torch's default
         trained = [(n, p) for n, p in named if p.requires_grad]
         params = [p for _, p in trained]
         cap = int(bucket_cap_mb * 1024 * 1024)
@@ -85,6 +100,8 @@ class DistributedDataParallel(nn.Module, Joinable):
         if sync and self.broadcast_buffers:
             with torch.no_grad():
                 _broadcast_from_rank0(list(self.module.buffers()), self.process_group, buffer_src)
+        if self.device is not None:  # device_ids given: inputs go to the module's device
+            inputs, kwargs = tree_map(self._to_device, (inputs, kwargs))
         outputs = self.module(*inputs, **kwargs)
         if sync:
             tensors = [t for t in tree_flatten(outputs)[0] if isinstance(t, torch.Tensor)]
@@ -101,6 +118,9 @@ class DistributedDataParallel(nn.Module, Joinable):
         if not callable(hook):
             raise TypeError(f"torchpar DDP: the comm hook must be callable, got {type(hook).__name__}")
         self.reducer.register_comm_hook(state, hook)
+
+    def _to_device(self, x):
+        return x.to(self.device, non_blocking=True) if isinstance(x, torch.Tensor) else x
 
     def join(self, divide_by_initial_world_size=True, enable=True, throw_on_early_termination=False):
         """Training with uneven inputs, as torch's ``DDP.join()``: a rank whose inputs run out
@@ -163,6 +183,27 @@ class _JoinHook(JoinHook):
         with torch.no_grad():
             _broadcast_from_rank0(list(ddp.module.parameters()) + list(ddp.module.buffers()), group,
                                   group_src=int(src.item()))
+
+
+def _single_device(module, device_ids, output_device):
+    """The device ``device_ids`` names (None without it), checked as torch's DDP does: one
+    device, the one a CUDA module's parameters are all on; CPU modules take none."""
+    devices = {p.device for p in module.parameters()}
+    if device_ids is None:
+        if output_device is not None:
+            raise ValueError("torchpar DDP: output_device needs device_ids")
+        return None, None
+
+    def as_device(d):  # an index means the module's device type
+        return torch.device(next(iter(devices)).type, d) if isinstance(d, int) else torch.device(d)
+
+    device = as_device(device_ids[0]) if len(device_ids) == 1 and devices else None
+    if device is None or devices != {device} or device.type == "cpu":
+        raise ValueError(
+            f"torchpar DDP: device_ids must name the one accelerator device the module is on, "
+            f"and be None for a CPU module; got device_ids {list(device_ids)} for a module on "
+            f"{sorted(str(d) for d in devices)}")
+    return device, device if output_device is None else as_device(output_device)
 
 
 def _join_vote(sync, active, group, device):
