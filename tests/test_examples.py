@@ -7,12 +7,27 @@ import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
+# torch 2.13's gloo process group sometimes aborts in its own teardown as the process exits,
+# after the script has finished ("terminate called without an active exception"): a
+# torch-only script (torch DDP on gloo, destroy_process_group, exit) does it in about 1 run
+# in 8 here. A run that succeeded and then died that way is retried (twice at most).
+GLOO_EXIT_ABORT = "terminate called without an active exception"
+
+
+def _run_example(backend):
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+           os.path.join(ROOT, "examples", "train_ddp.py"), "--steps", "20", "--width", "64", "--backend", backend]
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=80, env={**os.environ, "OMP_NUM_THREADS": "1"})
+
 
 @pytest.mark.timeout(180)
 @pytest.mark.parametrize("backend", ["torchpar", "gloo"])
 def test_train_ddp_example_keeps_replicas_identical(backend):
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-           os.path.join(ROOT, "examples", "train_ddp.py"), "--steps", "20", "--width", "64", "--backend", backend]
-    out = subprocess.run(cmd, capture_output=True, text=True, timeout=170, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    out = _run_example(backend)
+    for _ in range(2):
+        if not (backend == "gloo" and out.returncode != 0 and GLOO_EXIT_ABORT in out.stderr
+                and "replicas identical after 20 steps" in out.stdout):
+            break
+        out = _run_example(backend)
     assert out.returncode == 0, out.stdout + out.stderr
     assert "replicas identical after 20 steps" in out.stdout
