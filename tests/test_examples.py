@@ -20,7 +20,7 @@ def _run_example(backend):
     return subprocess.run(cmd, capture_output=True, text=True, timeout=80, env={**os.environ, "OMP_NUM_THREADS": "1"})
 
 
-@pytest.mark.timeout(180)
+@pytest.mark.timeout(270)
 @pytest.mark.parametrize("backend", ["torchpar", "gloo"])
 def test_train_ddp_example_keeps_replicas_identical(backend):
     out = _run_example(backend)
