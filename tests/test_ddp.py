@@ -72,6 +72,18 @@ def _step_shard_and_whole(ctx, ddp, opt, ref, ref_opt, x, y, loss=_loss, set_to_
     ref_opt.step()
 
 
+def _train_side_by_side(ctx, ddps, models, steps, per_rank=2, tol=None):
+    """SGD steps of two DDP wrappers on the same shards; their modules must agree after each."""
+    opts = [torch.optim.SGD(d.parameters(), lr=0.1) for d in ddps]
+    for step in range(steps):
+        x, y = _batch(step, per_rank * ctx.world_size)
+        for ddp, opt in zip(ddps, opts):
+            opt.zero_grad()
+            _loss(ddp(_shard(x, ctx)), _shard(y, ctx)).backward()
+            opt.step()
+        _assert_same_params(*models, step, **(tol or {}))
+
+
 # ---- training equals single-process training on the whole batch ----
 
 def _train_vs_single_process(ctx, bucket_cap_mb, as_view, steps=4):
@@ -609,14 +621,7 @@ def _torch_signature(ctx):
     ddp = DDP(model, None, None, 0, True, True, ctx.pg, 0.0002, static_graph=True)
     ref_ddp = nn.parallel.DistributedDataParallel(ref, None, None, 0, True, True, ctx.pg, 0.0002,
                                                    static_graph=True)
-    opts = [torch.optim.SGD(m.parameters(), lr=0.1) for m in (ddp, ref_ddp)]
-    for step in range(3):
-        x, y = _batch(step, 2 * ctx.world_size)
-        for m, o in zip((ddp, ref_ddp), opts):
-            o.zero_grad()
-            _loss(m(_shard(x, ctx)), _shard(y, ctx)).backward()
-            o.step()
-        _assert_same_params(model, ref, step)
+    _train_side_by_side(ctx, (ddp, ref_ddp), (model, ref), steps=3)
 
 
 @on_backends
