@@ -109,8 +109,7 @@ void Reducer::reset_step() {
   std::fill(reachable_.begin(), reachable_.end(), true);
   for (auto& b : buckets_) {
     b.pending = b.params.size();
-    b.work.reset();
-    b.hook_result.reset();
+    b.reduction = Reduction{};
   }
   next_launch_ = 0;
 }
@@ -215,21 +214,36 @@ void Reducer::mark_ready(int64_t index, bool has_gradient) {
 
 void Reducer::launch_ready_buckets() {
   while (next_launch_ < buckets_.size() && buckets_[next_launch_].pending == 0) {
-    launch(next_launch_);
+    Bucket& b = buckets_[next_launch_];
+    b.reduction = start_reduction(next_launch_, b.flat);
     trace_.push_back({TraceEvent::kLaunch, static_cast<int64_t>(next_launch_)});
     ++next_launch_;
   }
 }
 
-void Reducer::launch(size_t index) {
-  Bucket& b = buckets_[index];
+Reducer::Reduction Reducer::start_reduction(size_t index, const at::Tensor& buffer) {
+  Reduction r;
   if (comm_hook_) {
-    auto bucket = grad_bucket(index, b.flat);
-    b.hook_result = comm_hook_->runHook(bucket);
+    auto bucket = grad_bucket(index, buffer);
+    r.hook_result = comm_hook_->runHook(bucket);
   } else {
-    std::vector<at::Tensor> tensors{b.flat};
-    b.work = group_->allreduce(tensors);
+    std::vector<at::Tensor> tensors{buffer};
+    r.work = group_->allreduce(tensors);
   }
+  return r;
+}
+
+at::Tensor Reducer::finish_reduction(Reduction& r, const at::Tensor& buffer) {
+  if (!r.hook_result) {
+    r.work->wait();
+    return buffer;
+  }
+  r.hook_result->wait();
+  at::Tensor reduced = comm_hook_->parseHookResult(r.hook_result->value());  // value() rethrows the hook's error
+  TORCH_CHECK(reduced.numel() == buffer.numel(),
+              "torchpar DDP: the comm hook's future holds a tensor of ", reduced.numel(),
+              " elements; the bucket has ", buffer.numel());
+  return reduced;
 }
 
 c10d::GradBucket Reducer::grad_bucket(size_t index, const at::Tensor& buffer) const {
@@ -254,13 +268,8 @@ void Reducer::join_shadow_backward() {
   synced_once_ = true;
   for (size_t i = 0; i < buckets_.size(); ++i) {
     at::Tensor zeros = at::zeros_like(buckets_[i].flat);
-    if (comm_hook_) {
-      auto bucket = grad_bucket(i, zeros);
-      comm_hook_->runHook(bucket)->wait();
-    } else {
-      std::vector<at::Tensor> tensors{zeros};
-      group_->allreduce(tensors)->wait();
-    }
+    Reduction r = start_reduction(i, zeros);
+    finish_reduction(r, zeros);
   }
   if (options_.find_unused_parameters) {
     std::vector<at::Tensor> tensors{at::zeros({static_cast<int64_t>(params_.size())},
@@ -269,21 +278,6 @@ void Reducer::join_shadow_backward() {
   }
   if (!rebuilt_) {
     rebuild_in_observed_order();  // takes rank 0's order, as the training ranks do
-  }
-}
-
-void Reducer::wait(Bucket& b) {
-  if (!b.hook_result) {
-    b.work->wait();
-    return;
-  }
-  b.hook_result->wait();
-  const at::Tensor reduced = comm_hook_->parseHookResult(b.hook_result->value());  // value() rethrows the hook's error
-  TORCH_CHECK(reduced.numel() == b.flat.numel(),
-              "torchpar DDP: the comm hook's future holds a tensor of ", reduced.numel(),
-              " elements; the bucket has ", b.flat.numel());
-  if (!reduced.is_same(b.flat)) {
-    b.flat.copy_(reduced.reshape(b.flat.sizes()));
   }
 }
 
@@ -328,7 +322,10 @@ void Reducer::finalize() {
     // Bucket by bucket, so that copying out an early bucket overlaps the all-reduce of
     // the later ones.
     for (auto& b : buckets_) {
-      wait(b);
+      const at::Tensor reduced = finish_reduction(b.reduction, b.flat);
+      if (!reduced.is_same(b.flat)) {
+        b.flat.copy_(reduced.reshape(b.flat.sizes()));
+      }
       write_back(b, used_anywhere);
     }
     if (!rebuilt_) {

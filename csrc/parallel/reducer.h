@@ -87,14 +87,18 @@ class Reducer {
   std::vector<at::Tensor> bucket_tensors() const;
 
  private:
+  // A bucket's reduction in flight: the all-reduce, or the comm hook's future.
+  struct Reduction {
+    c10::intrusive_ptr<c10d::Work> work;
+    c10::intrusive_ptr<c10::ivalue::Future> hook_result;
+  };
   struct Bucket {
     at::Tensor flat;                  // every gradient of the bucket, back to back
     std::vector<int64_t> params;      // parameter indices
     std::vector<at::Tensor> views;    // views of `flat` shaped like each parameter
     bool grads_are_views = false;     // .grad aliases `views` (gradient_as_bucket_view)
     size_t pending = 0;               // gradients still to arrive this step
-    c10::intrusive_ptr<c10d::Work> work;                // the all-reduce, or
-    c10::intrusive_ptr<c10::ivalue::Future> hook_result;  // the comm hook's future
+    Reduction reduction;              // this step's, once launched
   };
   struct Slot {                       // where parameter i lives
     size_t bucket;
@@ -106,7 +110,11 @@ class Reducer {
   void on_gradient(int64_t index);
   void mark_ready(int64_t index, bool has_gradient);
   void launch_ready_buckets();
-  void launch(size_t index);
+  // Reduces `buffer` as bucket `index` (the bucket's own flat tensor, or zeros for a rank
+  // that has joined): starts the all-reduce or the comm hook; finish waits, rethrows a
+  // failure and returns the reduced tensor.
+  Reduction start_reduction(size_t index, const at::Tensor& buffer);
+  at::Tensor finish_reduction(Reduction& r, const at::Tensor& buffer);
   c10d::GradBucket grad_bucket(size_t index, const at::Tensor& buffer) const;
   void wait(Bucket& b);
   void finalize();
