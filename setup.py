@@ -29,9 +29,10 @@ def cpu_flags():
 # csrc/kernels/cpu/ is also built once per wider instruction set, each copy in its own
 # namespace, and picked at run time (csrc/kernels/cpu/kernels.h).
 def isa_flags(isa):
-    avx512 = ["-mavx2", "-mfma", "-mf16c", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq",
-              "-Wno-uninitialized"]  # GCC 12: false positives in avx512fintrin.h
-    march = {"AVX2": ["-mavx2", "-mfma", "-mf16c"], "AVX512": avx512,
+    avx2 = ["-mavx2", "-mfma", "-mf16c"]
+    avx512 = avx2 + ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq",
+                     "-Wno-uninitialized"]  # GCC 12: false positives in avx512fintrin.h
+    march = {"AVX2": avx2, "AVX512": avx512,
              "AVX512_BF16": avx512 + ["-mavx512bf16"], "DEFAULT": []}[isa]
     vec = "AVX512" if isa.startswith("AVX512") else isa  # at::vec's width
     return march + [f"-DCPU_CAPABILITY_{vec}", f"-DCPU_CAPABILITY={isa}"]
