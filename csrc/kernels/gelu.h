@@ -17,24 +17,34 @@ constexpr double kInvSqrt2Pi = 0.39894228040143267794;
 constexpr double kSqrt2OverPi = 0.79788456080286535588;
 constexpr double kGeluTanhCoef = 0.044715;
 
-// erf/exp/tanh for scalars on host and device. erf_gauss(x, g) is erf(x) given
+// abs/erf/erfc/exp/tanh for scalars on host and device. erf_gauss(x, g) is erf(x) given
 // g = exp(-x^2), which GeLU's gradient computes anyway: an implementation whose erf is built
-// on exp(-x^2) (cpu/vec.h) reuses it; these scalar ones ignore it.
+// on exp(-x^2) (cpu/vec.h) reuses it; these scalar ones ignore it. erfc_nonneg(x) is erfc(x)
+// for x >= 0 (an implementation may skip the negative half).
 struct ScalarMath {
   template <typename T>
   C10_HOST_DEVICE static T erf_gauss(T x, T /*g*/) { return erf(x); }
+  C10_HOST_DEVICE static float abs(float x) { return ::fabsf(x); }
+  C10_HOST_DEVICE static double abs(double x) { return ::fabs(x); }
   C10_HOST_DEVICE static float erf(float x) { return ::erff(x); }
   C10_HOST_DEVICE static double erf(double x) { return ::erf(x); }
+  C10_HOST_DEVICE static float erfc_nonneg(float x) { return ::erfcf(x); }
+  C10_HOST_DEVICE static double erfc_nonneg(double x) { return ::erfc(x); }
   C10_HOST_DEVICE static float exp(float x) { return ::expf(x); }
   C10_HOST_DEVICE static double exp(double x) { return ::exp(x); }
   C10_HOST_DEVICE static float tanh(float x) { return ::tanhf(x); }
   C10_HOST_DEVICE static double tanh(double x) { return ::tanh(x); }
 };
 
-// gelu(z) = z * Phi(z), Phi the standard normal CDF.
+// gelu(z) = z * Phi(z), Phi the standard normal CDF, written as
+// (z + |z|) / 2 - |z| erfc(|z| / sqrt2) / 2. For z < 0 the first term is exactly 0, so the left
+// tail keeps its relative accuracy where z (1 + erf(z / sqrt2)) / 2 would cancel; and erf is
+// needed for non-negative arguments only.
 template <typename T, typename M = ScalarMath>
 C10_HOST_DEVICE inline T gelu_erf(T z) {
-  return T(0.5) * z * (T(1.0) + M::erf(z * T(kInvSqrt2)));
+  const T a = M::abs(z);
+  const T h = T(0.5) * a;
+  return (T(0.5) * z + h) - h * M::erfc_nonneg(a * T(kInvSqrt2));
 }
 
 // gelu'(z) = Phi(z) + z * phi(z); phi and erf share exp(-z^2 / 2).

@@ -19,6 +19,7 @@ void forward(const T* x, const at::opmath_type<T>* bias, T* y, int64_t rows, int
   using IO = VecIO<T>;
   using acc_t = typename IO::acc_t;
   using Vec = typename IO::Vec;
+  using Math = VecMath<!IO::kReduced>;
   constexpr int64_t V = Vec::size();
   at::parallel_for(0, rows, row_grain(cols), [&](int64_t r0, int64_t r1) {
     for (int64_t r = r0; r < r1; ++r) {
@@ -28,8 +29,8 @@ void forward(const T* x, const at::opmath_type<T>* bias, T* y, int64_t rows, int
       for (; i + IO::kStep <= cols; i += IO::kStep) {
         Vec a, b;
         IO::load2(xr + i, a, b);
-        a = gelu<Vec, VecMath>(a + Vec::loadu(bias + i), A);
-        b = gelu<Vec, VecMath>(b + Vec::loadu(bias + i + V), A);
+        a = gelu<Vec, Math>(a + Vec::loadu(bias + i), A);
+        b = gelu<Vec, Math>(b + Vec::loadu(bias + i + V), A);
         IO::store2(yr + i, a, b);
       }
       for (; i < cols; ++i) yr[i] = T(gelu<acc_t>(acc_t(xr[i]) + bias[i], A));
@@ -43,6 +44,7 @@ void backward(const T* dy, const T* x, const at::opmath_type<T>* bias, T* dx,
   using IO = VecIO<T>;
   using acc_t = typename IO::acc_t;
   using Vec = typename IO::Vec;
+  using Math = VecMath<!IO::kReduced>;
   constexpr int64_t V = Vec::size();
   at::parallel_for(0, rows, row_grain(cols), [&](int64_t r0, int64_t r1) {
     acc_t* dbp = db.row(at::get_thread_num());
@@ -55,8 +57,8 @@ void backward(const T* dy, const T* x, const at::opmath_type<T>* bias, T* dx,
         Vec d0, d1, x0, x1;
         IO::load2(dyr + i, d0, d1);
         IO::load2(xr + i, x0, x1);
-        Vec g0 = d0 * gelu_grad<Vec, VecMath>(x0 + Vec::loadu(bias + i), A);
-        Vec g1 = d1 * gelu_grad<Vec, VecMath>(x1 + Vec::loadu(bias + i + V), A);
+        Vec g0 = d0 * gelu_grad<Vec, Math>(x0 + Vec::loadu(bias + i), A);
+        Vec g1 = d1 * gelu_grad<Vec, Math>(x1 + Vec::loadu(bias + i + V), A);
         IO::store2(dxr + i, g0, g1);
         (Vec::loadu(dbp + i) + g0).store(dbp + i);
         (Vec::loadu(dbp + i + V) + g1).store(dbp + i + V);

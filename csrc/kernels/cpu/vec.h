@@ -52,40 +52,55 @@ struct VecIO {
   }
 };
 
-// erf/exp/tanh of at::vec vectors, for the formulas in kernels/gelu.h.
+// abs/erf/erfc/exp/tanh of at::vec vectors, for the formulas in kernels/gelu.h.
 //
 // GeLU is compute-bound on a CPU core, so float vectors use at::vec's inline 20-ulp exp
-// (exp_u20) instead of calls into Sleef's 1-ulp functions, erf by Abramowitz & Stegun's
-// rational forms (7.1.28 alone, 7.1.26 where e^{-x^2} is at hand), and tanh through exp.
-// All stay within about 1e-6 of the exact
-// value: below float16/bfloat16 rounding, and below the noise of float32 training. Double
-// vectors keep the accurate functions (gradcheck compares to finite differences).
+// (exp_u20) instead of calls into Sleef's 1-ulp functions, erfc and erf by Abramowitz &
+// Stegun's rational forms (7.1.28 alone, 7.1.26 where e^{-x^2} is at hand), tanh through exp.
+// All stay within about 1e-6 of the exact value: below float16/bfloat16 rounding, and below
+// the noise of float32 training. Double vectors keep the accurate functions (gradcheck
+// compares to finite differences).
+//
+// kFullPrecision = false is for results rounded to bfloat16/float16: erfc then keeps
+// AVX-512's 14-bit reciprocal estimate without a Newton step. GeLU only scales by erfc, so its
+// relative error (6e-5) passes to the result unamplified, a tenth of float16's half-ulp; the
+// step is 2 of GeLU's ~20 operations. tanh keeps the step: 1 + tanh(u) cancels as u -> -inf.
+template <bool kFullPrecision = true>
 struct VecMath {
   using VecF = at::vec::Vectorized<float>;
 
+  static VecF abs(const VecF& x) { return x.abs(); }
   static VecF exp(const VecF& x) { return x.exp_u20(); }
 
-  // 1 / d by the 12-bit hardware estimate and one Newton step (~23 bits): a divide has a
-  // quarter of the throughput, and GeLU's erf and tanh need one per element.
+  // 1 / d by the hardware estimate and one Newton step (~23 bits): a divide has a quarter of
+  // the throughput, and GeLU's erf and tanh need one per element.
   static VecF reciprocal(const VecF& d) {
 #if defined(CPU_CAPABILITY_AVX512)
-    const VecF r(_mm512_rcp14_ps(d));  // 14 bits; after the Newton step, ~24
+    const VecF r(_mm512_rcp14_ps(d));  // 14 bits
 #elif defined(CPU_CAPABILITY_AVX2)
-    const VecF r(_mm256_rcp_ps(d));
+    const VecF r(_mm256_rcp_ps(d));  // 12 bits
 #else
     const VecF r = VecF(1.f) / d;  // no estimate instruction: divide (the step keeps it)
 #endif
     return r * (VecF(2.f) - d * r);
   }
 
-  // erf alone (GeLU's forward) by Abramowitz & Stegun 7.1.28, |error| <= 3e-7, which needs
-  // no exp: erf(|x|) = 1 - 1 / (1 + a1 x + ... + a6 x^6)^16. About 18 vector operations to
-  // 7.1.26's 30. Past |x| = 6, erf is 1 in float; clamping there keeps the 16th power finite.
-  static VecF erf(const VecF& x) {
+  // 1 / d for a factor of a result that kFullPrecision = false rounds to 16 bits.
+  static VecF reciprocal_factor(const VecF& d) {
+#if defined(CPU_CAPABILITY_AVX512)
+    if constexpr (!kFullPrecision) return VecF(_mm512_rcp14_ps(d));
+#endif
+    return reciprocal(d);
+  }
+
+  // erfc(x) for x >= 0 by Abramowitz & Stegun 7.1.28, |error| <= 3e-7, which needs no exp:
+  // erfc(x) = 1 / (1 + a1 x + ... + a6 x^6)^16. About 13 vector operations to 7.1.26's 25.
+  // Past x = 6, erfc is below 1e-16; clamping there keeps the 16th power finite (and a NaN x
+  // stays NaN: the min returns its second operand when one is NaN).
+  static VecF erfc_nonneg(const VecF& x) {
     const VecF a1(0.0705230784f), a2(0.0422820123f), a3(0.0092705272f), a4(0.0001520143f),
-        a5(0.0002765672f), a6(0.0000430638f), one(1.f), sign_bit(-0.f);
-    const VecF sign = x & sign_bit;
-    const VecF ax = at::vec::minimum(x.abs(), VecF(6.f));
+        a5(0.0002765672f), a6(0.0000430638f), one(1.f);
+    const VecF ax = at::vec::clamp_max(x, VecF(6.f));
     VecF d = at::vec::fmadd(a6, ax, a5);
     d = at::vec::fmadd(d, ax, a4);
     d = at::vec::fmadd(d, ax, a3);
@@ -96,7 +111,7 @@ struct VecMath {
     d = d * d;  // ^4
     d = d * d;  // ^8
     d = d * d;  // ^16
-    return (one - reciprocal(d)) | sign;
+    return reciprocal_factor(d);
   }
 
   // erf(x) given g = e^{-x^2}:
@@ -123,7 +138,9 @@ struct VecMath {
   }
 
   template <typename V>
-  static V erf(const V& x) { return x.erf(); }
+  static V abs(const V& x) { return x.abs(); }
+  template <typename V>
+  static V erfc_nonneg(const V& x) { return x.erfc(); }
   template <typename V>
   static V erf_gauss(const V& x, const V& /*g*/) { return x.erf(); }
   template <typename V>
