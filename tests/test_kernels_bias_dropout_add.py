@@ -39,6 +39,25 @@ def test_gradcheck_float64(p, training):
     assert torch.autograd.gradcheck(fn, (x, b, r))
 
 
+@pytest.mark.parametrize("p,training", [(0.3, True), (0.5, False)])
+def test_gradgradcheck_float64(p, training):
+    x, b, r = (t.requires_grad_() for t in _inputs((3, 6), torch.float64))
+
+    def fn(x, b, r):
+        torch.manual_seed(7)
+        return F.bias_dropout_add(x, b, r, p, training)
+
+    # Linear in (x, b, r), so a nonzero second derivative comes only from the loss: check the
+    # gradient-of-gradient through a nonlinear use of the first gradient as well.
+    assert torch.autograd.gradgradcheck(fn, (x, b, r))
+
+    def penalty(x, b, r):
+        (gx, gb) = torch.autograd.grad(fn(x, b, r).square().sum(), (x, b), create_graph=True)
+        return gx.square().sum() + gb.pow(3).sum()
+
+    assert torch.autograd.gradcheck(penalty, (x, b, r))
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("contiguous", [True, False])
 @pytest.mark.parametrize("shape", [(4, 7), (3, 5, 33), (2, 1024), (37,)])

@@ -27,6 +27,28 @@ def test_gradcheck_float64(shape, approximate):
 
 
 @pytest.mark.parametrize("approximate", ["none", "tanh"])
+def test_gradgradcheck_float64(approximate):
+    x, b = (t.requires_grad_() for t in _inputs((3, 6), torch.float64))
+    assert torch.autograd.gradgradcheck(lambda x, b: F.bias_gelu(x, b, approximate), (x, b))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_double_backward_matches_torch(dtype):
+    """A gradient penalty: d/dx of |d loss / dx|^2, as with torch's gelu."""
+    outs = []
+    # torch's reference runs in float64 on the same (rounded) inputs.
+    for fn, run_dtype in ((lambda x, b: F.bias_gelu(x, b, "none"), dtype),
+                          (lambda x, b: TF.gelu(x + b), torch.float64)):
+        x, b = (t.to(run_dtype).requires_grad_() for t in _inputs((4, 33), dtype))
+        (gx,) = torch.autograd.grad(fn(x, b).square().sum(), x, create_graph=True)
+        gx.square().sum().backward()
+        outs.append((gx.detach(), x.grad, b.grad))
+    # The second gradients sum rows of a first gradient that was itself rounded to dtype.
+    for got, want in zip(*outs):
+        assert_close(got, want.to(dtype), dtype, scale=5)
+
+
+@pytest.mark.parametrize("approximate", ["none", "tanh"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("contiguous", [True, False])
 @pytest.mark.parametrize("shape", SHAPES)

@@ -34,6 +34,35 @@ def test_gradcheck_float64(shape, norm, affine, bias):
     assert torch.autograd.gradcheck(fn, args)
 
 
+@pytest.mark.parametrize("affine,bias", [(True, True), (True, False), (False, False)])
+def test_gradgradcheck_float64(affine, bias):
+    shape, norm = SHAPES[2]
+    x, w, b = _inputs(shape, norm, torch.float64, affine, bias)
+    args = [t.requires_grad_() for t in (x, w, b) if t is not None]
+
+    def fn(*ts):
+        ts = list(ts) + [None] * (3 - len(ts))
+        return F.layer_norm(ts[0], norm, ts[1], ts[2], 1e-5)
+
+    assert torch.autograd.gradgradcheck(fn, args)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_double_backward_matches_torch(dtype):
+    """A gradient penalty: d/d(x, w, b) of |d loss / dx|^2, as with torch's layer_norm."""
+    shape, norm = SHAPES[1]
+    outs = []
+    # torch's reference runs in float64 on the same (rounded) inputs.
+    for fn, run_dtype in ((F.layer_norm, dtype), (TF.layer_norm, torch.float64)):
+        x, w, b = (t.to(run_dtype).requires_grad_() for t in _inputs(shape, norm, dtype))
+        (gx,) = torch.autograd.grad(fn(x, norm, w, b, 1e-5).square().sum(), x, create_graph=True)
+        gx.square().sum().backward()
+        outs.append((gx.detach(), x.grad, w.grad, b.grad))
+    # The second gradients sum rows of a first gradient that was itself rounded to dtype.
+    for got, want in zip(*outs):
+        assert_close(got, want.to(dtype), dtype, scale=5)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("contiguous", [True, False])
 @pytest.mark.parametrize("shape,norm", SHAPES)

@@ -36,6 +36,39 @@ std::tuple<Tensor, Tensor> bda_bwd(const Tensor& grad_out, const Tensor& seed, d
   return op.call(grad_out, seed, p, training);
 }
 
+// grad -> (mask * scale * grad, its column sums): the backward of the dropout, as a function of
+// its own. It is linear in grad, with the adjoint (gdx, gdb) -> mask * scale * (gdx + gdb), so
+// its backward is itself again: double (and higher) backward through bias_dropout_add holds.
+class DropoutGradFunction : public torch::autograd::Function<DropoutGradFunction> {
+ public:
+  static torch::autograd::variable_list forward(torch::autograd::AutogradContext* ctx,
+                                                const Tensor& grad, const Tensor& seed, double p,
+                                                bool training) {
+    at::AutoDispatchBelowADInplaceOrView guard;
+    ctx->save_for_backward({seed});
+    ctx->saved_data["p"] = p;
+    ctx->saved_data["training"] = training;
+    ctx->saved_data["shape"] = c10::IValue(std::vector<c10::SymInt>(grad.sym_sizes().begin(), grad.sym_sizes().end()));
+    auto [dx, db] = bda_bwd(grad, seed, p, training);
+    return {dx, db};
+  }
+
+  static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
+                                                 torch::autograd::variable_list grads) {
+    const Tensor& gdx = grads[0];
+    const Tensor& gdb = grads[1];
+    if (!gdx.defined() && !gdb.defined()) return {Tensor(), Tensor(), Tensor(), Tensor()};
+    // Undefined means zero; the column sums' adjoint broadcasts gdb over the rows.
+    const Tensor g = !gdb.defined()   ? gdx
+                     : !gdx.defined() ? gdb.expand_symint(ctx->saved_data["shape"].toSymIntVector())
+                                      : gdx.add(gdb);
+    auto seed = ctx->get_saved_variables()[0];
+    auto dg = DropoutGradFunction::apply(g, seed, ctx->saved_data["p"].toDouble(),
+                                         ctx->saved_data["training"].toBool());
+    return {dg[0], Tensor(), Tensor(), Tensor()};
+  }
+};
+
 class BiasDropoutAddFunction : public torch::autograd::Function<BiasDropoutAddFunction> {
  public:
   static Tensor forward(torch::autograd::AutogradContext* ctx, const Tensor& input,
@@ -51,10 +84,10 @@ class BiasDropoutAddFunction : public torch::autograd::Function<BiasDropoutAddFu
   static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
                                                  torch::autograd::variable_list grads) {
     auto seed = ctx->get_saved_variables()[0];
-    auto [dx, db] = bda_bwd(grads[0], seed, ctx->saved_data["p"].toDouble(),
-                            ctx->saved_data["training"].toBool());
+    auto d = DropoutGradFunction::apply(grads[0], seed, ctx->saved_data["p"].toDouble(),
+                                        ctx->saved_data["training"].toBool());
     // d(out)/d(residual) is the identity: the incoming gradient passes through untouched.
-    return {dx, db, grads[0], Tensor(), Tensor()};
+    return {d[0], d[1], grads[0], Tensor(), Tensor()};
   }
 };
 

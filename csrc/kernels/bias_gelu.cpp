@@ -6,6 +6,9 @@
 // needs it), so this costs no extra activation memory, and the extra math is free in a
 // memory-bound kernel.
 #include <ATen/core/dispatch/Dispatcher.h>
+#include <ATen/core/grad_mode.h>
+#include <ATen/OpMathType.h>
+#include <ATen/ops/gelu_backward.h>
 #include <torch/autograd.h>
 #include <torch/library.h>
 
@@ -46,6 +49,16 @@ class BiasGeluFunction : public torch::autograd::Function<BiasGeluFunction> {
                                                  torch::autograd::variable_list grads) {
     auto saved = ctx->get_saved_variables();
     auto approximate = ctx->saved_data["approximate"].toStringRef();
+    if (at::GradMode::is_enabled()) {
+      // create_graph: the gradient must itself be differentiable. torch's gelu_backward has a
+      // derivative of its own; computed in the accumulate type, as the fused kernel does.
+      const Tensor& input = saved[0];
+      const auto acc = at::toOpMathType(input.scalar_type());
+      const Tensor z = input.to(acc).add(saved[1].to(acc));
+      const Tensor dz = at::gelu_backward(grads[0].to(acc), z, approximate);
+      const Tensor db = dz.reshape({-1, dz.size(-1)}).sum(0).view(saved[1].sizes());
+      return {dz.to(input.scalar_type()), db.to(saved[1].scalar_type()), Tensor()};
+    }
     auto [dx, db] = bias_gelu_bwd(grads[0], saved[0], saved[1], approximate);
     return {dx, db, Tensor()};
   }

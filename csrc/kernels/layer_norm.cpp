@@ -5,6 +5,8 @@
 // that layer_norm_fwd returns (float32, or float64 for float64 input), so the backward
 // never recomputes statistics; its CompositeExplicitAutograd kernel serves inference.
 #include <ATen/core/dispatch/Dispatcher.h>
+#include <ATen/core/grad_mode.h>
+#include <ATen/ops/native_layer_norm_backward.h>
 #include <torch/autograd.h>
 #include <torch/library.h>
 
@@ -40,6 +42,28 @@ std::tuple<Tensor, Tensor, Tensor> layer_norm_bwd(const Tensor& grad_out, const 
 }
 
 class LayerNormFunction : public torch::autograd::Function<LayerNormFunction> {
+  // create_graph: the gradients must themselves be differentiable. torch's
+  // native_layer_norm_backward has a derivative of its own (the dependence of mean and rstd on
+  // the input included). It wants statistics shaped [*leading, 1, ...] in the input's dtype,
+  // so it runs in the statistics' dtype (float32 for reduced types, as our kernels compute).
+  static torch::autograd::variable_list differentiable_backward(const Tensor& grad,
+                                                                const std::vector<Tensor>& saved,
+                                                                c10::SymIntArrayRef shape) {
+    const Tensor &input = saved[0], &mean = saved[1], &rstd = saved[2];
+    const auto acc = mean.scalar_type();
+    auto up = [&](const Tensor& t) { return t.defined() ? OptTensor(t.to(acc)) : std::nullopt; };
+    std::vector<c10::SymInt> stat_shape(mean.sym_sizes().begin(), mean.sym_sizes().end());
+    stat_shape.resize(stat_shape.size() + shape.size(), 1);
+    auto [dx, dw, db] = at::native_layer_norm_backward_symint(
+        grad.to(acc), input.to(acc), shape, mean.view_symint(stat_shape),
+        rstd.view_symint(stat_shape), up(saved[3]), up(saved[4]),
+        {true, saved[3].defined(), saved[4].defined()});
+    auto down = [](const Tensor& g, const Tensor& like) {
+      return like.defined() ? g.to(like.scalar_type()) : Tensor();
+    };
+    return {dx.to(input.scalar_type()), Tensor(), down(dw, saved[3]), down(db, saved[4]), Tensor()};
+  }
+
  public:
   static Tensor forward(torch::autograd::AutogradContext* ctx, const Tensor& input,
                         c10::SymIntArrayRef shape, const OptTensor& weight,
@@ -58,6 +82,7 @@ class LayerNormFunction : public torch::autograd::Function<LayerNormFunction> {
     auto shape = ctx->saved_data["shape"].toSymIntVector();
     OptTensor weight = saved[3].defined() ? OptTensor(saved[3]) : std::nullopt;
     OptTensor bias = saved[4].defined() ? OptTensor(saved[4]) : std::nullopt;
+    if (at::GradMode::is_enabled()) return differentiable_backward(grads[0], saved, shape);
     auto [dx, dw, db] = layer_norm_bwd(grads[0], saved[0], shape, saved[1], saved[2], weight, bias);
     return {dx, Tensor(), weight ? dw : Tensor(), bias ? db : Tensor(), Tensor()};
   }
