@@ -34,6 +34,24 @@ def test_gradcheck_float64(shape, norm, affine, bias):
     assert torch.autograd.gradcheck(fn, args)
 
 
+@pytest.mark.parametrize("dtype", [torch.float64, torch.bfloat16])
+@pytest.mark.parametrize("rows,cols", [(13, 2500), (9, 1025), (17, 4096)])
+def test_wide_rows_backward(rows, cols, dtype):
+    """Rows wider than one backward chunk go in tiles of rows x chunks: ragged on both sides."""
+    x, w, b = _inputs((rows, cols), (cols,), dtype)
+    dy = torch.randn(rows, cols, generator=torch.Generator().manual_seed(1)).to(dtype)
+    grads = []
+    for fn, run_dtype in ((F.layer_norm, dtype), (TF.layer_norm, torch.float64)):
+        args = [t.to(run_dtype).requires_grad_() for t in (x, w, b)]
+        grads.append(torch.autograd.grad(fn(args[0], [cols], args[1], args[2], 1e-5), args,
+                                         dy.to(run_dtype)))
+    for got, want in zip(*grads):
+        if dtype == torch.float64:
+            torch.testing.assert_close(got, want)
+        else:  # dweight and dbias sum rows of a float32 product rounded once
+            assert_close(got, want.to(dtype), dtype, scale=5)
+
+
 @pytest.mark.parametrize("affine,bias", [(True, True), (True, False), (False, False)])
 def test_gradgradcheck_float64(affine, bias):
     shape, norm = SHAPES[2]
