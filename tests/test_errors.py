@@ -201,6 +201,61 @@ def _p2p_timeout(rank, world_size, init_file):
     return True
 
 
+def _ddp_model():
+    from torch import nn
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(64, 256), nn.Tanh(), nn.Linear(256, 64))
+
+
+def _ddp_peer_dies(rank, world_size, init_file, as_view):
+    """A rank dies between steps; the others are in backward, with bucket all-reduces in flight."""
+    from torchpar.parallel import DistributedDataParallel as DDP
+    torch.set_num_threads(1)
+    _init(rank, world_size, init_file, 60)
+    ddp = DDP(_ddp_model(), bucket_cap_mb=0.05, gradient_as_bucket_view=as_view)
+    x = torch.randn(8, 64)
+    ddp(x).sum().backward()
+    if rank == 1:
+        os._exit(3)
+    start = time.monotonic()
+    expect_error(lambda: ddp(x).sum().backward(), "rank 1", "exited")
+    assert time.monotonic() - start < 15, "a dead peer must be noticed long before the 60 s timeout"
+    dist.destroy_process_group()
+    return True
+
+
+def _ddp_peer_stops_training(rank, world_size, init_file):
+    """A rank leaves the training loop early (uneven inputs without join()): the others' backward
+    times out with an error naming the rank, instead of hanging."""
+    from torchpar.parallel import DistributedDataParallel as DDP
+    torch.set_num_threads(1)
+    _init(rank, world_size, init_file, 3)
+    ddp = DDP(_ddp_model(), bucket_cap_mb=0.05)
+    x = torch.randn(8, 64)
+    ddp(x).sum().backward()
+    if rank == world_size - 1:
+        time.sleep(8)  # past the others' timeout
+        return True
+    start = time.monotonic()
+    msg = expect_error(lambda: ddp(x).sum().backward(), f"rank {world_size - 1}")
+    assert "timed out" in msg or "aborted" in msg, msg
+    assert time.monotonic() - start < 20
+    return True
+
+
+@pytest.mark.parametrize("as_view", [False, True], ids=["copy", "bucket_view"])
+def test_ddp_backward_fails_clearly_when_a_peer_dies(as_view):
+    results = spawn(_ddp_peer_dies, 3, as_view, timeout=60)
+    assert results[0] is True and results[2] is True and results[1] == "died"
+    assert torchpar_segments() == []
+
+
+def test_ddp_backward_times_out_when_a_peer_stops_training():
+    before = torchpar_segments()
+    assert spawn(_ddp_peer_stops_training, 2, timeout=60) == [True, True]
+    assert torchpar_segments() == before
+
+
 def test_peer_that_never_arrives_times_out_on_every_rank():
     before = torchpar_segments()
     assert spawn(_peer_never_arrives, 3, timeout=60) == [True] * 3
