@@ -312,28 +312,63 @@ def test_activation_checkpointing_trains_like_one_process(backend, world_size, r
 
 
 class _CheckpointedHead(nn.Module):
-    def __init__(self):
+    """A reentrant checkpoint around the last layers: their gradients arrive first, inside the
+    checkpoint's nested backward, which ends before the outer one reaches `first`."""
+
+    def __init__(self, extra=False):
         super().__init__()
         self.first, self.head = nn.Linear(6, 8), nn.Sequential(nn.Tanh(), nn.Linear(8, 3))
+        self.extra = nn.Linear(3, 3) if extra else None  # never used in forward
 
     def forward(self, x):
         return torch.utils.checkpoint.checkpoint(self.head, self.first(x), use_reentrant=True)
 
 
-def _reentrant_head_raises(ctx):
-    # The first gradients arrive inside the checkpoint's nested backward, which ends before
-    # the outer one reaches `first`: a clear error naming the way out, not a silent miss.
+def _train_reentrant_head(ctx, as_view):
     _setup(ctx)
-    ddp = DDP(_CheckpointedHead(), process_group=ctx.pg, bucket_cap_mb=0)
-    x, y = _batch(0, 4)
-    with pytest.raises(RuntimeError, match="use_reentrant=False") as err:
-        _loss(ddp(x), y).backward()
-    assert "first.weight" in str(err.value)
+    torch.manual_seed(0)
+    model = _CheckpointedHead()
+    ref = copy.deepcopy(model)
+    ddp = DDP(model, process_group=ctx.pg, bucket_cap_mb=0, gradient_as_bucket_view=as_view)
+    opt, ref_opt = (torch.optim.SGD(m.parameters(), lr=0.2) for m in (ddp, ref))
+    for step in range(3):
+        x, y = _batch(step, 2 * ctx.world_size)
+        _step_shard_and_whole(ctx, ddp, opt, ref, ref_opt, x, y)
+        _assert_same_params(model, ref, step)
 
 
 @on_backends
-def test_reentrant_checkpoint_around_the_last_layers_raises_clear_error(backend):
-    _pool(backend, 2).run(_reentrant_head_raises)
+@multi_rank
+@pytest.mark.parametrize("as_view", [False, True], ids=["copy", "bucket_view"])
+def test_reentrant_checkpoint_around_the_last_layers_trains_like_one_process(backend, world_size, as_view):
+    _pool(backend, world_size).run(_train_reentrant_head, as_view)
+
+
+def _reentrant_head_with_unused_parameter(ctx, first_trainable):
+    _setup(ctx)
+    model = _CheckpointedHead(extra=True)
+    model.first.requires_grad_(first_trainable)
+    ddp = DDP(model, process_group=ctx.pg, bucket_cap_mb=0)
+    x, y = _batch(0, 4)
+    if first_trainable:
+        # The outer backward's own gradients queue the check at its end.
+        with pytest.raises(RuntimeError, match="find_unused_parameters=True") as err:
+            _loss(ddp(x), y).backward()
+    else:
+        # Every gradient arrived inside the checkpoint: the missing one is reported by the
+        # next forward, as torch's DDP does. (A reentrant checkpoint needs an input that
+        # requires grad.)
+        x.requires_grad_()
+        _loss(ddp(x), y).backward()
+        with pytest.raises(RuntimeError, match="find_unused_parameters=True") as err:
+            ddp(x)
+    assert "extra.weight" in str(err.value)
+
+
+@on_backends
+@pytest.mark.parametrize("first_trainable", [True, False], ids=["outer_grads", "only_nested_grads"])
+def test_reentrant_checkpoint_with_an_unused_parameter_raises_clear_error(backend, first_trainable):
+    _pool(backend, 2).run(_reentrant_head_with_unused_parameter, first_trainable)
 
 
 # ---- frozen parameters ----

@@ -4,6 +4,7 @@
 
 #include <ATen/ATen.h>
 #include <torch/csrc/autograd/engine.h>
+#include <torch/csrc/autograd/function.h>
 #include <torch/csrc/autograd/utils/lambda_post_hook.h>
 #include <torch/csrc/autograd/variable.h>
 
@@ -105,6 +106,7 @@ Reducer::~Reducer() {
 void Reducer::reset_step() {
   expect_backward_ = false;
   backward_started_ = false;
+  finalize_queued_ = false;
   std::fill(ready_.begin(), ready_.end(), false);
   std::fill(reachable_.begin(), reachable_.end(), true);
   for (auto& b : buckets_) {
@@ -116,6 +118,15 @@ void Reducer::reset_step() {
 
 void Reducer::prepare_for_backward(const std::vector<at::Tensor>& outputs) {
   std::lock_guard<std::mutex> lock(mutex_);
+  // A backward that ended inside a reentrant one with gradients still missing, and got no
+  // more (see finalize), is noticed here.
+  if (expect_backward_ && backward_started_) {
+    const std::string missing = params_without_gradient();
+    reset_step();
+    TORCH_CHECK(false, "torchpar DDP: the previous step's backward ended before these parameters "
+                "got a gradient, so no gradient of that step was averaged: ", missing,
+                ". Pass find_unused_parameters=True if a step may leave parameters unused.");
+  }
   reset_step();
   trace_.clear();
   ready_order_.clear();
@@ -156,10 +167,11 @@ void Reducer::on_gradient(int64_t index) {
   if (!expect_backward_) {
     return;  // no_sync(): the gradient just accumulates in .grad
   }
+  if (!finalize_queued_) {
+    queue_finalize();
+  }
   if (!backward_started_) {
     backward_started_ = true;
-    // Runs on this graph task once backward has finished: wait and write back.
-    autograd::Engine::get_default_engine().queue_callback([this] { finalize(); });
     // Parameters the outputs do not reach count as ready now; deferring this to the
     // first hook (not prepare_for_backward) keeps all collectives inside backward, so
     // they cannot interleave with collectives the user issues between forward and backward.
@@ -173,6 +185,23 @@ void Reducer::on_gradient(int64_t index) {
     ready_order_.push_back(index);
   }
   mark_ready(index, true);
+}
+
+void Reducer::queue_finalize() {
+  // Runs on this graph task once it has finished: wait and write back.
+  finalize_queued_ = true;
+  autograd::Engine::get_default_engine().queue_callback([this] { finalize(); });
+}
+
+std::string Reducer::params_without_gradient() const {
+  std::ostringstream missing;
+  int shown = 0;
+  for (size_t i = 0; i < params_.size() && shown < 5; ++i) {
+    if (!ready_[i]) {
+      missing << (shown++ ? ", " : "") << "'" << names_[i] << "'";
+    }
+  }
+  return missing.str();
 }
 
 void Reducer::mark_ready(int64_t index, bool has_gradient) {
@@ -299,21 +328,21 @@ void Reducer::finalize() {
   synced_once_ = true;
   try {
     if (next_launch_ < buckets_.size()) {
-      std::ostringstream missing;
-      int shown = 0;
-      for (size_t i = 0; i < params_.size() && shown < 5; ++i) {
-        if (!ready_[i]) {
-          missing << (shown++ ? ", " : "") << "'" << names_[i] << "'";
-        }
+      // The graph task that ran this callback may be a reentrant backward nested in the
+      // step's (torch.utils.checkpoint(use_reentrant=True) runs one per checkpoint, and the
+      // first gradients can arrive in it). Then a node of the outer backward is still being
+      // evaluated, and the outer backward's later gradients queue the next finalize.
+      if (autograd::get_current_node()) {
+        finalize_queued_ = false;
+        return;
       }
       const char* hint = options_.find_unused_parameters
                              ? "They are reachable from the forward's outputs, yet autograd did not "
                                "reach them: was backward started from another tensor?"
                              : "Pass find_unused_parameters=True if a step may leave parameters "
-                               "unused. (A torch.utils.checkpoint(use_reentrant=True) around the "
-                               "model's last layers ends backward early too: use use_reentrant=False.)";
+                               "unused.";
       TORCH_CHECK(false, "torchpar DDP: backward finished but these parameters got no gradient: ",
-                  missing.str(), ". ", hint);
+                  params_without_gradient(), ". ", hint);
     }
     // Globally unused parameters keep their .grad as it is (None stays None), as in
     // torch's DDP; telling them apart needs every rank's used flags.

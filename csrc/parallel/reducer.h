@@ -117,7 +117,9 @@ class Reducer {
   at::Tensor finish_reduction(Reduction& r, const at::Tensor& buffer);
   c10d::GradBucket grad_bucket(size_t index, const at::Tensor& buffer) const;
   void wait(Bucket& b);
+  void queue_finalize();
   void finalize();
+  std::string params_without_gradient() const;
   std::vector<int32_t> reduce_used_flags();
   void write_back(Bucket& b, const std::vector<int32_t>& used_anywhere);
   void reset_step();
@@ -140,6 +142,7 @@ class Reducer {
   mutable std::mutex mutex_;
   bool expect_backward_ = false;      // prepare_for_backward was called
   bool backward_started_ = false;     // first hook of the step ran, callback queued
+  bool finalize_queued_ = false;      // a finalize callback waits on some graph task
   std::vector<bool> ready_;
   std::vector<bool> reachable_;       // find_unused: parameter reached from the outputs
   std::vector<int32_t> used_since_sync_;  // got a gradient since the last reduction
