@@ -456,6 +456,94 @@ def test_unused_parameters_without_flag_raise_clear_error(backend):
     _pool(backend, 2).run(_unused_without_flag)
 
 
+# ---- static_graph ----
+
+def _static_unused_matches_torch(ctx, as_view):
+    # `never` gets no gradient in any step and `rank0` only on rank 0, without
+    # find_unused_parameters: static_graph's first step records that.
+    _setup(ctx)
+    ours_model, torch_model = _Branchy(), _Branchy()
+    kwargs = dict(process_group=ctx.pg, bucket_cap_mb=0, static_graph=True,
+                  gradient_as_bucket_view=as_view)
+    ours = DDP(ours_model, **kwargs)
+    theirs = nn.parallel.DistributedDataParallel(torch_model, **kwargs)
+    opt = torch.optim.SGD(ours.parameters(), lr=0.1, weight_decay=0.1)
+    ref_opt = torch.optim.SGD(theirs.parameters(), lr=0.1, weight_decay=0.1)
+    for step in range(4):
+        x, y = _batch(step, 2 * ctx.world_size)
+        for ddp, o in ((ours, opt), (theirs, ref_opt)):
+            o.zero_grad()
+            _loss(ddp(_shard(x, ctx), ctx.rank == 0), _shard(y, ctx)).backward()
+            o.step()
+        _assert_same_params(ours_model, torch_model, step)
+        assert ours_model.never.weight.grad is None
+    # After the first step, buckets launch during backward again (bucket 0 before finalize).
+    events = [e for e in ours.reducer.trace() if e[0] != "ready"]
+    assert events[0] == ("launch", 0) and events[-1] == ("finalize", -1)
+
+
+@on_backends
+@multi_rank
+@pytest.mark.parametrize("as_view", [False, True], ids=["copy", "bucket_view"])
+def test_static_graph_with_always_unused_parameters_matches_torch_ddp(backend, world_size, as_view):
+    _pool(backend, world_size).run(_static_unused_matches_torch, as_view)
+
+
+class _SharedCheckpointed(nn.Module):
+    """One block applied twice, each time inside a reentrant checkpoint: its parameters get
+    two gradients per step, the second inside the second nested backward."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(6)
+        self.inp, self.block, self.out = nn.Linear(6, 8), nn.Sequential(nn.Linear(8, 8), nn.Tanh()), nn.Linear(8, 3)
+
+    def forward(self, x):
+        h = self.inp(x)
+        for _ in range(2):
+            h = torch.utils.checkpoint.checkpoint(self.block, h, use_reentrant=True)
+        return self.out(h)
+
+
+def _static_shared_checkpoint(ctx, static):
+    _setup(ctx)
+    model = _SharedCheckpointed()
+    ref = copy.deepcopy(model)
+    ddp = DDP(model, process_group=ctx.pg, bucket_cap_mb=0, static_graph=static)
+    opt, ref_opt = (torch.optim.SGD(m.parameters(), lr=0.2) for m in (ddp, ref))
+    if not static:
+        x, y = _batch(0, 2 * ctx.world_size)
+        with pytest.raises(RuntimeError, match="got a gradient twice"):
+            _loss(ddp(_shard(x, ctx)), _shard(y, ctx)).backward()
+        return
+    for step in range(3):
+        x, y = _batch(step, 2 * ctx.world_size)
+        _step_shard_and_whole(ctx, ddp, opt, ref, ref_opt, x, y)
+        _assert_same_params(model, ref, step)
+
+
+@on_backends
+@multi_rank
+@pytest.mark.parametrize("static", [True, False], ids=["static_graph", "dynamic"])
+def test_parameters_checkpointed_twice_need_static_graph(backend, world_size, static):
+    _pool(backend, world_size).run(_static_shared_checkpoint, static)
+
+
+def _static_graph_changes(ctx):
+    _setup(ctx)
+    ddp = DDP(_Branchy(), process_group=ctx.pg, bucket_cap_mb=0, static_graph=True)
+    x, y = _batch(0, 2)
+    _loss(ddp(x, False), y).backward()  # records: rank0 unused
+    with pytest.raises(RuntimeError, match="static_graph=True") as err:
+        _loss(ddp(x, True), y).backward()  # now rank0 gets a gradient it did not before
+    assert "'rank0." in str(err.value) and "graph changed" in str(err.value)
+
+
+@on_backends
+def test_static_graph_that_changes_raises_clear_error(backend):
+    _pool(backend, 2).run(_static_graph_changes)
+
+
 # ---- no_sync() accumulation ----
 
 def _train_no_sync(ctx, as_view):

@@ -36,10 +36,10 @@ def _train_uneven(ctx, make_ddp, hook, batchnorm=False):
     return [t.detach().clone() for t in list(model.parameters()) + list(model.buffers())]
 
 
-def _join_matches_torch_ddp(ctx, find_unused, hook, batchnorm=False):
+def _join_matches_torch_ddp(ctx, find_unused, hook, batchnorm=False, static=False):
     _setup(ctx)
     kwargs = dict(process_group=ctx.pg, bucket_cap_mb=0.0002, find_unused_parameters=find_unused)
-    ours = _train_uneven(ctx, lambda m: DDP(m, **kwargs), hook, batchnorm)
+    ours = _train_uneven(ctx, lambda m: DDP(m, static_graph=static, **kwargs), hook, batchnorm)
     theirs = _train_uneven(ctx, lambda m: nn.parallel.DistributedDataParallel(m, **kwargs), hook, batchnorm)
     tol = dict(rtol=1e-3, atol=1e-4) if hook else {}
     for a, b in zip(ours, theirs):
@@ -65,6 +65,13 @@ def test_buffers_come_from_a_rank_still_training(backend, world_size):
     # BatchNorm's running statistics: each step broadcasts them from the highest rank still
     # training, as torch's DDP does; a joined rank's have stopped moving.
     _pool(backend, world_size).run(_join_matches_torch_ddp, False, False, True)
+
+
+@on_backends
+@multi_rank
+def test_uneven_inputs_with_static_graph(backend, world_size):
+    # Joined ranks shadow the first step's all-at-the-end reduction and its used flags too.
+    _pool(backend, world_size).run(_join_matches_torch_ddp, False, False, False, True)
 
 
 @on_backends

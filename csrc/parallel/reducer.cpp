@@ -37,6 +37,7 @@ Reducer::Reducer(std::vector<at::Tensor> params, std::vector<std::string> names,
   ready_.assign(n, false);
   reachable_.assign(n, true);
   used_since_sync_.assign(n, 0);
+  hooks_seen_.assign(n, 0);
   for (size_t i = 0; i < n; ++i) {
     auto acc = autograd::impl::grad_accumulator(params_[i]);
     TORCH_CHECK(acc, "torchpar DDP: parameter '", names_[i], "' has no gradient accumulator");
@@ -107,6 +108,7 @@ void Reducer::reset_step() {
   expect_backward_ = false;
   backward_started_ = false;
   finalize_queued_ = false;
+  hooks_seen_.assign(params_.size(), 0);
   std::fill(ready_.begin(), ready_.end(), false);
   std::fill(reachable_.begin(), reachable_.end(), true);
   for (auto& b : buckets_) {
@@ -131,7 +133,7 @@ void Reducer::prepare_for_backward(const std::vector<at::Tensor>& outputs) {
   trace_.clear();
   ready_order_.clear();
   expect_backward_ = true;
-  if (!options_.find_unused_parameters) {
+  if (!options_.find_unused_parameters || options_.static_graph) {
     return;
   }
   // Every grad accumulator reachable from the outputs will fire; the others will not.
@@ -168,26 +170,57 @@ void Reducer::on_gradient(int64_t index) {
     return;  // no_sync(): the gradient just accumulates in .grad
   }
   if (!finalize_queued_) {
-    queue_finalize();
+    queue_finalize_locked();
   }
   if (!backward_started_) {
     backward_started_ = true;
-    // Parameters the outputs do not reach count as ready now; deferring this to the
-    // first hook (not prepare_for_backward) keeps all collectives inside backward, so
-    // they cannot interleave with collectives the user issues between forward and backward.
+    // Parameters that will get no gradient count as ready now: those the outputs do not reach
+    // (find_unused_parameters), or that got none in the first step (static_graph). Deferring
+    // this to the first hook (not prepare_for_backward) keeps all collectives inside backward,
+    // so they cannot interleave with collectives the user issues between forward and backward.
     for (size_t i = 0; i < params_.size(); ++i) {
-      if (!reachable_[i]) {
+      if (!reachable_[i] || (graph_recorded_ && hooks_expected_[i] == 0)) {
         mark_ready(static_cast<int64_t>(i), used_since_sync_[i] != 0);
       }
     }
   }
-  if (!rebuilt_) {
+  if (!rebuilt_ && hooks_seen_[index] == 0) {
     ready_order_.push_back(index);
   }
-  mark_ready(index, true);
+  const int32_t seen = ++hooks_seen_[index];
+  if (!options_.static_graph) {
+    mark_ready(index, true);
+  } else if (graph_recorded_) {
+    // The record says how many gradients this parameter gets (reentrant checkpoints can
+    // deliver several); .grad holds their sum once the last has arrived.
+    TORCH_CHECK(seen <= hooks_expected_[index], "torchpar DDP: static_graph=True, but parameter '",
+                names_[index], "' got ", seen, " gradients in this step and ", hooks_expected_[index],
+                " in the first: the autograd graph changed between steps.");
+    if (seen == hooks_expected_[index]) {
+      mark_ready(index, true);
+    }
+  }
+  // else: the first static_graph step, recorded here and reduced all at once in finalize.
+}
+
+void Reducer::mark_all_ready_for_recording() {
+  for (size_t i = 0; i < params_.size(); ++i) {
+    mark_ready(static_cast<int64_t>(i), hooks_seen_[i] > 0 || used_since_sync_[i] != 0);
+  }
+}
+
+bool Reducer::step_reduces_used_flags() const {
+  return options_.find_unused_parameters || (options_.static_graph && !graph_recorded_);
 }
 
 void Reducer::queue_finalize() {
+  std::lock_guard<std::mutex> lock(mutex_);
+  if (expect_backward_ && !finalize_queued_) {
+    queue_finalize_locked();
+  }
+}
+
+void Reducer::queue_finalize_locked() {
   // Runs on this graph task once it has finished: wait and write back.
   finalize_queued_ = true;
   autograd::Engine::get_default_engine().queue_callback([this] { finalize(); });
@@ -300,13 +333,19 @@ void Reducer::join_shadow_backward() {
     Reduction r = start_reduction(i, zeros);
     finish_reduction(r, zeros);
   }
-  if (options_.find_unused_parameters) {
+  if (step_reduces_used_flags()) {
     std::vector<at::Tensor> tensors{at::zeros({static_cast<int64_t>(params_.size())},
                                               params_.front().options().dtype(at::kInt))};
     group_->allreduce(tensors)->wait();
   }
   if (!rebuilt_) {
     rebuild_in_observed_order();  // takes rank 0's order, as the training ranks do
+  }
+  if (options_.static_graph && !graph_recorded_) {
+    // Mirrors the training ranks, which record after their first step (this rank trains no more).
+    hooks_expected_.assign(params_.size(), 0);
+    used_in_record_.assign(params_.size(), 0);
+    graph_recorded_ = true;
   }
 }
 
@@ -327,6 +366,14 @@ void Reducer::finalize() {
   trace_.push_back({TraceEvent::kFinalize, -1});
   synced_once_ = true;
   try {
+    const bool recording = options_.static_graph && !graph_recorded_;
+    if (recording) {
+      if (autograd::get_current_node()) {  // a nested backward: more gradients may come
+        finalize_queued_ = false;
+        return;
+      }
+      mark_all_ready_for_recording();
+    }
     if (next_launch_ < buckets_.size()) {
       // The graph task that ran this callback may be a reentrant backward nested in the
       // step's (torch.utils.checkpoint(use_reentrant=True) runs one per checkpoint, and the
@@ -336,7 +383,10 @@ void Reducer::finalize() {
         finalize_queued_ = false;
         return;
       }
-      const char* hint = options_.find_unused_parameters
+      const char* hint = options_.static_graph
+                             ? "They did in the first step, and static_graph=True promises the "
+                               "same autograd graph every step."
+                         : options_.find_unused_parameters
                              ? "They are reachable from the forward's outputs, yet autograd did not "
                                "reach them: was backward started from another tensor?"
                              : "Pass find_unused_parameters=True if a step may leave parameters "
@@ -346,8 +396,10 @@ void Reducer::finalize() {
     }
     // Globally unused parameters keep their .grad as it is (None stays None), as in
     // torch's DDP; telling them apart needs every rank's used flags.
-    const std::vector<int32_t> used_anywhere =
-        options_.find_unused_parameters ? reduce_used_flags() : std::vector<int32_t>(params_.size(), 1);
+    // With static_graph, the first step's flags hold for every later step.
+    const std::vector<int32_t> used_anywhere = step_reduces_used_flags() ? reduce_used_flags()
+                                               : graph_recorded_         ? used_in_record_
+                                                                 : std::vector<int32_t>(params_.size(), 1);
     // Bucket by bucket, so that copying out an early bucket overlaps the all-reduce of
     // the later ones.
     for (auto& b : buckets_) {
@@ -359,6 +411,11 @@ void Reducer::finalize() {
     }
     if (!rebuilt_) {
       rebuild_in_observed_order();
+    }
+    if (recording) {
+      hooks_expected_ = hooks_seen_;
+      used_in_record_ = used_anywhere;
+      graph_recorded_ = true;
     }
   } catch (...) {
     reset_step();

@@ -39,6 +39,11 @@ struct ReducerOptions {
   bool find_unused_parameters = false;
   // Dtype the buckets hold and reduce in; nullopt: the parameters' own dtype.
   std::optional<at::ScalarType> reduce_dtype;
+  // The autograd graph is the same every step (torch's static_graph=True): the first
+  // synchronised step reduces every bucket at the end of backward and records how many
+  // gradients each parameter gets (none, one, or several with reentrant checkpoints); later
+  // steps count ready parameters by that record, with no unused-parameter search.
+  bool static_graph = false;
   // Bucket caps for rebuilding the buckets in the gradient order seen in the first step
   // (registration order is only a guess at backward's order); -1: keep the first buckets.
   int64_t cap_bytes = -1;
@@ -74,6 +79,12 @@ class Reducer {
   // tensor, as with torch's DDP.register_comm_hook. Once, before the first synchronised
   // backward.
   void register_comm_hook(std::unique_ptr<c10d::CommHookInterface> hook);
+
+  // Queues the end-of-backward callback on the graph task now running, unless one is queued.
+  // The first static_graph step calls it from a node on the forward's outputs, so the
+  // callback waits for the outermost backward even if every gradient arrives inside
+  // reentrant (nested) ones. Otherwise the first gradient hook queues it.
+  void queue_finalize();
 
   // For a rank whose inputs have run out while others train on (DDP's join()): issues the
   // collectives of one synchronised backward (each bucket's all-reduce or comm hook, the
@@ -117,8 +128,12 @@ class Reducer {
   at::Tensor finish_reduction(Reduction& r, const at::Tensor& buffer);
   c10d::GradBucket grad_bucket(size_t index, const at::Tensor& buffer) const;
   void wait(Bucket& b);
-  void queue_finalize();
   void finalize();
+  // The first static_graph step: every parameter counts ready now, with or without a gradient.
+  void mark_all_ready_for_recording();
+  // The unused-parameter flags are all-reduced at the end of this step.
+  bool step_reduces_used_flags() const;
+  void queue_finalize_locked();
   std::string params_without_gradient() const;
   std::vector<int32_t> reduce_used_flags();
   void write_back(Bucket& b, const std::vector<int32_t>& used_anywhere);
@@ -149,6 +164,10 @@ class Reducer {
   size_t next_launch_ = 0;
   std::vector<TraceEvent> trace_;
   std::vector<int64_t> ready_order_;  // hook order in the first synchronised step
+  std::vector<int32_t> hooks_seen_;   // gradients per parameter this step
+  std::vector<int32_t> hooks_expected_;  // static_graph: per parameter, from the first step
+  std::vector<int32_t> used_in_record_;  // static_graph: used on some rank in the first step
+  bool graph_recorded_ = false;       // static_graph: hooks_expected_ is set
   bool rebuilt_ = false;
 };
 

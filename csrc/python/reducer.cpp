@@ -23,20 +23,21 @@ TORCHPAR_PYBIND(reducer) {
                        std::vector<std::vector<int64_t>> buckets,
                        c10::intrusive_ptr<c10d::ProcessGroup> group, bool gradient_as_bucket_view,
                        bool find_unused_parameters, std::optional<at::ScalarType> reduce_dtype,
-                       int64_t cap_bytes, int64_t first_cap_bytes) {
+                       int64_t cap_bytes, int64_t first_cap_bytes, bool static_graph) {
              ReducerOptions options;
              options.cap_bytes = cap_bytes;
              options.first_cap_bytes = first_cap_bytes;
              options.gradient_as_bucket_view = gradient_as_bucket_view;
              options.find_unused_parameters = find_unused_parameters;
              options.reduce_dtype = reduce_dtype;
+             options.static_graph = static_graph;
              return std::make_shared<Reducer>(std::move(params), std::move(names), std::move(buckets),
                                               std::move(group), options);
            }),
            py::arg("params"), py::arg("names"), py::arg("buckets"), py::arg("process_group"),
            py::arg("gradient_as_bucket_view") = false, py::arg("find_unused_parameters") = false,
            py::arg("reduce_dtype") = py::none(), py::arg("cap_bytes") = -1,
-           py::arg("first_cap_bytes") = -1)
+           py::arg("first_cap_bytes") = -1, py::arg("static_graph") = false)
       .def("prepare_for_backward", &Reducer::prepare_for_backward, py::arg("outputs"),
            py::call_guard<py::gil_scoped_release>())
       .def("trace",
@@ -59,6 +60,9 @@ TORCHPAR_PYBIND(reducer) {
            py::arg("state"), py::arg("hook"),
            "hook(state, torch.distributed.GradBucket) -> torch.futures.Future[Tensor] replaces "
            "each bucket's all-reduce (torch DDP's register_comm_hook contract).")
+      .def("queue_finalize", &Reducer::queue_finalize, py::call_guard<py::gil_scoped_release>(),
+           "Queue the end-of-backward callback on the graph task now running (from a node on "
+           "the forward's outputs: the outermost backward).")
       .def("join_shadow_backward", &Reducer::join_shadow_backward,
            py::call_guard<py::gil_scoped_release>(),
            "The collectives of one synchronised backward with zeros as this rank's share "

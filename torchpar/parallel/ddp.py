@@ -19,7 +19,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.algorithms.join import Join, Joinable, JoinHook
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
-from torch.utils._pytree import tree_flatten, tree_map
+from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
 from torchpar import _C
 
@@ -40,8 +40,10 @@ class DistributedDataParallel(nn.Module, Joinable):
 
     Arguments match torch's DDP, in its order, so that code written for it runs unchanged:
     ``device_ids`` names the one device a CUDA module lives on (inputs are moved there, as
-    torch does), ``static_graph`` is accepted as the hint it is (this reducer needs no
-    static-graph mode) and ``init_sync=False`` skips the model check and broadcast.
+    torch does), and ``init_sync=False`` skips the model check and broadcast. With
+    ``static_graph=True`` the first step records how many gradients each parameter gets
+    (none for parameters unused in every step, several under reentrant checkpoints) and
+    later steps reduce by that record, without ``find_unused_parameters``'s graph search.
     ``grad_reduce_dtype`` (e.g. ``torch.float32`` for bfloat16 parameters) is ours: the
     buckets hold and reduce gradients in that dtype and the result is cast back, because
     sums of many low-precision values lose precision.
@@ -87,7 +89,7 @@ class DistributedDataParallel(nn.Module, Joinable):
         # The caps let the reducer rebuild the buckets in the order of the first backward.
         self.reducer = _C.Reducer(params, [n for n, _ in trained], buckets, self.process_group,
                                   gradient_as_bucket_view, find_unused_parameters, grad_reduce_dtype,
-                                  cap, first_cap)
+                                  cap, first_cap, static_graph)
 
     def forward(self, *inputs, **kwargs):
         sync = torch.is_grad_enabled() and self.require_backward_grad_sync
@@ -106,6 +108,8 @@ class DistributedDataParallel(nn.Module, Joinable):
         if sync:
             tensors = [t for t in tree_flatten(outputs)[0] if isinstance(t, torch.Tensor)]
             self.reducer.prepare_for_backward(tensors if self.find_unused_parameters else [])
+            if self.static_graph:
+                outputs = _queue_finalize_at_outputs(outputs, self.reducer)
         return outputs
 
     def register_comm_hook(self, state, hook):
@@ -183,6 +187,33 @@ class _JoinHook(JoinHook):
         with torch.no_grad():
             _broadcast_from_rank0(list(ddp.module.parameters()) + list(ddp.module.buffers()), group,
                                   group_src=int(src.item()))
+
+
+class _QueueFinalize(torch.autograd.Function):
+    """Identity on the forward's outputs. Its backward is the first node of the step's
+    outermost backward, so it queues the reducer's end-of-backward callback there: with
+    static_graph the first step reduces everything in that callback, and it must not run at
+    the end of a reentrant checkpoint's nested backward."""
+
+    @staticmethod
+    def forward(ctx, reducer, *tensors):
+        ctx.reducer = reducer
+        return tuple(t.view_as(t) for t in tensors)
+
+    @staticmethod
+    def backward(ctx, *grads):
+        ctx.reducer.queue_finalize()
+        return (None, *grads)
+
+
+def _queue_finalize_at_outputs(outputs, reducer):
+    leaves, spec = tree_flatten(outputs)
+    idx = [i for i, t in enumerate(leaves) if isinstance(t, torch.Tensor) and t.requires_grad]
+    if not idx:
+        return outputs
+    for i, t in zip(idx, _QueueFinalize.apply(reducer, *(leaves[i] for i in idx))):
+        leaves[i] = t
+    return tree_unflatten(leaves, spec)
 
 
 def _single_device(module, device_ids, output_device):
