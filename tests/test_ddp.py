@@ -72,6 +72,19 @@ def _step_shard_and_whole(ctx, ddp, opt, ref, ref_opt, x, y, loss=_loss, set_to_
     ref_opt.step()
 
 
+def _train_like_one_process(ctx, model, steps=3, lr=0.2, **ddp_kwargs):
+    """SGD steps of DDP(model) on this rank's shard beside one process on the whole batch;
+    the parameters must agree after each step."""
+    ref = copy.deepcopy(model)
+    ddp = DDP(model, **{"process_group": ctx.pg, **ddp_kwargs})
+    opt, ref_opt = (torch.optim.SGD(m.parameters(), lr=lr) for m in (ddp, ref))
+    for step in range(steps):
+        x, y = _batch(step, 2 * ctx.world_size)
+        _step_shard_and_whole(ctx, ddp, opt, ref, ref_opt, x, y)
+        _assert_same_params(model, ref, step)
+    return ddp
+
+
 def _train_side_by_side(ctx, ddps, models, steps, per_rank=2, tol=None):
     """SGD steps of two DDP wrappers on the same shards; their modules must agree after each."""
     opts = [torch.optim.SGD(d.parameters(), lr=0.1) for d in ddps]
@@ -199,15 +212,7 @@ def test_buckets_are_rebuilt_in_gradient_order(backend, world_size, as_view):
 
 def _train_on_explicit_group(ctx):
     _setup(ctx)
-    model = _mlp(8)
-    ref = copy.deepcopy(model)
-    ddp = DDP(model, process_group=ctx.gloo, bucket_cap_mb=0.0002)
-    opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
-    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
-    for step in range(2):
-        x, y = _batch(step, 2 * ctx.world_size)
-        _step_shard_and_whole(ctx, ddp, opt, ref, ref_opt, x, y)
-        _assert_same_params(model, ref, step)
+    _train_like_one_process(ctx, _mlp(8), steps=2, lr=0.1, process_group=ctx.gloo, bucket_cap_mb=0.0002)
 
 
 @on_backends
@@ -294,14 +299,7 @@ class _Checkpointed(nn.Module):
 
 def _train_checkpointed(ctx, reentrant):
     _setup(ctx)
-    model = _Checkpointed(reentrant)
-    ref = copy.deepcopy(model)
-    ddp = DDP(model, process_group=ctx.pg, bucket_cap_mb=0)
-    opt, ref_opt = (torch.optim.SGD(m.parameters(), lr=0.2) for m in (ddp, ref))
-    for step in range(3):
-        x, y = _batch(step, 2 * ctx.world_size)
-        _step_shard_and_whole(ctx, ddp, opt, ref, ref_opt, x, y)
-        _assert_same_params(model, ref, step)
+    _train_like_one_process(ctx, _Checkpointed(reentrant), bucket_cap_mb=0)
 
 
 @on_backends
@@ -327,14 +325,7 @@ class _CheckpointedHead(nn.Module):
 def _train_reentrant_head(ctx, as_view):
     _setup(ctx)
     torch.manual_seed(0)
-    model = _CheckpointedHead()
-    ref = copy.deepcopy(model)
-    ddp = DDP(model, process_group=ctx.pg, bucket_cap_mb=0, gradient_as_bucket_view=as_view)
-    opt, ref_opt = (torch.optim.SGD(m.parameters(), lr=0.2) for m in (ddp, ref))
-    for step in range(3):
-        x, y = _batch(step, 2 * ctx.world_size)
-        _step_shard_and_whole(ctx, ddp, opt, ref, ref_opt, x, y)
-        _assert_same_params(model, ref, step)
+    _train_like_one_process(ctx, _CheckpointedHead(), bucket_cap_mb=0, gradient_as_bucket_view=as_view)
 
 
 @on_backends
@@ -507,19 +498,13 @@ class _SharedCheckpointed(nn.Module):
 
 def _static_shared_checkpoint(ctx, static):
     _setup(ctx)
-    model = _SharedCheckpointed()
-    ref = copy.deepcopy(model)
-    ddp = DDP(model, process_group=ctx.pg, bucket_cap_mb=0, static_graph=static)
-    opt, ref_opt = (torch.optim.SGD(m.parameters(), lr=0.2) for m in (ddp, ref))
-    if not static:
-        x, y = _batch(0, 2 * ctx.world_size)
-        with pytest.raises(RuntimeError, match="got a gradient twice"):
-            _loss(ddp(_shard(x, ctx)), _shard(y, ctx)).backward()
+    if static:
+        _train_like_one_process(ctx, _SharedCheckpointed(), bucket_cap_mb=0, static_graph=True)
         return
-    for step in range(3):
-        x, y = _batch(step, 2 * ctx.world_size)
-        _step_shard_and_whole(ctx, ddp, opt, ref, ref_opt, x, y)
-        _assert_same_params(model, ref, step)
+    ddp = DDP(_SharedCheckpointed(), process_group=ctx.pg, bucket_cap_mb=0)
+    x, y = _batch(0, 2 * ctx.world_size)
+    with pytest.raises(RuntimeError, match="got a gradient twice"):
+        _loss(ddp(_shard(x, ctx)), _shard(y, ctx)).backward()
 
 
 @on_backends

@@ -106,6 +106,22 @@ void forward(const T* x, const at::opmath_type<T>* w, const at::opmath_type<T>* 
   });
 }
 
+// The two vectors at column i of one row: dy, g = dy * w and xhat = (x - mean) * rstd.
+template <typename T, typename Vec>
+struct BackwardStep {
+  Vec d0, d1, g0, g1, h0, h1;
+  BackwardStep(const T* dy, const T* x, const at::opmath_type<T>* w, int64_t i, const Vec& vmu,
+               const Vec& vrs) {
+    Vec x0, x1;
+    VecIO<T>::load2(dy + i, d0, d1);
+    VecIO<T>::load2(x + i, x0, x1);
+    h0 = (x0 - vmu) * vrs;
+    h1 = (x1 - vmu) * vrs;
+    g0 = d0 * Vec::loadu(w + i);
+    g1 = d1 * Vec::loadu(w + i + Vec::size());
+  }
+};
+
 // Pass 1 of the backward over n columns of one row: adds sum(g) and sum(g * xhat) to sums, and
 // the row's share to the dweight and dbias partials (g = dy * w, xhat = (x - mean) * rstd).
 template <typename T>
@@ -120,17 +136,13 @@ void backward_sums(const T* dy, const T* x, const at::opmath_type<T>* w, at::opm
   Vec sg(0), sgx(0);
   int64_t i = 0;
   for (; i + IO::kStep <= n; i += IO::kStep) {
-    Vec d0, d1, x0, x1;
-    IO::load2(dy + i, d0, d1);
-    IO::load2(x + i, x0, x1);
-    Vec h0 = (x0 - vmu) * vrs, h1 = (x1 - vmu) * vrs;
-    Vec g0 = d0 * Vec::loadu(w + i), g1 = d1 * Vec::loadu(w + i + V);
-    sg = sg + g0 + g1;
-    sgx = at::vec::fmadd(g0, h0, at::vec::fmadd(g1, h1, sgx));
-    at::vec::fmadd(d0, h0, Vec::loadu(dwp + i)).store(dwp + i);
-    at::vec::fmadd(d1, h1, Vec::loadu(dwp + i + V)).store(dwp + i + V);
-    (Vec::loadu(dbp + i) + d0).store(dbp + i);
-    (Vec::loadu(dbp + i + V) + d1).store(dbp + i + V);
+    const BackwardStep<T, Vec> s(dy, x, w, i, vmu, vrs);
+    sg = sg + s.g0 + s.g1;
+    sgx = at::vec::fmadd(s.g0, s.h0, at::vec::fmadd(s.g1, s.h1, sgx));
+    at::vec::fmadd(s.d0, s.h0, Vec::loadu(dwp + i)).store(dwp + i);
+    at::vec::fmadd(s.d1, s.h1, Vec::loadu(dwp + i + V)).store(dwp + i + V);
+    (Vec::loadu(dbp + i) + s.d0).store(dbp + i);
+    (Vec::loadu(dbp + i + V) + s.d1).store(dbp + i + V);
   }
   acc_t g_total = reduce_sum<T, acc_t>(sg), gx_total = reduce_sum<T, acc_t>(sgx);
   for (; i < n; ++i) {
@@ -153,16 +165,11 @@ void backward_dx(const T* dy, const T* x, const at::opmath_type<T>* w, T* dx,
   using IO = VecIO<T>;
   using acc_t = typename IO::acc_t;
   using Vec = typename IO::Vec;
-  constexpr int64_t V = Vec::size();
   const Vec vmu(mu), vrs(rs), vc1(c1), vc2(c2);
   int64_t i = 0;
   for (; i + IO::kStep <= n; i += IO::kStep) {
-    Vec d0, d1, x0, x1;
-    IO::load2(dy + i, d0, d1);
-    IO::load2(x + i, x0, x1);
-    Vec h0 = (x0 - vmu) * vrs, h1 = (x1 - vmu) * vrs;
-    Vec g0 = d0 * Vec::loadu(w + i), g1 = d1 * Vec::loadu(w + i + V);
-    IO::store2(dx + i, vrs * (g0 - vc1 - h0 * vc2), vrs * (g1 - vc1 - h1 * vc2));
+    const BackwardStep<T, Vec> s(dy, x, w, i, vmu, vrs);
+    IO::store2(dx + i, vrs * (s.g0 - vc1 - s.h0 * vc2), vrs * (s.g1 - vc1 - s.h1 * vc2));
   }
   for (; i < n; ++i) {
     acc_t h = (acc_t(x[i]) - mu) * rs, g = acc_t(dy[i]) * w[i];
