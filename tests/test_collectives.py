@@ -290,6 +290,37 @@ def test_coalesced_variants(world_size):
     pool(world_size).run(_coalesced)
 
 
+def _coalesced_in_place(ctx, dtype, op):
+    """all_reduce_coalesced reduces contiguous tensors where they lie: sizes that end inside
+    pieces, chunks and slots, and empty ones, must land exactly. A non-contiguous tensor among
+    them takes the packed path."""
+    w = ctx.world_size
+    backend = ctx.pg._get_backend(torch.device("cpu"))
+    sizes = (1, 0, 4099, 17, 12000, 3, 0, 2500)
+    ts = [make_input(ctx.rank, n, dtype, salt=9 + k) for k, n in enumerate(sizes)]
+    ptrs = [t.data_ptr() for t in ts]
+    expected = [reference([make_input(r, n, dtype, salt=9 + k) for r in range(w)], op).to(dtype)
+                for k, n in enumerate(sizes)]
+    opts = dist.AllreduceCoalescedOptions()
+    opts.reduceOp = reduce_op(op)
+    backend.allreduce_coalesced(ts, opts).wait()
+    for t, e, p in zip(ts, expected, ptrs):
+        assert t.data_ptr() == p
+        assert_equal(t, e, f"all_reduce_coalesced {op}")
+    strided = [make_input(ctx.rank, 2 * 900, dtype, salt=40)[::2], make_input(ctx.rank, 50, dtype, salt=41)]
+    backend.allreduce_coalesced(strided, opts).wait()
+    assert_equal(strided[0], reference([make_input(r, 2 * 900, dtype, salt=40)[::2] for r in range(w)], op).to(dtype),
+                 "all_reduce_coalesced of a strided tensor")
+    return True
+
+
+@pytest.mark.parametrize("world_size", [2, 3, 4])
+@pytest.mark.parametrize("dtype,op", [(torch.float32, "SUM"), (torch.bfloat16, "SUM"), (torch.int64, "MAX"),
+                                      (torch.float64, "AVG")], ids=["f32-sum", "bf16-sum", "i64-max", "f64-avg"])
+def test_coalesced_all_reduce_in_place(world_size, dtype, op):
+    pool(world_size).run(_coalesced_in_place, dtype, op)
+
+
 @pytest.mark.parametrize("world_size", [2, 3])
 def test_complex_through_real_view(world_size):
     pool(world_size).run(_complex)

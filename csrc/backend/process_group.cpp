@@ -2,6 +2,7 @@
 
 #include <c10/util/Exception.h>
 
+#include <algorithm>
 #include <numeric>
 
 #include "backend/tensors.h"
@@ -266,6 +267,23 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupTorchpar::allreduce_coalesced(
   auto op = reduce_op(opts.reduceOp, "all_reduce_coalesced", tensors[0].scalar_type());
   c10d::ReduceOp user_op = opts.reduceOp;
   std::vector<at::Tensor> ts = tensors;
+  const bool in_place =
+      user_op != c10d::ReduceOp::PREMUL_SUM && std::all_of(ts.begin(), ts.end(), [](const at::Tensor& t) {
+        return t.is_contiguous() && !t.is_conj() && !t.is_neg();
+      });
+  if (in_place) {
+    // One collective over the tensors where they lie: no flat copy to pack and unpack.
+    return enqueue(OpType::COALESCED, "all_reduce_coalesced", ts, [ts, op](Comm& c) {
+      collectives::Segments data;
+      size_t count = 0;
+      for (const auto& t : ts) {
+        const Staged s = Staged::output(t);  // in place: the tensor itself (complex as real pairs)
+        data.add(s.data(), s.count() * s.buffer.element_size());
+        count += s.count();
+      }
+      collectives::allreduce(c, data, count, Staged::output(ts[0]).dtype(), op);
+    }, opts);
+  }
   return enqueue(OpType::COALESCED, "all_reduce_coalesced", ts, [ts, op, user_op](Comm& c) {
     // One flat buffer, one collective: W small all-reduces would pay W synchronisations.
     std::vector<at::Tensor> flat;

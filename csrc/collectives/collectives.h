@@ -12,12 +12,15 @@
 
 #include "collectives/comm.h"
 #include "collectives/reduce_op.h"
+#include "collectives/segments.h"
 
 namespace torchpar::collectives {
 
 // In place. Small messages: every rank reduces straight from all slots (one-shot).
 // Large: reduce-scatter then all-gather through the arena, chunk by chunk.
 void allreduce(Comm& c, void* data, size_t count, c10::ScalarType dtype, ReduceOp op);
+// The same over several buffers taken as one (`count` elements in all), each reduced in place.
+void allreduce(Comm& c, const Segments& data, size_t count, c10::ScalarType dtype, ReduceOp op);
 
 void broadcast(Comm& c, void* data, size_t count, c10::ScalarType dtype, int root);
 
@@ -45,6 +48,7 @@ void barrier(Comm& c);
 
 // Shared by allreduce (root = -1: every rank receives) and reduce: reduce-scatter through
 // the arena, then the receivers gather the reduced pieces, chunk by chunk. In place.
-void reduce_in_chunks(Comm& c, char* data, size_t count, c10::ScalarType dtype, ReduceOp op, int root);
+void reduce_in_chunks(Comm& c, const Segments& data, size_t count, c10::ScalarType dtype, ReduceOp op,
+                      int root);
 
 }  // namespace torchpar::collectives

@@ -11,8 +11,10 @@ namespace torchpar::collectives {
 // stages the pieces of its chunk that other ranks reduce (its own piece it reads straight
 // from its input), reduces piece r from all slots into its slot, and the receivers copy
 // every reduced piece out. Each byte crosses memory a bounded number of times, whatever W,
-// and the reduction work is spread over all ranks.
-void reduce_in_chunks(Comm& c, char* data, size_t count, c10::ScalarType dtype, ReduceOp op, int root) {
+// and the reduction work is spread over all ranks. The input may be several buffers
+// (Segments): a reduction then runs once per contiguous span.
+void reduce_in_chunks(Comm& c, const Segments& data, size_t count, c10::ScalarType dtype, ReduceOp op,
+                      int root) {
   const size_t es = element_size(dtype);
   const size_t chunk = c.arena.slot_bytes() / es;
   const int me = c.rank();
@@ -21,30 +23,29 @@ void reduce_in_chunks(Comm& c, char* data, size_t count, c10::ScalarType dtype, 
   size_t off = 0;
   do {
     const size_t n = std::min(chunk, count - off);
-    char* in = data + off * es;
+    const size_t base = off * es;  // the chunk's first byte in `data`
     if (off > 0) c.wait_slot_free();
     for (int r = 0; r < c.size(); ++r) {
       Piece p = piece_of(n, c.size(), r);
-      if (r != me) stream_copy(c.arena.slot(me) + p.begin * es, in + p.begin * es, p.size() * es);
+      if (r != me) data.gather(c.arena.slot(me) + p.begin * es, base + p.begin * es, p.size() * es, true);
     }
     c.arrive_and_wait();
     if (off == 0) c.check_descriptors();
 
     Piece mine = piece_of(n, c.size(), me);
-    for (int r = 0; r < c.size(); ++r) srcs[r] = (r == me ? in : c.arena.slot(r)) + mine.begin * es;
     char* my_piece = c.arena.slot(me) + mine.begin * es;
+    data.for_each(base + mine.begin * es, mine.size() * es, [&](char* in, size_t at, size_t bytes) {
+      for (int r = 0; r < c.size(); ++r) srcs[r] = r == me ? in : c.arena.slot(r) + mine.begin * es + at;
+      // Receivers reduce straight into the output; the others into their slot (input untouched).
+      reduce(dtype, op, receives ? in : my_piece + at, srcs.data(), c.size(), bytes / es, c.size());
+    });
     if (receives) {
-      // Reduce straight into the output; publish the piece for the other receivers.
-      reduce(dtype, op, in + mine.begin * es, srcs.data(), c.size(), mine.size(), c.size());
-      if (root < 0) stream_copy(my_piece, in + mine.begin * es, mine.size() * es);
-    } else {
-      reduce(dtype, op, my_piece, srcs.data(), c.size(), mine.size(), c.size());  // input untouched
-    }
-    if (receives) {
+      // Publish the piece for the other receivers, then take theirs.
+      if (root < 0) data.gather(my_piece, base + mine.begin * es, mine.size() * es, true);
       c.arrive_and_wait();
       for (int r = 0; r < c.size(); ++r) {
         Piece p = piece_of(n, c.size(), r);
-        if (r != me) std::memcpy(in + p.begin * es, c.arena.slot(r) + p.begin * es, p.size() * es);
+        if (r != me) data.scatter(base + p.begin * es, c.arena.slot(r) + p.begin * es, p.size() * es);
       }
     } else {
       c.arrive();
@@ -57,7 +58,7 @@ void reduce_in_chunks(Comm& c, char* data, size_t count, c10::ScalarType dtype, 
 void reduce(Comm& c, void* data, size_t count, c10::ScalarType dtype, ReduceOp op, int root) {
   check_supported(op, dtype);
   c.begin(op_desc(OpKind::kReduce, dtype, count, root, static_cast<int>(op)));
-  reduce_in_chunks(c, static_cast<char*>(data), count, dtype, op, root);
+  reduce_in_chunks(c, Segments(data, count * element_size(dtype)), count, dtype, op, root);
 }
 
 }  // namespace torchpar::collectives
