@@ -447,6 +447,31 @@ def test_unused_parameters_without_flag_raise_clear_error(backend):
     _pool(backend, 2).run(_unused_without_flag)
 
 
+# ---- gradients reduced where they lie ----
+
+def _in_place_reduction(ctx):
+    # On the torchpar backend, copy mode hands the gradients themselves to
+    # all_reduce_coalesced: the flat buckets are never written. Other backends copy in and out.
+    _setup(ctx)
+    torch.manual_seed(0)
+    model = _mlp(2)
+    # A transposed weight gets a transposed (non-contiguous) gradient: copied into its bucket.
+    model[0].weight = nn.Parameter(model[0].weight.detach().t().contiguous().t())
+    ddp = _train_like_one_process(ctx, model, steps=2, bucket_cap_mb=0.0002)
+    touched = [bool(b.any()) for b in ddp.reducer.bucket_tensors()]
+    strided = ddp.reducer.bucket_indices().index(next(b for b in ddp.reducer.bucket_indices() if 0 in b))
+    return touched, strided
+
+
+@on_backends
+def test_copy_mode_reduces_gradients_in_place_on_torchpar(backend):
+    for touched, strided in _pool(backend, 2).run(_in_place_reduction):
+        if backend == "torchpar":
+            assert touched == [k == strided for k in range(len(touched))]
+        else:
+            assert all(touched)
+
+
 # ---- static_graph ----
 
 def _static_unused_matches_torch(ctx, as_view):

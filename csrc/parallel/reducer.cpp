@@ -114,6 +114,8 @@ void Reducer::reset_step() {
   for (auto& b : buckets_) {
     b.pending = b.params.size();
     b.reduction = Reduction{};
+    b.inputs.assign(b.params.size(), at::Tensor());  // no gradient kept alive past the step
+    b.in_place.assign(b.params.size(), false);
   }
   next_launch_ = 0;
 }
@@ -250,11 +252,17 @@ void Reducer::mark_ready(int64_t index, bool has_gradient) {
   const at::Tensor& param = params_[index];
   const at::Tensor& grad = param.grad();
   // Averaging = dividing by the group size before the sum (an average of low-precision
-  // values overflows less than their sum), fused with the copy into the bucket where the
-  // dtypes allow, to read and write the gradient once.
+  // values overflows less than their sum): in place where the gradient is reduced where it
+  // lies, else fused with the copy into the bucket where the dtypes allow, to read and write
+  // the gradient once.
   // With a comm hook the hook averages, as with torch's DDP (its allreduce_hook divides).
   const double scale = comm_hook_ ? 1.0 : 1.0 / group_->getSize();
-  if (!has_gradient || !grad.defined()) {
+  const bool in_place = reduces_in_place(b);
+  if (in_place && has_gradient && grad.defined() && grad.is_contiguous()) {
+    grad.mul_(scale);
+    b.inputs[slot.offset] = grad;
+    b.in_place[slot.offset] = true;
+  } else if (!has_gradient || !grad.defined()) {
     view.zero_();
   } else if (b.grads_are_views) {
     if (!grad.is_alias_of(view)) {
@@ -270,6 +278,9 @@ void Reducer::mark_ready(int64_t index, bool has_gradient) {
     view.copy_(grad);  // widen first (grad_reduce_dtype), then divide in the wider dtype
     view.mul_(scale);
   }
+  if (in_place && !b.in_place[slot.offset]) {
+    b.inputs[slot.offset] = view;  // zeros, or a strided gradient copied in
+  }
   --b.pending;
   launch_ready_buckets();
 }
@@ -277,10 +288,19 @@ void Reducer::mark_ready(int64_t index, bool has_gradient) {
 void Reducer::launch_ready_buckets() {
   while (next_launch_ < buckets_.size() && buckets_[next_launch_].pending == 0) {
     Bucket& b = buckets_[next_launch_];
-    b.reduction = start_reduction(next_launch_, b.flat);
+    if (reduces_in_place(b)) {
+      b.reduction = Reduction{group_->allreduce_coalesced(b.inputs), {}};
+    } else {
+      b.reduction = start_reduction(next_launch_, b.flat);
+    }
     trace_.push_back({TraceEvent::kLaunch, static_cast<int64_t>(next_launch_)});
     ++next_launch_;
   }
+}
+
+bool Reducer::reduces_in_place(const Bucket& b) const {
+  return options_.reduce_grads_in_place && !comm_hook_ && !b.grads_are_views &&
+         b.flat.scalar_type() == params_[b.params.front()].scalar_type();
 }
 
 Reducer::Reduction Reducer::start_reduction(size_t index, const at::Tensor& buffer) {
@@ -466,8 +486,8 @@ std::vector<int32_t> Reducer::reduce_used_flags() {
 void Reducer::write_back(Bucket& b, const std::vector<int32_t>& used_anywhere) {
   for (size_t k = 0; k < b.params.size(); ++k) {
     const int64_t i = b.params[k];
-    if (!used_anywhere[i]) {
-      continue;
+    if (!used_anywhere[i] || b.in_place[k]) {
+      continue;  // unused everywhere: .grad stays as it is; in place: reduced where it lies
     }
     const at::Tensor& param = params_[i];
     const at::Tensor& grad = param.grad();

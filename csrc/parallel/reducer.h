@@ -39,6 +39,11 @@ struct ReducerOptions {
   bool find_unused_parameters = false;
   // Dtype the buckets hold and reduce in; nullopt: the parameters' own dtype.
   std::optional<at::ScalarType> reduce_dtype;
+  // The group's all_reduce_coalesced reduces tensors where they lie (the torchpar backend):
+  // then, without gradient_as_bucket_view, a comm hook or a reduce dtype, a bucket hands it the
+  // gradients themselves (averaged in place) rather than copying them into its flat tensor
+  // and back out, which costs two passes over every gradient.
+  bool reduce_grads_in_place = false;
   // The autograd graph is the same every step (torch's static_graph=True): the first
   // synchronised step reduces every bucket at the end of backward and records how many
   // gradients each parameter gets (none, one, or several with reentrant checkpoints); later
@@ -110,6 +115,10 @@ class Reducer {
     bool grads_are_views = false;     // .grad aliases `views` (gradient_as_bucket_view)
     size_t pending = 0;               // gradients still to arrive this step
     Reduction reduction;              // this step's, once launched
+    // With reduce_grads_in_place: what is reduced for each parameter this step, its .grad
+    // (in_place) or its view (zeros, or a gradient that could not be reduced where it lies).
+    std::vector<at::Tensor> inputs;
+    std::vector<bool> in_place;
   };
   struct Slot {                       // where parameter i lives
     size_t bucket;
@@ -121,6 +130,7 @@ class Reducer {
   void on_gradient(int64_t index);
   void mark_ready(int64_t index, bool has_gradient);
   void launch_ready_buckets();
+  bool reduces_in_place(const Bucket& b) const;
   // Reduces `buffer` as bucket `index` (the bucket's own flat tensor, or zeros for a rank
   // that has joined): starts the all-reduce or the comm hook; finish waits, rethrows a
   // failure and returns the reduced tensor.

@@ -23,7 +23,8 @@ TORCHPAR_PYBIND(reducer) {
                        std::vector<std::vector<int64_t>> buckets,
                        c10::intrusive_ptr<c10d::ProcessGroup> group, bool gradient_as_bucket_view,
                        bool find_unused_parameters, std::optional<at::ScalarType> reduce_dtype,
-                       int64_t cap_bytes, int64_t first_cap_bytes, bool static_graph) {
+                       int64_t cap_bytes, int64_t first_cap_bytes, bool static_graph,
+                       bool reduce_grads_in_place) {
              ReducerOptions options;
              options.cap_bytes = cap_bytes;
              options.first_cap_bytes = first_cap_bytes;
@@ -31,13 +32,15 @@ TORCHPAR_PYBIND(reducer) {
              options.find_unused_parameters = find_unused_parameters;
              options.reduce_dtype = reduce_dtype;
              options.static_graph = static_graph;
+             options.reduce_grads_in_place = reduce_grads_in_place;
              return std::make_shared<Reducer>(std::move(params), std::move(names), std::move(buckets),
                                               std::move(group), options);
            }),
            py::arg("params"), py::arg("names"), py::arg("buckets"), py::arg("process_group"),
            py::arg("gradient_as_bucket_view") = false, py::arg("find_unused_parameters") = false,
            py::arg("reduce_dtype") = py::none(), py::arg("cap_bytes") = -1,
-           py::arg("first_cap_bytes") = -1, py::arg("static_graph") = false)
+           py::arg("first_cap_bytes") = -1, py::arg("static_graph") = false,
+           py::arg("reduce_grads_in_place") = false)
       .def("prepare_for_backward", &Reducer::prepare_for_backward, py::arg("outputs"),
            py::call_guard<py::gil_scoped_release>())
       .def("trace",

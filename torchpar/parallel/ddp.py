@@ -89,7 +89,9 @@ class DistributedDataParallel(nn.Module, Joinable):
         # The caps let the reducer rebuild the buckets in the order of the first backward.
         self.reducer = _C.Reducer(params, [n for n, _ in trained], buckets, self.process_group,
                                   gradient_as_bucket_view, find_unused_parameters, grad_reduce_dtype,
-                                  cap, first_cap, static_graph)
+                                  cap, first_cap, static_graph,
+                                  # torchpar's all_reduce_coalesced reduces tensors where they lie.
+                                  dist.get_backend(self.process_group) == "torchpar")
 
     def forward(self, *inputs, **kwargs):
         sync = torch.is_grad_enabled() and self.require_backward_grad_sync
