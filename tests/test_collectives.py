@@ -307,6 +307,11 @@ def _coalesced_in_place(ctx, dtype, op):
     for t, e, p in zip(ts, expected, ptrs):
         assert t.data_ptr() == p
         assert_equal(t, e, f"all_reduce_coalesced {op}")
+    # The same memory twice (and overlapping views) cannot be reduced in place: packed path.
+    t = make_input(ctx.rank, 3000, dtype, salt=42)
+    backend.allreduce_coalesced([t, t, t[10:20]], opts).wait()
+    assert_equal(t, reference([make_input(r, 3000, dtype, salt=42) for r in range(w)], op).to(dtype),
+                 "all_reduce_coalesced of aliased tensors")
     strided = [make_input(ctx.rank, 2 * 900, dtype, salt=40)[::2], make_input(ctx.rank, 50, dtype, salt=41)]
     backend.allreduce_coalesced(strided, opts).wait()
     assert_equal(strided[0], reference([make_input(r, 2 * 900, dtype, salt=40)[::2] for r in range(w)], op).to(dtype),

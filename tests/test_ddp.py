@@ -489,7 +489,9 @@ def _static_unused_matches_torch(ctx, as_view):
         x, y = _batch(step, 2 * ctx.world_size)
         for ddp, o in ((ours, opt), (theirs, ref_opt)):
             o.zero_grad()
-            _loss(ddp(_shard(x, ctx), ctx.rank == 0), _shard(y, ctx)).backward()
+            out = ddp(_shard(x, ctx), ctx.rank == 0)
+            out.mul_(1.0)  # outputs may be modified in place, in the recording step too
+            _loss(out, _shard(y, ctx)).backward()
             o.step()
         _assert_same_params(ours_model, torch_model, step)
         assert ours_model.never.weight.grad is None

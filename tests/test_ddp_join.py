@@ -74,6 +74,33 @@ def test_uneven_inputs_with_static_graph(backend, world_size):
     _pool(backend, world_size).run(_join_matches_torch_ddp, False, False, False, True)
 
 
+def _static_graph_joined_before_first_step(ctx):
+    # Rank 0 has no batch in the first epoch: it shadows the step that records the static
+    # graph, then trains in the second epoch and records its own gradient counts there.
+    _setup(ctx)
+    models = []
+    for make in (lambda m: DDP(m, process_group=ctx.pg, bucket_cap_mb=0.0002, static_graph=True),
+                 lambda m: nn.parallel.DistributedDataParallel(m, process_group=ctx.pg, bucket_cap_mb=0.0002)):
+        model = _mlp(5)
+        ddp = make(model)
+        opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
+        for epoch, steps in enumerate((0 if ctx.rank == 0 else 2, 2)):
+            with ddp.join():
+                for step in range(steps):
+                    x, y = _batch(100 * epoch + 10 * ctx.rank + step, 4)
+                    opt.zero_grad()
+                    _loss(ddp(x), y).backward()
+                    opt.step()
+        models.append(model)
+    for a, b in zip(*(m.parameters() for m in models)):
+        torch.testing.assert_close(a, b)
+
+
+@on_backends
+def test_static_graph_rank_joined_before_the_recording_step(backend):
+    _pool(backend, 2).run(_static_graph_joined_before_first_step)
+
+
 @on_backends
 def test_uneven_inputs_with_a_comm_hook(backend):
     _pool(backend, 2).run(_join_matches_torch_ddp, False, True)

@@ -26,6 +26,19 @@ def test_gradcheck_float64(shape, approximate):
     assert torch.autograd.gradcheck(lambda x, b: F.bias_gelu(x, b, approximate), (x, b))
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
+def test_extreme_inputs(dtype):
+    # Far tails: 0 and z, not an approximate erfc's floor times |z|; +inf stays inf.
+    z = torch.tensor([-1e30, -1e4, -40.0, -9.0, 9.0, 40.0, 1e4, 1e30], dtype=torch.float64)
+    cols = z.numel() * 8  # whole vectors and a scalar tail both see every value
+    x = z.repeat(8).view(1, cols).to(dtype)
+    got = F.bias_gelu(torch.cat([x, x[:, :5]], 1), torch.zeros(cols + 5, dtype=dtype), "none")
+    want = TF.gelu(torch.cat([x, x[:, :5]], 1).double()).to(dtype)
+    torch.testing.assert_close(got, want, atol=1e-12, rtol=0)
+    inf = torch.tensor([[float("inf")] * 40], dtype=dtype)
+    assert torch.equal(F.bias_gelu(inf, torch.zeros(40, dtype=dtype), "none"), inf)
+
+
 @pytest.mark.parametrize("approximate", ["none", "tanh"])
 def test_gradgradcheck_float64(approximate):
     x, b = (t.requires_grad_() for t in _inputs((3, 6), torch.float64))

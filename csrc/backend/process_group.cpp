@@ -255,6 +255,28 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupTorchpar::allreduce(std::vector<at::T
   }, opts);
 }
 
+namespace {
+
+// Contiguous, not lazily conjugated or negated, and no two sharing memory: then each tensor
+// can be reduced where it lies (an aliased pair would read one reduction's result as the
+// other's input).
+bool reducible_in_place(const std::vector<at::Tensor>& ts) {
+  std::vector<std::pair<uintptr_t, uintptr_t>> spans;
+  for (const auto& t : ts) {
+    if (!t.is_contiguous() || t.is_conj() || t.is_neg()) return false;
+    if (t.nbytes() == 0) continue;
+    const auto begin = reinterpret_cast<uintptr_t>(t.data_ptr());
+    spans.emplace_back(begin, begin + t.nbytes());
+  }
+  std::sort(spans.begin(), spans.end());
+  for (size_t i = 1; i < spans.size(); ++i) {
+    if (spans[i].first < spans[i - 1].second) return false;
+  }
+  return true;
+}
+
+}  // namespace
+
 c10::intrusive_ptr<c10d::Work> ProcessGroupTorchpar::allreduce_coalesced(
     std::vector<at::Tensor>& tensors, const c10d::AllreduceCoalescedOptions& opts) {
   check_tensors(tensors, "all_reduce_coalesced", "tensors");
@@ -267,21 +289,18 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupTorchpar::allreduce_coalesced(
   auto op = reduce_op(opts.reduceOp, "all_reduce_coalesced", tensors[0].scalar_type());
   c10d::ReduceOp user_op = opts.reduceOp;
   std::vector<at::Tensor> ts = tensors;
-  const bool in_place =
-      user_op != c10d::ReduceOp::PREMUL_SUM && std::all_of(ts.begin(), ts.end(), [](const at::Tensor& t) {
-        return t.is_contiguous() && !t.is_conj() && !t.is_neg();
-      });
-  if (in_place) {
+  if (user_op != c10d::ReduceOp::PREMUL_SUM && reducible_in_place(ts)) {
     // One collective over the tensors where they lie: no flat copy to pack and unpack.
-    return enqueue(OpType::COALESCED, "all_reduce_coalesced", ts, [ts, op](Comm& c) {
-      collectives::Segments data;
-      size_t count = 0;
-      for (const auto& t : ts) {
-        const Staged s = Staged::output(t);  // in place: the tensor itself (complex as real pairs)
-        data.add(s.data(), s.count() * s.buffer.element_size());
-        count += s.count();
-      }
-      collectives::allreduce(c, data, count, Staged::output(ts[0]).dtype(), op);
+    collectives::Segments data;
+    size_t count = 0;
+    for (const auto& t : ts) {
+      const Staged s = Staged::output(t);  // the tensor itself (complex as real pairs)
+      data.add(s.data(), s.count() * s.buffer.element_size());
+      count += s.count();
+    }
+    const c10::ScalarType dtype = Staged::output(ts[0]).dtype();
+    return enqueue(OpType::COALESCED, "all_reduce_coalesced", ts, [ts, data, count, dtype, op](Comm& c) {
+      collectives::allreduce(c, data, count, dtype, op);  // `ts` keeps the memory alive
     }, opts);
   }
   return enqueue(OpType::COALESCED, "all_reduce_coalesced", ts, [ts, op, user_op](Comm& c) {

@@ -24,6 +24,8 @@ constexpr double kGeluTanhCoef = 0.044715;
 struct ScalarMath {
   template <typename T>
   C10_HOST_DEVICE static T erf_gauss(T x, T /*g*/) { return erf(x); }
+  template <typename T>
+  C10_HOST_DEVICE static T min(T a, T b) { return b < a ? b : a; }
   C10_HOST_DEVICE static float abs(float x) { return ::fabsf(x); }
   C10_HOST_DEVICE static double abs(double x) { return ::fabs(x); }
   C10_HOST_DEVICE static float erf(float x) { return ::erff(x); }
@@ -40,11 +42,13 @@ struct ScalarMath {
 // (z + |z|) / 2 - |z| erfc(|z| / sqrt2) / 2. For z < 0 the first term is exactly 0, so the left
 // tail keeps its relative accuracy where z (1 + erf(z / sqrt2)) / 2 would cancel; and erf is
 // needed for non-negative arguments only.
+// The tail term's factor |z|/2 is capped at 15: past |z| = 30 erfc is below 1e-196, and the
+// cap keeps an approximate erfc's small floor from growing with |z| (and +inf from meeting 0).
 template <typename T, typename M = ScalarMath>
 C10_HOST_DEVICE inline T gelu_erf(T z) {
   const T a = M::abs(z);
   const T h = T(0.5) * a;
-  return (T(0.5) * z + h) - h * M::erfc_nonneg(a * T(kInvSqrt2));
+  return (T(0.5) * z + h) - M::min(h, T(15)) * M::erfc_nonneg(a * T(kInvSqrt2));
 }
 
 // gelu'(z) = Phi(z) + z * phi(z); phi and erf share exp(-z^2 / 2).

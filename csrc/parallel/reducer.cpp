@@ -126,10 +126,22 @@ void Reducer::prepare_for_backward(const std::vector<at::Tensor>& outputs) {
   // more (see finalize), is noticed here.
   if (expect_backward_ && backward_started_) {
     const std::string missing = params_without_gradient();
+    // Reductions already launched still write into .grad (or the buckets): let them finish.
+    for (auto& b : buckets_) {
+      try {
+        if (b.reduction.work) b.reduction.work->wait();
+        if (b.reduction.hook_result) b.reduction.hook_result->wait();
+      } catch (...) {  // NOLINT(bugprone-empty-catch): the error below is the one to report
+      }
+    }
     reset_step();
-    TORCH_CHECK(false, "torchpar DDP: the previous step's backward ended before these parameters "
-                "got a gradient, so no gradient of that step was averaged: ", missing,
-                ". Pass find_unused_parameters=True if a step may leave parameters unused.");
+    TORCH_CHECK(false, "torchpar DDP: the previous step's backward ended (or raised) before these "
+                "parameters got a gradient, so that step's gradients were not all averaged: ",
+                missing, ". ",
+                options_.static_graph ? "With static_graph=True every step must give the gradients "
+                                        "of the first."
+                                      : "Pass find_unused_parameters=True if a step may leave "
+                                        "parameters unused.");
   }
   reset_step();
   trace_.clear();
@@ -181,7 +193,7 @@ void Reducer::on_gradient(int64_t index) {
     // this to the first hook (not prepare_for_backward) keeps all collectives inside backward,
     // so they cannot interleave with collectives the user issues between forward and backward.
     for (size_t i = 0; i < params_.size(); ++i) {
-      if (!reachable_[i] || (graph_recorded_ && hooks_expected_[i] == 0)) {
+      if (!reachable_[i] || (hooks_recorded_ && hooks_expected_[i] == 0)) {
         mark_ready(static_cast<int64_t>(i), used_since_sync_[i] != 0);
       }
     }
@@ -192,7 +204,7 @@ void Reducer::on_gradient(int64_t index) {
   const int32_t seen = ++hooks_seen_[index];
   if (!options_.static_graph) {
     mark_ready(index, true);
-  } else if (graph_recorded_) {
+  } else if (hooks_recorded_) {
     // The record says how many gradients this parameter gets (reentrant checkpoints can
     // deliver several); .grad holds their sum once the last has arrived.
     TORCH_CHECK(seen <= hooks_expected_[index], "torchpar DDP: static_graph=True, but parameter '",
@@ -211,8 +223,13 @@ void Reducer::mark_all_ready_for_recording() {
   }
 }
 
+bool Reducer::records_static_graph() const {
+  std::lock_guard<std::mutex> lock(mutex_);
+  return options_.static_graph && !hooks_recorded_;
+}
+
 bool Reducer::step_reduces_used_flags() const {
-  return options_.find_unused_parameters || (options_.static_graph && !graph_recorded_);
+  return options_.find_unused_parameters || (options_.static_graph && !flags_recorded_);
 }
 
 void Reducer::queue_finalize() {
@@ -357,15 +374,16 @@ void Reducer::join_shadow_backward() {
     std::vector<at::Tensor> tensors{at::zeros({static_cast<int64_t>(params_.size())},
                                               params_.front().options().dtype(at::kInt))};
     group_->allreduce(tensors)->wait();
+    if (options_.static_graph && !flags_recorded_) {
+      // The training ranks' first step: keep their flags, as they do. This rank's own gradient
+      // counts are recorded in its first step of training, if it has one (a later epoch).
+      at::Tensor used = tensors[0].cpu();
+      used_in_record_.assign(used.data_ptr<int32_t>(), used.data_ptr<int32_t>() + used.numel());
+      flags_recorded_ = true;
+    }
   }
   if (!rebuilt_) {
     rebuild_in_observed_order();  // takes rank 0's order, as the training ranks do
-  }
-  if (options_.static_graph && !graph_recorded_) {
-    // Mirrors the training ranks, which record after their first step (this rank trains no more).
-    hooks_expected_.assign(params_.size(), 0);
-    used_in_record_.assign(params_.size(), 0);
-    graph_recorded_ = true;
   }
 }
 
@@ -383,26 +401,23 @@ void Reducer::finalize() {
   if (!expect_backward_) {
     return;
   }
+  // The graph task that ran this callback may be a reentrant backward nested in the step's
+  // (torch.utils.checkpoint(use_reentrant=True) runs one per checkpoint, and the first
+  // gradients can arrive in it). Then a node of the outer backward is still being evaluated,
+  // and the outer backward's later gradients queue the next finalize. A step that records
+  // its gradient counts cannot tell whether more will come: it waits for the outermost.
+  const bool recording = options_.static_graph && !hooks_recorded_;
+  if (autograd::get_current_node() && (recording || next_launch_ < buckets_.size())) {
+    finalize_queued_ = false;
+    return;
+  }
   trace_.push_back({TraceEvent::kFinalize, -1});
   synced_once_ = true;
   try {
-    const bool recording = options_.static_graph && !graph_recorded_;
     if (recording) {
-      if (autograd::get_current_node()) {  // a nested backward: more gradients may come
-        finalize_queued_ = false;
-        return;
-      }
       mark_all_ready_for_recording();
     }
     if (next_launch_ < buckets_.size()) {
-      // The graph task that ran this callback may be a reentrant backward nested in the
-      // step's (torch.utils.checkpoint(use_reentrant=True) runs one per checkpoint, and the
-      // first gradients can arrive in it). Then a node of the outer backward is still being
-      // evaluated, and the outer backward's later gradients queue the next finalize.
-      if (autograd::get_current_node()) {
-        finalize_queued_ = false;
-        return;
-      }
       const char* hint = options_.static_graph
                              ? "They did in the first step, and static_graph=True promises the "
                                "same autograd graph every step."
@@ -418,7 +433,7 @@ void Reducer::finalize() {
     // torch's DDP; telling them apart needs every rank's used flags.
     // With static_graph, the first step's flags hold for every later step.
     const std::vector<int32_t> used_anywhere = step_reduces_used_flags() ? reduce_used_flags()
-                                               : graph_recorded_         ? used_in_record_
+                                               : flags_recorded_         ? used_in_record_
                                                                  : std::vector<int32_t>(params_.size(), 1);
     // Bucket by bucket, so that copying out an early bucket overlaps the all-reduce of
     // the later ones.
@@ -434,8 +449,11 @@ void Reducer::finalize() {
     }
     if (recording) {
       hooks_expected_ = hooks_seen_;
+      hooks_recorded_ = true;
+    }
+    if (options_.static_graph && !flags_recorded_) {
       used_in_record_ = used_anywhere;
-      graph_recorded_ = true;
+      flags_recorded_ = true;
     }
   } catch (...) {
     reset_step();

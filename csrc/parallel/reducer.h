@@ -90,6 +90,8 @@ class Reducer {
   // callback waits for the outermost backward even if every gradient arrives inside
   // reentrant (nested) ones. Otherwise the first gradient hook queues it.
   void queue_finalize();
+  // static_graph and this rank has not recorded its gradient counts yet.
+  bool records_static_graph() const;
 
   // For a rank whose inputs have run out while others train on (DDP's join()): issues the
   // collectives of one synchronised backward (each bucket's all-reduce or comm hook, the
@@ -177,7 +179,8 @@ class Reducer {
   std::vector<int32_t> hooks_seen_;   // gradients per parameter this step
   std::vector<int32_t> hooks_expected_;  // static_graph: per parameter, from the first step
   std::vector<int32_t> used_in_record_;  // static_graph: used on some rank in the first step
-  bool graph_recorded_ = false;       // static_graph: hooks_expected_ is set
+  bool flags_recorded_ = false;       // static_graph: used_in_record_ is set (the group's first step)
+  bool hooks_recorded_ = false;       // static_graph: hooks_expected_ is set (this rank's first step)
   bool rebuilt_ = false;
 };
 

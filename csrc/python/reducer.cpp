@@ -66,6 +66,8 @@ TORCHPAR_PYBIND(reducer) {
       .def("queue_finalize", &Reducer::queue_finalize, py::call_guard<py::gil_scoped_release>(),
            "Queue the end-of-backward callback on the graph task now running (from a node on "
            "the forward's outputs: the outermost backward).")
+      .def("records_static_graph", &Reducer::records_static_graph,
+           "static_graph, and this rank's gradient counts are still to be recorded.")
       .def("join_shadow_backward", &Reducer::join_shadow_backward,
            py::call_guard<py::gil_scoped_release>(),
            "The collectives of one synchronised backward with zeros as this rank's share "

@@ -110,7 +110,7 @@ class DistributedDataParallel(nn.Module, Joinable):
         if sync:
             tensors = [t for t in tree_flatten(outputs)[0] if isinstance(t, torch.Tensor)]
             self.reducer.prepare_for_backward(tensors if self.find_unused_parameters else [])
-            if self.static_graph:
+            if self.static_graph and self.reducer.records_static_graph():
                 outputs = _queue_finalize_at_outputs(outputs, self.reducer)
         return outputs
 
@@ -192,15 +192,16 @@ class _JoinHook(JoinHook):
 
 
 class _QueueFinalize(torch.autograd.Function):
-    """Identity on the forward's outputs. Its backward is the first node of the step's
-    outermost backward, so it queues the reducer's end-of-backward callback there: with
-    static_graph the first step reduces everything in that callback, and it must not run at
-    the end of a reentrant checkpoint's nested backward."""
+    """Identity on the forward's outputs, in the step that records a static graph. Its
+    backward is the first node of the step's outermost backward, so it queues the reducer's
+    end-of-backward callback there: that step reduces everything in that callback, which
+    must not run at the end of a reentrant checkpoint's nested backward. The outputs are
+    copies, not views, so that the caller may still modify them in place (once per run)."""
 
     @staticmethod
     def forward(ctx, reducer, *tensors):
         ctx.reducer = reducer
-        return tuple(t.view_as(t) for t in tensors)
+        return tuple(t.clone() for t in tensors)
 
     @staticmethod
     def backward(ctx, *grads):

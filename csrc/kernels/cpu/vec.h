@@ -70,6 +70,7 @@ struct VecMath {
   using VecF = at::vec::Vectorized<float>;
 
   static VecF abs(const VecF& x) { return x.abs(); }
+  static VecF min(const VecF& a, const VecF& b) { return at::vec::clamp_max(a, b); }
   static VecF exp(const VecF& x) { return x.exp_u20(); }
 
   // 1 / d by the hardware estimate and one Newton step (~23 bits): a divide has a quarter of
@@ -139,6 +140,8 @@ struct VecMath {
 
   template <typename V>
   static V abs(const V& x) { return x.abs(); }
+  template <typename V>
+  static V min(const V& a, const V& b) { return at::vec::clamp_max(a, b); }
   template <typename V>
   static V erfc_nonneg(const V& x) { return x.erfc(); }
   template <typename V>
