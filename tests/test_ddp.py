@@ -458,6 +458,11 @@ def _in_place_reduction(ctx):
     # A transposed weight gets a transposed (non-contiguous) gradient: copied into its bucket.
     model[0].weight = nn.Parameter(model[0].weight.detach().t().contiguous().t())
     ddp = _train_like_one_process(ctx, model, steps=2, bucket_cap_mb=0.0002)
+    # Only the bucket holding the strided gradient made its flat tensor (torchpar).
+    allocated = ddp.reducer.bucket_bytes()
+    strided_bucket = next(b for b in ddp.reducer.bucket_indices() if 0 in b)
+    assert allocated == (4 * sum(list(model.parameters())[i].numel() for i in strided_bucket)
+                         if dist.get_backend(ctx.pg) == "torchpar" else 4 * sum(p.numel() for p in model.parameters()))
     touched = [bool(b.any()) for b in ddp.reducer.bucket_tensors()]
     strided = ddp.reducer.bucket_indices().index(next(b for b in ddp.reducer.bucket_indices() if 0 in b))
     return touched, strided

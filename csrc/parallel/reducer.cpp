@@ -52,6 +52,19 @@ Reducer::Reducer(std::vector<at::Tensor> params, std::vector<std::string> names,
   }
 }
 
+void Reducer::allocate(Bucket& b) {
+  if (b.flat.defined()) {
+    return;
+  }
+  b.flat = at::zeros({b.numel}, b.options);
+  int64_t offset = 0;
+  for (int64_t i : b.params) {
+    const at::Tensor& p = params_[i];
+    b.views.push_back(b.flat.narrow(0, offset, p.numel()).view(p.sizes()));
+    offset += p.numel();
+  }
+}
+
 void Reducer::build_buckets(const std::vector<std::vector<int64_t>>& buckets) {
   at::NoGradGuard no_grad;
   const size_t n = params_.size();
@@ -73,17 +86,22 @@ void Reducer::build_buckets(const std::vector<std::vector<int64_t>>& buckets) {
       b.params.push_back(i);
       numel += params_[i].numel();
     }
-    b.flat = at::zeros({numel}, first.options().dtype(dtype));
+    b.numel = numel;
+    b.options = first.options().dtype(dtype);
     b.grads_are_views = options_.gradient_as_bucket_view && dtype == first.scalar_type();
-    int64_t offset = 0;
-    for (int64_t i : b.params) {
-      const at::Tensor& p = params_[i];
-      b.views.push_back(b.flat.narrow(0, offset, p.numel()).view(p.sizes()));
-      offset += p.numel();
-      // Gradients kept from before (or from the previous buckets, on a rebuild) move in.
-      if (b.grads_are_views && p.grad().defined()) {
-        b.views.back().copy_(p.grad());
-        p.mutable_grad() = b.views.back();
+    // A bucket whose gradients are reduced where they lie needs its flat tensor only for a
+    // gradient that cannot be (allocate() on demand): no second copy of every gradient.
+    if (!reduces_in_place(b)) {
+      allocate(b);
+    }
+    if (b.grads_are_views) {
+      for (size_t k = 0; k < b.params.size(); ++k) {
+        // Gradients kept from before (or from the previous buckets, on a rebuild) move in.
+        const at::Tensor& p = params_[b.params[k]];
+        if (p.grad().defined()) {
+          b.views[k].copy_(p.grad());
+          p.mutable_grad() = b.views[k];
+        }
       }
     }
     buckets_.push_back(std::move(b));
@@ -265,7 +283,6 @@ void Reducer::mark_ready(int64_t index, bool has_gradient) {
   trace_.push_back({TraceEvent::kReady, index});
   const Slot& slot = slots_[index];
   Bucket& b = buckets_[slot.bucket];
-  at::Tensor view = b.views[slot.offset];  // a handle: mul_out takes a mutable out
   const at::Tensor& param = params_[index];
   const at::Tensor& grad = param.grad();
   // Averaging = dividing by the group size before the sum (an average of low-precision
@@ -279,7 +296,13 @@ void Reducer::mark_ready(int64_t index, bool has_gradient) {
     grad.mul_(scale);
     b.inputs[slot.offset] = grad;
     b.in_place[slot.offset] = true;
-  } else if (!has_gradient || !grad.defined()) {
+    --b.pending;
+    launch_ready_buckets();
+    return;
+  }
+  allocate(b);
+  at::Tensor view = b.views[slot.offset];  // a handle: mul_out takes a mutable out
+  if (!has_gradient || !grad.defined()) {
     view.zero_();
   } else if (b.grads_are_views) {
     if (!grad.is_alias_of(view)) {
@@ -295,7 +318,7 @@ void Reducer::mark_ready(int64_t index, bool has_gradient) {
     view.copy_(grad);  // widen first (grad_reduce_dtype), then divide in the wider dtype
     view.mul_(scale);
   }
-  if (in_place && !b.in_place[slot.offset]) {
+  if (in_place) {
     b.inputs[slot.offset] = view;  // zeros, or a strided gradient copied in
   }
   --b.pending;
@@ -317,7 +340,7 @@ void Reducer::launch_ready_buckets() {
 
 bool Reducer::reduces_in_place(const Bucket& b) const {
   return options_.reduce_grads_in_place && !comm_hook_ && !b.grads_are_views &&
-         b.flat.scalar_type() == params_[b.params.front()].scalar_type();
+         b.options.dtype() == params_[b.params.front()].dtype();
 }
 
 Reducer::Reduction Reducer::start_reduction(size_t index, const at::Tensor& buffer) {
@@ -366,7 +389,7 @@ void Reducer::join_shadow_backward() {
   at::NoGradGuard no_grad;
   synced_once_ = true;
   for (size_t i = 0; i < buckets_.size(); ++i) {
-    at::Tensor zeros = at::zeros_like(buckets_[i].flat);
+    at::Tensor zeros = at::zeros({buckets_[i].numel}, buckets_[i].options);
     Reduction r = start_reduction(i, zeros);
     finish_reduction(r, zeros);
   }
@@ -393,6 +416,9 @@ void Reducer::register_comm_hook(std::unique_ptr<c10d::CommHookInterface> hook) 
   TORCH_CHECK(!synced_once_,
               "torchpar DDP: register_comm_hook must be called before the first backward");
   comm_hook_ = std::move(hook);
+  for (auto& b : buckets_) {
+    allocate(b);  // the hook gets each bucket's flat tensor
+  }
 }
 
 void Reducer::finalize() {
@@ -534,9 +560,20 @@ std::vector<std::vector<int64_t>> Reducer::bucket_indices() const {
   return out;
 }
 
-std::vector<at::Tensor> Reducer::bucket_tensors() const {
-  std::vector<at::Tensor> out;
+int64_t Reducer::bucket_bytes() const {
+  std::lock_guard<std::mutex> lock(mutex_);
+  int64_t bytes = 0;
   for (const auto& b : buckets_) {
+    bytes += b.flat.defined() ? static_cast<int64_t>(b.flat.nbytes()) : 0;
+  }
+  return bytes;
+}
+
+std::vector<at::Tensor> Reducer::bucket_tensors() {
+  std::lock_guard<std::mutex> lock(mutex_);
+  std::vector<at::Tensor> out;
+  for (auto& b : buckets_) {
+    allocate(b);  // zeros, if its gradients have always been reduced where they lie
     out.push_back(b.flat);
   }
   return out;

@@ -102,7 +102,9 @@ class Reducer {
   std::vector<TraceEvent> trace() const;
   // Bucket -> parameter indices, and each bucket's flat tensor (for tests and tools).
   std::vector<std::vector<int64_t>> bucket_indices() const;
-  std::vector<at::Tensor> bucket_tensors() const;
+  std::vector<at::Tensor> bucket_tensors();  // allocates any not made yet
+  // Bytes of bucket tensors allocated so far.
+  int64_t bucket_bytes() const;
 
  private:
   // A bucket's reduction in flight: the all-reduce, or the comm hook's future.
@@ -111,7 +113,9 @@ class Reducer {
     c10::intrusive_ptr<c10::ivalue::Future> hook_result;
   };
   struct Bucket {
-    at::Tensor flat;                  // every gradient of the bucket, back to back
+    int64_t numel = 0;
+    at::TensorOptions options;        // of `flat`: the reduce dtype
+    at::Tensor flat;                  // every gradient of the bucket, back to back (see allocate)
     std::vector<int64_t> params;      // parameter indices
     std::vector<at::Tensor> views;    // views of `flat` shaped like each parameter
     bool grads_are_views = false;     // .grad aliases `views` (gradient_as_bucket_view)
@@ -128,6 +132,8 @@ class Reducer {
   };
 
   void build_buckets(const std::vector<std::vector<int64_t>>& buckets);
+  // Creates b.flat (zeros) and its per-parameter views, once.
+  void allocate(Bucket& b);
   void rebuild_in_observed_order();
   void on_gradient(int64_t index);
   void mark_ready(int64_t index, bool has_gradient);

@@ -73,5 +73,8 @@ TORCHPAR_PYBIND(reducer) {
            "The collectives of one synchronised backward with zeros as this rank's share "
            "(for DDP.join()).")
       .def("bucket_indices", &Reducer::bucket_indices)
-      .def("bucket_tensors", &Reducer::bucket_tensors);
+      .def("bucket_tensors", &Reducer::bucket_tensors, py::call_guard<py::gil_scoped_release>(),
+           "Each bucket's flat tensor (allocated, as zeros, if it was not yet).")
+      .def("bucket_bytes", &Reducer::bucket_bytes, py::call_guard<py::gil_scoped_release>(),
+           "Bytes of bucket tensors allocated so far.");
 }
