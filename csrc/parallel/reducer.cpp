@@ -237,7 +237,7 @@ void Reducer::on_gradient(int64_t index) {
 
 void Reducer::mark_all_ready_for_recording() {
   for (size_t i = 0; i < params_.size(); ++i) {
-    mark_ready(static_cast<int64_t>(i), hooks_seen_[i] > 0 || used_since_sync_[i] != 0);
+    mark_ready(static_cast<int64_t>(i), used_since_sync_[i] != 0);  // this step's or no_sync's
   }
 }
 
