@@ -193,6 +193,39 @@ def test_cuda_draws_the_same_mask_as_cpu(dtype):
         assert_close(a, c.float(), dtype, scale=scale)
 
 
+@requires_cuda
+def test_cuda_graph_replays_draw_new_masks_and_the_backward_follows_them():
+    # Captured forward + backward, as a whole training step is captured: every replay must draw
+    # a fresh mask (the key comes from the CUDA generator's state at replay time), and the
+    # backward in the same replay must regenerate that mask, not the one seen at capture.
+    shape, p = (64, 256), 0.5
+    x = torch.randn(shape, device="cuda").abs().add_(0.5).requires_grad_()
+    b = torch.zeros(shape[-1], device="cuda", requires_grad=True)
+    r = torch.zeros(shape, device="cuda")
+    dy = torch.ones(shape, device="cuda")
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # warm-up outside the graph, as torch.cuda.graph asks
+        for _ in range(2):
+            F.bias_dropout_add(x, b, r, p, True).backward(dy)
+    torch.cuda.current_stream().wait_stream(side)
+    x.grad = b.grad = None
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        y = F.bias_dropout_add(x, b, r, p, True)
+        y.backward(dy)
+    masks = []
+    for _ in range(3):
+        graph.replay()
+        torch.cuda.synchronize()
+        keep = y != 0
+        masks.append(keep.clone())
+        torch.testing.assert_close(x.grad, keep.float() / (1 - p))
+        torch.testing.assert_close(b.grad, x.grad.sum(0))
+        assert abs(keep.float().mean().item() - (1 - p)) < 0.05
+    assert not torch.equal(masks[0], masks[1]) and not torch.equal(masks[1], masks[2])
+
+
 def test_mask_and_gradients_do_not_depend_on_thread_count():
     x, b, r = _inputs((96, 130), torch.float32)
     results = []

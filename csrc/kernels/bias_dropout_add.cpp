@@ -7,7 +7,10 @@
 // which hide behind the memory traffic. A bit-packed mask would be small (1/32 of a
 // float32 activation) but is a second output to write and keep alive until the backward,
 // and a second code path that CPU and CUDA would each have to get right.
+#include <ATen/OpMathType.h>
 #include <ATen/core/dispatch/Dispatcher.h>
+#include <ATen/ops/ones.h>
+#include <ATen/ops/zeros.h>
 #include <torch/autograd.h>
 #include <torch/library.h>
 
@@ -93,6 +96,21 @@ class BiasDropoutAddFunction : public torch::autograd::Function<BiasDropoutAddFu
 
 Tensor bda_autograd(const Tensor& input, const Tensor& bias, const Tensor& residual, double p,
                     bool training) {
+  if (has_tangent(input) || has_tangent(bias) || has_tangent(residual)) {
+    // The mask is drawn by the fused kernel itself (ones in, multipliers out), so it takes the
+    // same single draw from the generator and is the mask the fused path would have used.
+    const auto acc = at::toOpMathType(input.scalar_type());
+    check_bias_op("bias_dropout_add", input, bias, &residual);
+    Tensor mult;
+    {
+      at::AutoDispatchBelowADInplaceOrView guard;
+      const auto opts = input.options().dtype(acc);
+      mult = std::get<0>(bda_fwd(at::ones(input.sizes(), opts), at::zeros({input.size(-1)}, opts),
+                                 at::zeros(input.sizes(), opts), p, training));
+    }
+    const Tensor z = input.to(acc).add(bias.to(acc)).mul(mult).add(residual.to(acc));
+    return z.to(input.scalar_type());
+  }
   return BiasDropoutAddFunction::apply(input, bias, residual, p, training);
 }
 

@@ -8,6 +8,7 @@
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <ATen/core/grad_mode.h>
 #include <ATen/OpMathType.h>
+#include <ATen/ops/gelu.h>
 #include <ATen/ops/gelu_backward.h>
 #include <torch/autograd.h>
 #include <torch/library.h>
@@ -65,6 +66,11 @@ class BiasGeluFunction : public torch::autograd::Function<BiasGeluFunction> {
 };
 
 Tensor bias_gelu_autograd(const Tensor& input, const Tensor& bias, c10::string_view approximate) {
+  if (has_tangent(input) || has_tangent(bias)) {
+    check_bias_op("bias_gelu", input, bias, nullptr);
+    const auto acc = at::toOpMathType(input.scalar_type());
+    return at::gelu(input.to(acc).add(bias.to(acc)), approximate).to(input.scalar_type());
+  }
   return BiasGeluFunction::apply(input, bias, approximate);
 }
 

@@ -51,6 +51,18 @@ C10_HOST_DEVICE inline Philox4x32 dropout_block(uint64_t seed, uint64_t i) {
   return philox4x32(i / kDropoutElemsPerBlock, 0, seed);
 }
 
+// The key of a mask drawn while a CUDA graph is being captured. The host cannot draw then (a
+// replay would reuse that one key), so the kernel takes torch's CUDA generator's (seed, offset),
+// which every replay advances on the device, and folds them into one key with SplitMix64's
+// finaliser (Steele, Lea & Flood, OOPSLA'14). For a given seed the map offset -> key is a
+// bijection, so every op of every replay gets a Philox stream of its own.
+C10_HOST_DEVICE inline uint64_t dropout_graph_key(uint64_t seed, uint64_t offset) {
+  uint64_t z = seed + (offset + 1) * 0x9E3779B97F4A7C15ull;
+  z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
+  z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
+  return z ^ (z >> 31);
+}
+
 // Element i's random bits, from its block.
 C10_HOST_DEVICE inline uint32_t dropout_bits(const Philox4x32& block, uint64_t i) {
   return (block.w[(i >> 1) & 3] >> (kDropoutBits * (i & 1))) & 0xFFFFu;

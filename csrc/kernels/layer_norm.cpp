@@ -6,6 +6,7 @@
 // never recomputes statistics; its CompositeExplicitAutograd kernel serves inference.
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <ATen/core/grad_mode.h>
+#include <ATen/ops/layer_norm.h>
 #include <ATen/ops/native_layer_norm_backward.h>
 #include <torch/autograd.h>
 #include <torch/library.h>
@@ -90,6 +91,10 @@ class LayerNormFunction : public torch::autograd::Function<LayerNormFunction> {
 
 Tensor layer_norm_autograd(const Tensor& input, c10::SymIntArrayRef shape, const OptTensor& weight,
                            const OptTensor& bias, double eps) {
+  if (has_tangent(input) || has_tangent(weight) || has_tangent(bias)) {
+    check_layer_norm(input, shape, weight, bias);
+    return at::layer_norm_symint(input, shape, weight, bias, eps);
+  }
   return LayerNormFunction::apply(input, shape, weight, bias, eps);
 }
 

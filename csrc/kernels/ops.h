@@ -80,6 +80,14 @@ void with_flag(bool flag, F&& f) {
   }
 }
 
+// Whether `t` carries a forward-mode tangent (torch.autograd.forward_ad, torch.func.jvp).
+// A C++ custom autograd function has no jvp, so an op given a tangent runs as ATen's composite
+// of the same math instead, whose ops propagate the tangent (and keep their backward formulas).
+inline bool has_tangent(const at::Tensor& t) {
+  return t.defined() && t._fw_grad(/*level=*/0).defined();
+}
+inline bool has_tangent(const std::optional<at::Tensor>& t) { return t && has_tangent(*t); }
+
 // dropout probability in [0, 1].
 void check_dropout_p(double p);
 

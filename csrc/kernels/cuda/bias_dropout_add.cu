@@ -3,6 +3,8 @@
 // Forward: grid-stride over packs. Backward: column tiles, as in bias_gelu.cu, so dbias
 // is summed in registers while dx streams out.
 #include <ATen/Dispatch.h>
+#include <ATen/cuda/CUDAGeneratorImpl.h>
+#include <ATen/cuda/PhiloxUtils.cuh>
 #include <ATen/ops/empty.h>
 #include <ATen/ops/empty_like.h>
 #include <ATen/ops/zeros.h>
@@ -35,10 +37,14 @@ __device__ __forceinline__ void pack_multipliers(uint64_t seed, uint64_t thresho
 template <typename T, int N, bool Active>
 __global__ void forward_kernel(const T* __restrict__ x, const at::opmath_type<T>* __restrict__ bias,
                                const T* __restrict__ res, T* __restrict__ out, int64_t packs,
-                               int64_t cols, uint64_t seed, uint64_t threshold, double scale,
-                               int64_t* __restrict__ seed_out) {
+                               int64_t cols, at::PhiloxCudaState philox, uint64_t threshold,
+                               double scale, int64_t* __restrict__ seed_out) {
   using acc_t = at::opmath_type<T>;
   using P = Pack<T, N>;
+  // Outside a graph `philox` carries the host's key as its seed; inside, the CUDA generator's
+  // (seed, offset), read here at replay time. The backward reads the key from seed_out.
+  const auto [philox_seed, philox_offset] = at::cuda::philox::unpack(philox);
+  const uint64_t seed = philox.captured_ ? dropout_graph_key(philox_seed, philox_offset) : philox_seed;
   if (blockIdx.x == 0 && threadIdx.x == 0) *seed_out = static_cast<int64_t>(seed);
   const P* xp = reinterpret_cast<const P*>(x);
   const P* rp = reinterpret_cast<const P*>(res);
@@ -101,12 +107,19 @@ std::tuple<Tensor, Tensor> bias_dropout_add_fwd_cuda(const Tensor& input, const 
   const auto [rows, cols] = shape;
   check_dropout_p(p);
   const bool draw = training && p > 0.0;
-  // The key is drawn on the host, so a captured graph would replay one mask forever.
-  TORCH_CHECK(!draw || c10::cuda::currentStreamCaptureStatusMayInitCtx() == c10::cuda::CaptureStatus::None,
-              "torchpar.bias_dropout_add: dropout (training=True, p > 0) cannot be captured in a "
-              "CUDA graph yet: every replay would reuse the mask drawn at capture. Capture with "
-              "p=0 or training=False, or leave this op outside the graph.");
-  const DropoutRule rule = DropoutRule::make(p, training, draw ? draw_dropout_seed() : 0);
+  // Outside a graph the key comes from torch's default (CPU) generator, as on the CPU, so both
+  // devices draw the same mask from the same seed. While a graph is captured it must come from
+  // the device at replay time: the CUDA generator's graph-safe Philox state, advanced by every
+  // replay (4 is the smallest increment it hands out).
+  const bool capturing =
+      c10::cuda::currentStreamCaptureStatusMayInitCtx() != c10::cuda::CaptureStatus::None;
+  const DropoutRule rule = DropoutRule::make(p, training, draw && !capturing ? draw_dropout_seed() : 0);
+  at::PhiloxCudaState philox(rule.seed, 0);
+  if (draw && capturing) {
+    auto gen = at::cuda::detail::getDefaultCUDAGenerator(x.device().index());
+    std::lock_guard<std::mutex> lock(gen.mutex());
+    philox = at::check_generator<at::CUDAGeneratorImpl>(gen)->philox_cuda_state(4);
+  }
   Tensor out = at::empty_like(x);
   Tensor seed = at::empty({1}, x.options().dtype(at::kLong));
   if (x.numel() == 0) {
@@ -126,7 +139,7 @@ std::tuple<Tensor, Tensor> bias_dropout_add_fwd_cuda(const Tensor& input, const 
             <<<elementwise_blocks(packs, threads), threads, 0, at::cuda::getCurrentCUDAStream()>>>(
                 x.const_data_ptr<scalar_t>(), b.const_data_ptr<acc_t>(),
                 res.const_data_ptr<scalar_t>(), out.mutable_data_ptr<scalar_t>(), packs, cols,
-                rule.seed, rule.threshold, rule.scale, seed.mutable_data_ptr<int64_t>());
+                philox, rule.threshold, rule.scale, seed.mutable_data_ptr<int64_t>());
         C10_CUDA_KERNEL_LAUNCH_CHECK();
       });
     });
