@@ -37,5 +37,7 @@ def bias_dropout_add(input: Tensor, bias: Tensor, residual: Tensor, p: float = 0
 
     The mask comes from Philox keyed by one draw from torch's default (CPU) generator, so
     ``torch.manual_seed`` fixes it, on CPU and CUDA alike; the backward regenerates it.
+    Captured in a CUDA graph, the key comes from torch's CUDA generator at replay time, so
+    every replay draws a new mask.
     """
     return _ops.bias_dropout_add(input, bias, residual, float(p), bool(training))
