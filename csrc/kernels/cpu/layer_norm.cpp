@@ -81,11 +81,6 @@ void forward(const T* x, const at::opmath_type<T>* w, const at::opmath_type<T>* 
     for (int64_t r = r0; r < r1; ++r) {
       const T* xr = x + r * cols;
       T* yr = y + r * cols;
-      // Asking for the next row early helps the memory-bound float32 rows (about 8% here);
-      // for the half-width types, which are closer to compute-bound, it costs more than it saves.
-      if constexpr (sizeof(T) >= 4) {
-        if (r + 1 < r1) prefetch(xr + cols, cols);
-      }
       auto s = row_stats(xr, cols);
       acc_t mu = s.mean;
       acc_t rs = acc_t(1) / std::sqrt(std::max(s.var(), acc_t(0)) + acc_t(eps));
