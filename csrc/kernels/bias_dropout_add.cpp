@@ -9,6 +9,8 @@
 // and a second code path that CPU and CUDA would each have to get right.
 #include <ATen/OpMathType.h>
 #include <ATen/core/dispatch/Dispatcher.h>
+#include <ATen/ops/bernoulli.h>
+#include <ATen/ops/full.h>
 #include <ATen/ops/ones.h>
 #include <ATen/ops/zeros.h>
 #include <torch/autograd.h>
@@ -94,22 +96,44 @@ class BiasDropoutAddFunction : public torch::autograd::Function<BiasDropoutAddFu
   }
 };
 
+// residual + dropout(input + bias) in ATen ops, for forward-mode AD and functorch transforms
+// (see needs_composite). The multipliers (scale or 0): under forward-mode AD alone the fused
+// kernel draws them (ones in, multipliers out), the same single draw, hence the mask the fused
+// path would have used; under a functorch transform they come from torch's bernoulli, whose
+// batching rules give vmap's `randomness` its meaning ("error", "same" or "different").
+Tensor bda_unfused(const Tensor& input, const Tensor& bias, const Tensor& residual, double p,
+                   bool training, bool functorch) {
+  check_bias_op("bias_dropout_add", input, bias, &residual);
+  check_dropout_p(p);
+  const auto acc = at::toOpMathType(input.scalar_type());
+  const auto opts = input.options().dtype(acc);
+  Tensor z = input.to(acc).add(bias.to(acc));
+  if (training && p >= 1.0) {
+    z = z.mul(0);
+  } else if (training && p > 0.0) {
+    Tensor mult;
+    if (functorch) {
+      mult = at::bernoulli(at::full_symint(input.sym_sizes(), 1.0 - p, opts)).div_(1.0 - p);
+    } else {
+      at::AutoDispatchBelowADInplaceOrView guard;
+      mult = std::get<0>(bda_fwd(at::ones_symint(input.sym_sizes(), opts),
+                                 at::zeros_symint({input.sym_size(-1)}, opts),
+                                 at::zeros_symint(input.sym_sizes(), opts), p, /*training=*/true));
+    }
+    z = z.mul(mult);
+  }
+  return z.add(residual.to(acc)).to(input.scalar_type());
+}
+
+Tensor bda_batched(const Tensor& input, const Tensor& bias, const Tensor& residual, double p,
+                   bool training) {
+  return bda_unfused(input, bias, residual, p, training, /*functorch=*/true);
+}
+
 Tensor bda_autograd(const Tensor& input, const Tensor& bias, const Tensor& residual, double p,
                     bool training) {
-  if (has_tangent(input) || has_tangent(bias) || has_tangent(residual)) {
-    // The mask is drawn by the fused kernel itself (ones in, multipliers out), so it takes the
-    // same single draw from the generator and is the mask the fused path would have used.
-    const auto acc = at::toOpMathType(input.scalar_type());
-    check_bias_op("bias_dropout_add", input, bias, &residual);
-    Tensor mult;
-    {
-      at::AutoDispatchBelowADInplaceOrView guard;
-      const auto opts = input.options().dtype(acc);
-      mult = std::get<0>(bda_fwd(at::ones(input.sizes(), opts), at::zeros({input.size(-1)}, opts),
-                                 at::zeros(input.sizes(), opts), p, training));
-    }
-    const Tensor z = input.to(acc).add(bias.to(acc)).mul(mult).add(residual.to(acc));
-    return z.to(input.scalar_type());
+  if (needs_composite(input, bias, residual)) {
+    return bda_unfused(input, bias, residual, p, training, in_functorch_transform());
   }
   return BiasDropoutAddFunction::apply(input, bias, residual, p, training);
 }
@@ -155,6 +179,12 @@ TORCH_LIBRARY_IMPL(torchpar, Autograd, m) {
 
 TORCH_LIBRARY_IMPL(torchpar, CompositeExplicitAutograd, m) {
   m.impl("bias_dropout_add", &bda_composite);
+}
+
+// Under torch.func.vmap the op decomposes into batched ATen ops (else functorch would loop
+// over the batch, and draw a mask per example whatever `randomness` says).
+TORCH_LIBRARY_IMPL(torchpar, FuncTorchBatched, m) {
+  m.impl("bias_dropout_add", &bda_batched);
 }
 
 TORCH_LIBRARY_IMPL(torchpar, Meta, m) {

@@ -65,12 +65,17 @@ class BiasGeluFunction : public torch::autograd::Function<BiasGeluFunction> {
   }
 };
 
+// gelu(input + bias) in ATen ops (in the accumulate type, as the kernels compute), for
+// forward-mode AD and functorch transforms (see needs_composite).
+Tensor bias_gelu_unfused(const Tensor& input, const Tensor& bias, c10::string_view approximate) {
+  check_bias_op("bias_gelu", input, bias, nullptr);
+  parse_gelu_approx(approximate);
+  const auto acc = at::toOpMathType(input.scalar_type());
+  return at::gelu(input.to(acc).add(bias.to(acc)), approximate).to(input.scalar_type());
+}
+
 Tensor bias_gelu_autograd(const Tensor& input, const Tensor& bias, c10::string_view approximate) {
-  if (has_tangent(input) || has_tangent(bias)) {
-    check_bias_op("bias_gelu", input, bias, nullptr);
-    const auto acc = at::toOpMathType(input.scalar_type());
-    return at::gelu(input.to(acc).add(bias.to(acc)), approximate).to(input.scalar_type());
-  }
+  if (needs_composite(input, bias)) return bias_gelu_unfused(input, bias, approximate);
   return BiasGeluFunction::apply(input, bias, approximate);
 }
 
@@ -97,6 +102,11 @@ TORCH_LIBRARY_FRAGMENT(torchpar, m) {
 
 TORCH_LIBRARY_IMPL(torchpar, Autograd, m) {
   m.impl("bias_gelu", &bias_gelu_autograd);
+}
+
+// Under torch.func.vmap: batched ATen ops rather than a loop over the batch.
+TORCH_LIBRARY_IMPL(torchpar, FuncTorchBatched, m) {
+  m.impl("bias_gelu", &bias_gelu_unfused);
 }
 
 TORCH_LIBRARY_IMPL(torchpar, Meta, m) {

@@ -89,12 +89,16 @@ class LayerNormFunction : public torch::autograd::Function<LayerNormFunction> {
   }
 };
 
+// torch's layer_norm, for forward-mode AD and functorch transforms (see needs_composite).
+Tensor layer_norm_unfused(const Tensor& input, c10::SymIntArrayRef shape, const OptTensor& weight,
+                          const OptTensor& bias, double eps) {
+  check_layer_norm(input, shape, weight, bias);
+  return at::layer_norm_symint(input, shape, weight, bias, eps);
+}
+
 Tensor layer_norm_autograd(const Tensor& input, c10::SymIntArrayRef shape, const OptTensor& weight,
                            const OptTensor& bias, double eps) {
-  if (has_tangent(input) || has_tangent(weight) || has_tangent(bias)) {
-    check_layer_norm(input, shape, weight, bias);
-    return at::layer_norm_symint(input, shape, weight, bias, eps);
-  }
+  if (needs_composite(input, weight, bias)) return layer_norm_unfused(input, shape, weight, bias, eps);
   return LayerNormFunction::apply(input, shape, weight, bias, eps);
 }
 
@@ -148,6 +152,11 @@ TORCH_LIBRARY_IMPL(torchpar, Autograd, m) {
 
 TORCH_LIBRARY_IMPL(torchpar, CompositeExplicitAutograd, m) {
   m.impl("layer_norm", &layer_norm_composite);
+}
+
+// Under torch.func.vmap: batched ATen ops rather than a loop over the batch.
+TORCH_LIBRARY_IMPL(torchpar, FuncTorchBatched, m) {
+  m.impl("layer_norm", &layer_norm_unfused);
 }
 
 TORCH_LIBRARY_IMPL(torchpar, Meta, m) {

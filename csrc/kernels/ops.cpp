@@ -8,6 +8,7 @@
 #include <ATen/ops/empty_like.h>
 #include <ATen/ops/full.h>
 #include <ATen/ops/zeros.h>
+#include <c10/core/impl/LocalDispatchKeySet.h>
 #include <c10/util/Exception.h>
 
 #include <mutex>
@@ -105,6 +106,12 @@ at::Tensor param_as_acc(const std::optional<at::Tensor>& p, int64_t cols, const 
 
 void check_dropout_p(double p) {
   TORCH_CHECK(p >= 0.0 && p <= 1.0, "torchpar.bias_dropout_add: p must be in [0, 1], got ", p);
+}
+
+bool in_functorch_transform() {
+  // functorch keeps these keys in the thread's included set while any transform is active.
+  return c10::impl::tls_is_dispatch_key_included(c10::DispatchKey::FuncTorchDynamicLayerFrontMode) ||
+         c10::impl::tls_is_dispatch_key_included(c10::DispatchKey::FuncTorchDynamicLayerBackMode);
 }
 
 uint64_t draw_dropout_seed() {

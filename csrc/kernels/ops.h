@@ -80,13 +80,22 @@ void with_flag(bool flag, F&& f) {
   }
 }
 
-// Whether `t` carries a forward-mode tangent (torch.autograd.forward_ad, torch.func.jvp).
-// A C++ custom autograd function has no jvp, so an op given a tangent runs as ATen's composite
-// of the same math instead, whose ops propagate the tangent (and keep their backward formulas).
+// Whether `t` carries a forward-mode tangent (torch.autograd.forward_ad).
 inline bool has_tangent(const at::Tensor& t) {
   return t.defined() && t._fw_grad(/*level=*/0).defined();
 }
 inline bool has_tangent(const std::optional<at::Tensor>& t) { return t && has_tangent(*t); }
+
+// Whether a functorch transform (torch.func.grad, vjp, jvp, vmap, ...) is active.
+bool in_functorch_transform();
+
+// Whether an op must run as ATen's composite of its math rather than its fused kernels: a C++
+// autograd function has no jvp, and torch refuses to run one under a functorch transform.
+// The composite's ops support both, and keep their backward formulas.
+template <typename... Ts>
+bool needs_composite(const Ts&... inputs) {
+  return in_functorch_transform() || (has_tangent(inputs) || ...);
+}
 
 // dropout probability in [0, 1].
 void check_dropout_p(double p);
