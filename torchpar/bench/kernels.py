@@ -166,6 +166,41 @@ def measure(op, rows, cols, dtype, reps, use_compile):
     return out
 
 
+def _kernel_calls(op, x, w, b, r, dy):
+    """The fused forward and backward kernels of `op` as plain calls, without autograd."""
+    ops, cols = torch.ops.torchpar, x.shape[-1]
+    if op == "layer_norm":
+        _, mean, rstd = ops.layer_norm_fwd(x, [cols], w, b, 1e-5)
+        return (lambda: ops.layer_norm_fwd(x, [cols], w, b, 1e-5),
+                lambda: ops.layer_norm_bwd(dy, x, [cols], mean, rstd, w, b))
+    if op == "bias_gelu":
+        return (lambda: ops.bias_gelu(x, b, "none"), lambda: ops.bias_gelu_bwd(dy, x, b, "none"))
+    seed = ops.bias_dropout_add_fwd(x, b, r, P_DROP, True)[1]
+    return (lambda: ops.bias_dropout_add_fwd(x, b, r, P_DROP, True),
+            lambda: ops.bias_dropout_add_bwd(dy, seed, P_DROP, True))
+
+
+def compute_cost(op, cols, dtype, reps=200):
+    """ns per element on one core of `op`'s forward and backward kernels with data in cache:
+    the arithmetic alone, which bounds an op however fast memory is. The slope between two
+    cache-resident sizes (96 and 32 rows of 1024 columns' worth), so the per-call overhead
+    cancels."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        times = []
+        for elems in (32 * 1024, 96 * 1024):
+            rows = max(1, elems // cols)
+            g = torch.Generator().manual_seed(0)
+            x, r, dy = (torch.randn(rows, cols, generator=g).to(dtype) for _ in range(3))
+            w, b = (torch.randn(cols, generator=g).to(dtype) for _ in range(2))
+            times.append((rows * cols, _time(list(_kernel_calls(op, x, w, b, r, dy)), reps)))
+        (n0, t0), (n1, t1) = times
+        return tuple((b1 - b0) / (n1 - n0) * 1e9 for b0, b1 in zip(t0, t1))
+    finally:
+        torch.set_num_threads(threads)
+
+
 def run(args):
     torch.set_num_threads(args.threads or torch.get_num_threads())
     args.malloc_reuse = args.malloc == "reuse" and reuse_freed_memory()
@@ -181,7 +216,9 @@ def run(args):
             for dname in args.dtypes:
                 dtype = DTYPES[dname]
                 t = measure(op, rows, cols, dtype, args.reps, not args.no_compile)
-                act = rows * cols * torch.empty((), dtype=dtype).element_size()
+                cost = compute_cost(op, cols, dtype)
+                elem = torch.empty((), dtype=dtype).element_size()
+                act = rows * cols * elem
                 fwd_units, bwd_units = TRAFFIC[op]
                 for mode, units in (("fwd", fwd_units), ("fwd_bwd", fwd_units + bwd_units)):
                     row = {"op": op, "shape": f"{rows}x{cols}", "dtype": dname, "pass": mode,
@@ -189,6 +226,10 @@ def run(args):
                     for peer, times in t.items():
                         row[f"{peer}_ms"] = times[mode] * 1e3
                     row["gbs"] = row["bytes"] / (row["torchpar_ms"] * 1e-3) / 1e9
+                    # The GB/s the arithmetic alone allows on all threads (memory for free).
+                    ns = cost[0] if mode == "fwd" else cost[0] + cost[1]
+                    row["compute_ns_per_elem"] = ns
+                    row["compute_gbs"] = units * elem * torch.get_num_threads() / ns
                     row["pct_copy"] = 100 * row["gbs"] / copy_gbs
                     row["x_eager"] = row["eager_ms"] / row["torchpar_ms"]
                     if "compile_ms" in row:
@@ -201,6 +242,7 @@ def run(args):
     copy_op_sized_gbs = max(copy_op_sized_gbs, copy_bandwidth(elem_bytes_max, max(args.reps, 200)))
     for row in results:
         row["pct_copy"] = 100 * row["gbs"] / copy_gbs
+        row["compute_pct_copy"] = 100 * row["compute_gbs"] / copy_gbs
     print_header(copy_gbs, copy_op_sized_gbs, elem_bytes_max)
     for row in results:
         print_row(row)
@@ -222,7 +264,7 @@ def meta(args):
 
 
 HEADER = (f"{'op':<17}{'shape':>10}{'dtype':>9}{'pass':>8}{'torchpar':>10}{'eager':>9}"
-          f"{'compile':>9}{'x eager':>9}{'x comp':>8}{'GB/s':>7}{'%copy':>7}")
+          f"{'compile':>9}{'x eager':>9}{'x comp':>8}{'GB/s':>7}{'%copy':>7}{'ceiling':>9}")
 
 
 def print_header(copy_gbs, copy_op_sized_gbs, op_bytes):
@@ -232,7 +274,8 @@ def print_header(copy_gbs, copy_op_sized_gbs, op_bytes):
           f"{copy_op_sized_gbs:.1f} GB/s with {op_bytes >> 20} MiB arrays (partly in L3)")
     print(f"torch's kernels: {torch.backends.cpu.get_cpu_capability()}; torchpar: {torchpar._C.cpu_kernels_isa()}; "
           f"{torch.get_num_threads()} threads; times in ms, best of --reps; "
-          "x eager / x comp = peer time / torchpar time")
+          "x eager / x comp = peer time / torchpar time; ceiling = the %copy torchpar's arithmetic "
+          "alone allows (its kernels timed on one core with data in cache, times the threads)")
     print(HEADER)
 
 
@@ -241,7 +284,8 @@ def print_row(row):
     xcomp = f"{row['x_compile']:>8.2f}" if "x_compile" in row else f"{'-':>8}"
     print(f"{row['op']:<17}{row['shape']:>10}{row['dtype']:>9}{row['pass']:>8}"
           f"{row['torchpar_ms']:>10.2f}{row['eager_ms']:>9.2f}{comp}{row['x_eager']:>9.2f}"
-          f"{xcomp}{row['gbs']:>7.1f}{row['pct_copy']:>7.0f}", flush=True)
+          f"{xcomp}{row['gbs']:>7.1f}{row['pct_copy']:>7.0f}{row['compute_pct_copy']:>9.0f}",
+          flush=True)
 
 
 def plot(report, path):

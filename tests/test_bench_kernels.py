@@ -1,0 +1,26 @@
+"""Smoke test of ``python -m torchpar.bench kernels``: it runs, and its report holds the fields
+the README's table is made of (the numbers themselves are the bench's business, not a test's)."""
+import json
+import subprocess
+import sys
+
+import pytest
+
+pytestmark = pytest.mark.timeout(120)
+
+
+def test_kernels_bench_writes_its_report(tmp_path):
+    out = tmp_path / "kernels.json"
+    proc = subprocess.run(
+        [sys.executable, "-m", "torchpar.bench", "kernels", "--shapes", "64x1024", "--dtypes",
+         "float32", "bfloat16", "--reps", "1", "--no-compile", "--json", str(out)],
+        capture_output=True, text=True, timeout=110)
+    assert proc.returncode == 0, proc.stderr
+    assert "ceiling" in proc.stdout
+    report = json.loads(out.read_text())
+    assert report["copy_gbs"] > 0
+    rows = report["results"]
+    assert len(rows) == 3 * 2 * 2  # ops x dtypes x passes
+    for row in rows:
+        for key in ("torchpar_ms", "eager_ms", "gbs", "pct_copy", "compute_gbs", "compute_pct_copy"):
+            assert row[key] > 0, (row["op"], row["dtype"], row["pass"], key)
