@@ -177,3 +177,27 @@ def test_vmap_dropout_follows_randomness():
     r = _randn(4, 6, 32, seed=1)
     torch.testing.assert_close(
         torch.func.vmap(lambda x, r: F.bias_dropout_add(x, b, r, 0.5, False))(x, r), x + r)
+
+
+@pytest.mark.parametrize("outer", ["none", "jacrev"])
+def test_vmap_dropout_of_an_unbatched_tensor_follows_randomness(outer):
+    # Dropout of a tensor vmap does not batch (closed over), added to a batched one: the op
+    # sees no batched argument, yet the mask must still follow `randomness`. Under jacrev the
+    # derivative with respect to the dropped tensor's scale is each example's mask itself.
+    xs = _randn(4, 6, 32)
+    w, b, r = (torch.ones(6, 32, dtype=torch.float64), torch.zeros(32, dtype=torch.float64),
+               torch.zeros(6, 32, dtype=torch.float64))
+
+    def run(randomness):
+        def step(scale):
+            return torch.func.vmap(lambda x: x * 0 + F.bias_dropout_add(w * scale, b, r, 0.5),
+                                   randomness=randomness)(xs)
+        scale = torch.tensor(1.0, dtype=torch.float64)
+        return step(scale) if outer == "none" else torch.func.jacrev(step)(scale)
+
+    with pytest.raises(RuntimeError, match="randomness"):
+        run("error")
+    same, different = run("same"), run("different")
+    assert all(torch.equal(same[0], same[i]) for i in range(1, 4))
+    assert not torch.equal(different[0], different[1])
+    assert set(different.unique().tolist()) <= {0.0, 2.0}

@@ -181,9 +181,16 @@ TORCH_LIBRARY_IMPL(torchpar, CompositeExplicitAutograd, m) {
   m.impl("bias_dropout_add", &bda_composite);
 }
 
-// Under torch.func.vmap the op decomposes into batched ATen ops (else functorch would loop
-// over the batch, and draw a mask per example whatever `randomness` says).
+// Under torch.func.vmap the op decomposes into ATen ops, whose rules give the mask vmap's
+// `randomness`. FuncTorchBatched catches calls with a batched argument (else functorch would
+// loop over the batch, drawing a mask per example whatever `randomness` says); FuncTorchVmapMode,
+// on for the whole transform, catches the rest (dropout of a tensor vmap does not batch, which
+// would otherwise reach the fused kernel and share one mask), as it does for torch's random ops.
 TORCH_LIBRARY_IMPL(torchpar, FuncTorchBatched, m) {
+  m.impl("bias_dropout_add", &bda_batched);
+}
+
+TORCH_LIBRARY_IMPL(torchpar, FuncTorchVmapMode, m) {
   m.impl("bias_dropout_add", &bda_batched);
 }
 

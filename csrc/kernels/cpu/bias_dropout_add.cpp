@@ -22,9 +22,9 @@ using at::Tensor;
 
 // Rows are taken kChunk columns at a time: a chunk's multipliers stay in L1 beside the
 // chunk of data they scale and the bias (a whole 4096-column row's did not, and ran 25%
-// slower). 512 is one call of the Philox lanes' widest group, and left more of L1 to a wide
-// row's bias than 1024 did (bfloat16 forward from DRAM: 7% faster at 1024 columns, 12% at
-// 4096); 256 ran 25% slower.
+// slower). 512 columns leave more of L1 to a wide row's bias than 1024 did (bfloat16 forward
+// from DRAM: 7% faster at 1024 columns, 12% at 4096); 256 ran 25% slower. With AVX-512 and
+// aligned blocks, 512 elements are one call of the Philox lanes' four groups.
 constexpr int64_t kChunk = 512;
 
 template <typename T, bool Active>
