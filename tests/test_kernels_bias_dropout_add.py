@@ -226,6 +226,30 @@ def test_cuda_graph_replays_draw_new_masks_and_the_backward_follows_them():
     assert not torch.equal(masks[0], masks[1]) and not torch.equal(masks[1], masks[2])
 
 
+@requires_cuda
+def test_cuda_graph_two_dropouts_differ_and_inactive_dropout_captures():
+    shape = (32, 128)
+    ones = torch.ones(shape, device="cuda")
+    zb, zr = torch.zeros(shape[-1], device="cuda"), torch.zeros(shape, device="cuda")
+    cpu_state = torch.get_rng_state()
+    graph = torch.cuda.CUDAGraph()
+    F.bias_dropout_add(ones, zb, zr, 0.5, True)  # warm-up
+    torch.cuda.synchronize()
+    with torch.cuda.graph(graph):
+        first = F.bias_dropout_add(ones, zb, zr, 0.5, True)
+        second = F.bias_dropout_add(ones, zb, zr, 0.5, True)
+        none = F.bias_dropout_add(ones, zb, zr, 0.0, True)
+        evaluated = F.bias_dropout_add(ones, zb, zr, 0.5, False)
+        everything = F.bias_dropout_add(ones, zb, zr, 1.0, True)
+    # Capture drew from the CUDA generator only.
+    assert torch.equal(torch.get_rng_state(), cpu_state)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert not torch.equal(first, second)
+    assert torch.equal(none, ones) and torch.equal(evaluated, ones)
+    assert torch.count_nonzero(everything) == 0
+
+
 def test_mask_and_gradients_do_not_depend_on_thread_count():
     x, b, r = _inputs((96, 130), torch.float32)
     results = []
