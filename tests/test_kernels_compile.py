@@ -53,3 +53,27 @@ def test_meta_kernels_give_shapes_and_dtypes():
     assert out.shape == x.shape and seed.dtype == torch.int64
     with pytest.raises(RuntimeError, match="bias must have shape"):
         torch.ops.torchpar.bias_gelu(x, w[:3], "none")
+
+
+def test_compiled_graphs_call_the_fused_kernels():
+    # The ops fall back to ATen composites under forward-mode AD and functorch transforms;
+    # compiling (AOTAutograd's tracing) must not be mistaken for either.
+    import re
+    import warnings
+
+    from torch._dynamo.testing import AotEagerAndRecordGraphs
+
+    torch._dynamo.reset()
+    backend = AotEagerAndRecordGraphs()
+    g = torch.Generator().manual_seed(0)
+    x, w, b, bias1 = (torch.randn(shape, generator=g).requires_grad_()
+                      for shape in [(16, 64), (64,), (64,), (64,)])
+    args = [x, w, b, bias1, torch.randn(16, 64, generator=g)]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # aot_eager's note about boxed arguments
+        torch.compile(block, backend=backend, fullgraph=True)(*args).sum().backward()
+    code = "".join(gm.code for gm in backend.fw_graphs + backend.bw_graphs)
+    called = set(re.findall(r"torchpar\.([a-z_]+)", code))
+    assert {"layer_norm_fwd", "layer_norm_bwd", "bias_gelu", "bias_gelu_bwd",
+            "bias_dropout_add_fwd", "bias_dropout_add_bwd"} <= called
+    assert "aten.gelu" not in code and "aten.native_layer_norm" not in code
