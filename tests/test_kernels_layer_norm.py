@@ -120,6 +120,20 @@ def test_welford_is_stable_for_a_large_offset():
     torch.testing.assert_close(y.double(), TF.layer_norm(x, [4096]), atol=1e-2, rtol=0)
 
 
+@pytest.mark.parametrize("cols", [37, 256, 1000, 4099])
+@pytest.mark.parametrize("offset,scale", [(1e4, 1.0), (1e3, 1e-2)])
+def test_statistics_are_as_precise_as_torchs_for_offset_rows(cols, offset, scale):
+    # float32 rows far from zero with a small spread: the statistics are only as good as the
+    # chunk and lane means they merge. Pinned against torch's own layer_norm, in float64.
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(64, cols, generator=g) * scale + offset
+    exact = (x.double().var(-1, unbiased=False) + 1e-5).rsqrt()
+    _, _, ours = torch.ops.torchpar.layer_norm_fwd(x, [cols], None, None, 1e-5)
+    _, _, theirs = torch.native_layer_norm(x, [cols], None, None, 1e-5)
+    err = lambda r: ((r.double().flatten() - exact).abs() / exact).max().item()
+    assert err(ours) <= max(1.5 * err(theirs), 1e-5)
+
+
 @pytest.mark.parametrize("elementwise_affine,bias", [(True, True), (True, False), (False, True)])
 def test_state_dict_round_trip_with_nn_layernorm(elementwise_affine, bias):
     theirs = torch.nn.LayerNorm([3, 8], eps=1e-6, elementwise_affine=elementwise_affine, bias=bias)

@@ -27,44 +27,65 @@ acc_t reduce_sum(const Vec& v) {
 }
 
 // Mean and population variance of one row, in acc_t: Welford's update applied per chunk
-// (Chan, Golub & LeVeque's merge of exact chunk statistics). A chunk is 256 elements, in
-// L1 after its first read, so its exact mean and M2 cost two short vector passes with
-// independent accumulators; updating per element instead puts a dependent divide-and-FMA
-// chain on every vector, which made this pass compute-bound.
+// (Chan, Golub & LeVeque's merge of exact chunk statistics), lane by lane. A chunk is 256
+// elements, in L1 after its first read, so each lane's exact chunk mean and M2 cost two short
+// vector passes; the lanes keep their own running statistics, merged with vector operations,
+// and meet once per row. Merging per element instead puts a dependent divide-and-FMA chain on
+// every vector, and reducing across lanes per chunk put two horizontal sums and a divide on
+// each chunk's critical path (in cache, 0.13 ns per element per core against 0.09 this way).
 template <typename T>
 Welford<at::opmath_type<T>> row_stats(const T* x, int64_t cols) {
   using IO = VecIO<T>;
   using acc_t = typename IO::acc_t;
   using Vec = typename IO::Vec;
-  constexpr int64_t kChunk = 256;
-  Welford<acc_t> s;
-  for (int64_t c0 = 0; c0 < cols; c0 += kChunk) {
+  constexpr int64_t kChunk = 256;  // a multiple of IO::kStep
+  constexpr int64_t V = Vec::size();
+  const int64_t full = cols / IO::kStep * IO::kStep;
+  Vec mean(0), m2(0);  // per lane; lane j covers the elements at j and j + V of every step
+  acc_t n = 0;         // elements per lane so far
+  for (int64_t c0 = 0; c0 < full; c0 += kChunk) {
     const T* xc = x + c0;
-    const int64_t n = std::min(kChunk, cols - c0);
+    const int64_t len = std::min(kChunk, full - c0);
     Vec s0(0), s1(0);
-    int64_t i = 0;
-    for (; i + IO::kStep <= n; i += IO::kStep) {
+    for (int64_t i = 0; i < len; i += IO::kStep) {
       Vec a, b;
       IO::load2(xc + i, a, b);
       s0 = s0 + a;
       s1 = s1 + b;
     }
-    acc_t sum = reduce_sum<T, acc_t>(s0 + s1);
-    for (int64_t j = i; j < n; ++j) sum += acc_t(xc[j]);
-    const acc_t mean = sum / acc_t(n);
-    const Vec vm(mean);
+    const acc_t k = acc_t(len / V);
+    const Vec cmean = (s0 + s1) * Vec(acc_t(1) / k);
     Vec q0(0), q1(0);
-    for (i = 0; i + IO::kStep <= n; i += IO::kStep) {
+    for (int64_t i = 0; i < len; i += IO::kStep) {
       Vec a, b;
       IO::load2(xc + i, a, b);
-      a = a - vm;
-      b = b - vm;
+      a = a - cmean;
+      b = b - cmean;
       q0 = at::vec::fmadd(a, a, q0);
       q1 = at::vec::fmadd(b, b, q1);
     }
-    acc_t m2 = reduce_sum<T, acc_t>(q0 + q1);
-    for (int64_t j = i; j < n; ++j) m2 += (acc_t(xc[j]) - mean) * (acc_t(xc[j]) - mean);
-    s.merge(Welford<acc_t>(mean, m2, acc_t(n)));
+    const acc_t total = n + k, w = k / total;
+    const Vec d = cmean - mean;
+    mean = at::vec::fmadd(d, Vec(w), mean);
+    m2 = m2 + (q0 + q1) + d * d * Vec(n * w);
+    n = total;
+  }
+  Welford<acc_t> s;
+  if (n > 0) {
+    // Every lane holds n elements: the row's mean is the lanes' mean, and M2 adds each lane's
+    // spread about it.
+    const acc_t mu = reduce_sum<T, acc_t>(mean) / acc_t(V);
+    const Vec dm = mean - Vec(mu);
+    s = Welford<acc_t>(mu, reduce_sum<T, acc_t>(at::vec::fmadd(dm * dm, Vec(n), m2)), n * acc_t(V));
+  }
+  if (full < cols) {  // the last cols - full elements, exactly
+    const int64_t t = cols - full;
+    acc_t sum = 0;
+    for (int64_t j = full; j < cols; ++j) sum += acc_t(x[j]);
+    const acc_t tmean = sum / acc_t(t);
+    acc_t tm2 = 0;
+    for (int64_t j = full; j < cols; ++j) tm2 += (acc_t(x[j]) - tmean) * (acc_t(x[j]) - tmean);
+    s.merge(Welford<acc_t>(tmean, tm2, acc_t(t)));
   }
   return s;
 }
