@@ -14,6 +14,7 @@ import datetime
 import json
 import os
 import platform
+import random
 import sys
 import time
 
@@ -103,17 +104,23 @@ class _CacheFlush:
 def _time(fns, reps, warmup=2, flush=None):
     """Best of `reps` for each of `fns`, taken round-robin: on a shared 2-core machine the
     neighbours' load then falls on every peer alike, and the best sample is the one they
-    left alone. `flush` (untimed) runs before each timed call."""
+    left alone. `flush` (untimed) runs before each timed call. Each round visits the peers
+    in a new (seeded) order: a call can slow the one after it despite the flush (the peer
+    timed after torch.compile's forward+backward ran 25-35 % slower in a fixed order,
+    whichever peer it was), so no peer may always follow the same one."""
     for fn in fns:
         for _ in range(warmup):
             fn()
     best = [float("inf")] * len(fns)
+    order = list(range(len(fns)))
+    shuffle = random.Random(0).shuffle
     for _ in range(reps):
-        for k, fn in enumerate(fns):
+        shuffle(order)
+        for k in order:
             if flush:
                 flush()
             t0 = time.perf_counter()
-            fn()
+            fns[k]()
             best[k] = min(best[k], time.perf_counter() - t0)
     return best
 
