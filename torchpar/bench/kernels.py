@@ -309,6 +309,16 @@ def plot(report, path):
     for k, peer in enumerate(peers):
         gbs = [r["bytes"] / (r[f"{peer}_ms"] * 1e-3) / 1e9 for r in rows]
         ax.bar([i + k * width for i in range(len(rows))], gbs, width, label=peer)
+    # torchpar's compute ceiling over its bar; past the copy line it is drawn at the top.
+    top = 1.05 * report["copy_gbs"]
+    xs = list(range(len(rows)))
+    ceil = [r["compute_gbs"] for r in rows]
+    below = [i for i in xs if ceil[i] <= top]
+    above = [i for i in xs if ceil[i] > top]
+    ax.scatter(below, [ceil[i] for i in below], marker="_", s=200, color="k", zorder=3,
+               label="torchpar's compute ceiling")
+    ax.scatter(above, [top] * len(above), marker="^", s=30, color="k", zorder=3,
+               label="ceiling above the copy")
     ax.axhline(report["copy_gbs"], color="k", linestyle="--", label="copy bandwidth")
     ax.axhline(0.6 * report["copy_gbs"], color="grey", linestyle=":", label="60% of copy")
     ax.set_xticks([i + 0.4 - width / 2 for i in range(len(rows))])
