@@ -13,10 +13,12 @@ def test_kernels_bench_writes_its_report(tmp_path):
     out = tmp_path / "kernels.json"
     proc = subprocess.run(
         [sys.executable, "-m", "torchpar.bench", "kernels", "--shapes", "64x1024", "--dtypes",
-         "float32", "bfloat16", "--reps", "1", "--no-compile", "--json", str(out)],
+         "float32", "bfloat16", "--reps", "1", "--no-compile", "--json", str(out),
+         "--plot", str(tmp_path / "kernels.png")],
         capture_output=True, text=True, timeout=110)
     assert proc.returncode == 0, proc.stderr
     assert "ceiling" in proc.stdout
+    assert (tmp_path / "kernels.png").stat().st_size > 0
     report = json.loads(out.read_text())
     assert report["copy_gbs"] > 0
     rows = report["results"]
