@@ -19,8 +19,9 @@ constexpr double kGeluTanhCoef = 0.044715;
 
 // abs/erf/erfc/exp/tanh for scalars on host and device. erf_gauss(x, g) is erf(x) given
 // g = exp(-x^2), which GeLU's gradient computes anyway: an implementation whose erf is built
-// on exp(-x^2) (cpu/vec.h) reuses it; these scalar ones ignore it. erfc_nonneg(x) is erfc(x)
-// for x >= 0 (an implementation may skip the negative half).
+// on exp(-x^2) (cpu/vec.h) reuses it; these scalar ones ignore it. erfc_over_sqrt2(a) is
+// erfc(a / sqrt2) for a >= 0 (an implementation may skip the negative half, and fold the
+// scale into its coefficients).
 struct ScalarMath {
   template <typename T>
   C10_HOST_DEVICE static T erf_gauss(T x, T /*g*/) { return erf(x); }
@@ -30,8 +31,8 @@ struct ScalarMath {
   C10_HOST_DEVICE static double abs(double x) { return ::fabs(x); }
   C10_HOST_DEVICE static float erf(float x) { return ::erff(x); }
   C10_HOST_DEVICE static double erf(double x) { return ::erf(x); }
-  C10_HOST_DEVICE static float erfc_nonneg(float x) { return ::erfcf(x); }
-  C10_HOST_DEVICE static double erfc_nonneg(double x) { return ::erfc(x); }
+  C10_HOST_DEVICE static float erfc_over_sqrt2(float a) { return ::erfcf(a * float(kInvSqrt2)); }
+  C10_HOST_DEVICE static double erfc_over_sqrt2(double a) { return ::erfc(a * kInvSqrt2); }
   C10_HOST_DEVICE static float exp(float x) { return ::expf(x); }
   C10_HOST_DEVICE static double exp(double x) { return ::exp(x); }
   C10_HOST_DEVICE static float tanh(float x) { return ::tanhf(x); }
@@ -48,7 +49,7 @@ template <typename T, typename M = ScalarMath>
 C10_HOST_DEVICE inline T gelu_erf(T z) {
   const T a = M::abs(z);
   const T h = T(0.5) * a;
-  return (T(0.5) * z + h) - M::min(h, T(15)) * M::erfc_nonneg(a * T(kInvSqrt2));
+  return (T(0.5) * z + h) - M::min(h, T(15)) * M::erfc_over_sqrt2(a);
 }
 
 // gelu'(z) = Phi(z) + z * phi(z); phi and erf share exp(-z^2 / 2).
