@@ -79,7 +79,7 @@ def _run_all(shape, dtype):
 
 
 # Column counts around each copy's vector widths (8, 16, 32 floats), with tails.
-SHAPES = [(3, 37), (5, 64), (4, 1000), (2, 4099)]
+SHAPES = [(3, 37), (5, 64), (4, 1000), (2, 4099)]  # 1000 and 4099: lockstep, single vectors, tail
 
 
 @pytest.mark.skipif(not OTHERS, reason="this CPU runs only one copy of the kernels")

@@ -21,11 +21,18 @@ void forward(const T* x, const at::opmath_type<T>* bias, T* y, int64_t rows, int
   using Vec = typename IO::Vec;
   using Math = VecMath<!IO::kReduced>;
   constexpr int64_t V = Vec::size();
-  at::parallel_for(0, rows, row_grain(cols), [&](int64_t r0, int64_t r1) {
+  at::parallel_for(0, rows, row_grain(cols), [&](int64_t r0, int64_t r1) __attribute__((flatten)) {
     for (int64_t r = r0; r < r1; ++r) {
       const T* xr = x + r * cols;
       T* yr = y + r * cols;
       int64_t i = 0;
+      if constexpr (std::is_same_v<acc_t, float>) {
+        using L = Lanes<kLanes>;
+        for (; i + L::size() <= cols; i += L::size()) {
+          const L z = IO::template load<kLanes>(xr + i) + L::loadu(bias + i);
+          IO::template store<kLanes>(yr + i, gelu<L, Math>(z, A));
+        }
+      }
       for (; i + IO::kStep <= cols; i += IO::kStep) {
         Vec a, b;
         IO::load2(xr + i, a, b);
@@ -46,13 +53,22 @@ void backward(const T* dy, const T* x, const at::opmath_type<T>* bias, T* dx,
   using Vec = typename IO::Vec;
   using Math = VecMath<!IO::kReduced>;
   constexpr int64_t V = Vec::size();
-  at::parallel_for(0, rows, row_grain(cols), [&](int64_t r0, int64_t r1) {
+  at::parallel_for(0, rows, row_grain(cols), [&](int64_t r0, int64_t r1) __attribute__((flatten)) {
     acc_t* dbp = db.row(at::get_thread_num());
     for (int64_t r = r0; r < r1; ++r) {
       const T* dyr = dy + r * cols;
       const T* xr = x + r * cols;
       T* dxr = dx + r * cols;
       int64_t i = 0;
+      if constexpr (std::is_same_v<acc_t, float>) {
+        using L = Lanes<kLanes>;
+        for (; i + L::size() <= cols; i += L::size()) {
+          const L z = IO::template load<kLanes>(xr + i) + L::loadu(bias + i);
+          const L g = IO::template load<kLanes>(dyr + i) * gelu_grad<L, Math>(z, A);
+          IO::template store<kLanes>(dxr + i, g);
+          (L::loadu(dbp + i) + g).store(dbp + i);
+        }
+      }
       for (; i + IO::kStep <= cols; i += IO::kStep) {
         Vec d0, d1, x0, x1;
         IO::load2(dyr + i, d0, d1);
