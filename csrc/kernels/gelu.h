@@ -17,24 +17,23 @@ constexpr double kInvSqrt2Pi = 0.39894228040143267794;
 constexpr double kSqrt2OverPi = 0.79788456080286535588;
 constexpr double kGeluTanhCoef = 0.044715;
 
-// abs/erf/erfc/exp/tanh for scalars on host and device. erf_gauss(x, g) is erf(x) given
-// g = exp(-x^2), which GeLU's gradient computes anyway: an implementation whose erf is built
-// on exp(-x^2) (cpu/vec.h) reuses it; these scalar ones ignore it. erfc_over_sqrt2(a) is
-// erfc(a / sqrt2) for a >= 0 (an implementation may skip the negative half, and fold the
-// scale into its coefficients).
+// The functions GeLU needs, for scalars on host and device. erfc_over_sqrt2(a) is erfc(a / sqrt2)
+// for a >= 0 (an implementation may skip the negative half, and fold the scale into its
+// coefficients). gauss(z) is e^{-z^2/2}, and cdf_gauss(z, g) the normal CDF Phi(z) given
+// g = gauss(z), which GeLU's gradient computes anyway: an implementation whose erfc is built on
+// e^{-x^2} (cpu/vec.h) reuses it; these scalar ones ignore it.
 struct ScalarMath {
-  template <typename T>
-  C10_HOST_DEVICE static T erf_gauss(T x, T /*g*/) { return erf(x); }
   template <typename T>
   C10_HOST_DEVICE static T min(T a, T b) { return b < a ? b : a; }
   C10_HOST_DEVICE static float abs(float x) { return ::fabsf(x); }
   C10_HOST_DEVICE static double abs(double x) { return ::fabs(x); }
-  C10_HOST_DEVICE static float erf(float x) { return ::erff(x); }
-  C10_HOST_DEVICE static double erf(double x) { return ::erf(x); }
   C10_HOST_DEVICE static float erfc_over_sqrt2(float a) { return ::erfcf(a * float(kInvSqrt2)); }
   C10_HOST_DEVICE static double erfc_over_sqrt2(double a) { return ::erfc(a * kInvSqrt2); }
-  C10_HOST_DEVICE static float exp(float x) { return ::expf(x); }
-  C10_HOST_DEVICE static double exp(double x) { return ::exp(x); }
+  C10_HOST_DEVICE static float gauss(float z) { return ::expf(-0.5f * z * z); }
+  C10_HOST_DEVICE static double gauss(double z) { return ::exp(-0.5 * z * z); }
+  // 1/2 erfc(-z / sqrt2) keeps Phi's left tail accurate where 1/2 (1 + erf(z / sqrt2)) cancels.
+  C10_HOST_DEVICE static float cdf_gauss(float z, float /*g*/) { return 0.5f * ::erfcf(-z * float(kInvSqrt2)); }
+  C10_HOST_DEVICE static double cdf_gauss(double z, double /*g*/) { return 0.5 * ::erfc(-z * kInvSqrt2); }
   C10_HOST_DEVICE static float tanh(float x) { return ::tanhf(x); }
   C10_HOST_DEVICE static double tanh(double x) { return ::tanh(x); }
 };
@@ -52,12 +51,11 @@ C10_HOST_DEVICE inline T gelu_erf(T z) {
   return (T(0.5) * z + h) - M::min(h, T(15)) * M::erfc_over_sqrt2(a);
 }
 
-// gelu'(z) = Phi(z) + z * phi(z); phi and erf share exp(-z^2 / 2).
+// gelu'(z) = Phi(z) + z * phi(z), phi(z) = e^{-z^2/2} / sqrt(2 pi); Phi may reuse the exponential.
 template <typename T, typename M = ScalarMath>
 C10_HOST_DEVICE inline T gelu_erf_grad(T z) {
-  T g = M::exp(T(-0.5) * z * z);
-  T cdf = T(0.5) * (T(1.0) + M::erf_gauss(z * T(kInvSqrt2), g));
-  return cdf + z * g * T(kInvSqrt2Pi);
+  const T g = M::gauss(z);
+  return M::cdf_gauss(z, g) + z * g * T(kInvSqrt2Pi);
 }
 
 // The tanh approximation: 0.5 z (1 + tanh(sqrt(2/pi) (z + 0.044715 z^3))).
