@@ -9,7 +9,7 @@ from kernels_util import assert_close, noncontiguous, requires_cuda
 pytestmark = pytest.mark.timeout(120)
 F = tnn.functional
 
-SHAPES = [(5,), (4, 7), (3, 5, 33), (2, 1024), (3, 300), (9, 1)]
+SHAPES = [(5,), (4, 7), (3, 5, 33), (2, 1024), (3, 300), (2, 2100), (9, 1)]
 
 
 def _inputs(shape, dtype, seed=0):
