@@ -60,7 +60,7 @@ def test_gradgradcheck_float64(p, training):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("contiguous", [True, False])
-@pytest.mark.parametrize("shape", [(4, 7), (3, 5, 33), (2, 1024), (37,)])
+@pytest.mark.parametrize("shape", [(4, 7), (3, 5, 33), (2, 1024), (3, 2100), (37,)])
 def test_matches_composite_with_the_same_mask(shape, dtype, contiguous):
     p = 0.25
     x, b, r = _inputs(shape, dtype)
@@ -113,7 +113,7 @@ def test_same_seed_same_mask_and_new_draws_differ():
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16])
-@pytest.mark.parametrize("shape", [(37, 45), (3, 1000), (5,), (2, 3, 129)])
+@pytest.mark.parametrize("shape", [(37, 45), (3, 1000), (2, 2100), (5,), (2, 3, 129)])
 def test_mask_follows_the_philox_rule_cpu_and_cuda_share(shape, dtype):
     # The rule in csrc/kernels/dropout.h, checked against an independent numpy Philox: the
     # vector lanes, the scalar edges and the CUDA kernel all implement this one function.
