@@ -90,10 +90,8 @@ Welford<at::opmath_type<T>> row_stats(const T* x, int64_t cols) {
   return s;
 }
 
-constexpr int64_t kWideRow = 2048;
-
 // P, the weight's and bias's element type: the accumulate type, or T itself for wide rows
-// (see layer_norm_fwd).
+// (kWideRow).
 template <typename T, typename P>
 void forward(const T* x, const P* w, const P* b, T* y,
              at::opmath_type<T>* mean, at::opmath_type<T>* rstd, int64_t rows, int64_t cols,
@@ -101,7 +99,6 @@ void forward(const T* x, const P* w, const P* b, T* y,
   using IO = VecIO<T>;
   using acc_t = typename IO::acc_t;
   using Vec = typename IO::Vec;
-  constexpr int64_t V = Vec::size();
   at::parallel_for(0, rows, row_grain(cols), [&](int64_t r0, int64_t r1) {
     for (int64_t r = r0; r < r1; ++r) {
       const T* xr = x + r * cols;
@@ -117,15 +114,8 @@ void forward(const T* x, const P* w, const P* b, T* y,
       for (; i + IO::kStep <= cols; i += IO::kStep) {
         Vec a, c, w0, w1, b0, b1;
         IO::load2(xr + i, a, c);
-        if constexpr (std::is_same_v<P, acc_t>) {
-          w0 = Vec::loadu(w + i);
-          w1 = Vec::loadu(w + i + V);
-          b0 = Vec::loadu(b + i);
-          b1 = Vec::loadu(b + i + V);
-        } else {
-          VecIO<P>::load2(w + i, w0, w1);
-          VecIO<P>::load2(b + i, b0, b1);
-        }
+        VecIO<P>::load2(w + i, w0, w1);
+        VecIO<P>::load2(b + i, b0, b1);
         a = at::vec::fmadd((a - vmu) * vrs, w0, b0);
         c = at::vec::fmadd((c - vmu) * vrs, w1, b1);
         IO::store2(yr + i, a, c);
@@ -267,9 +257,8 @@ std::tuple<Tensor, Tensor, Tensor> layer_norm_fwd(const Tensor& input, c10::IntA
     auto* yp = y.mutable_data_ptr<scalar_t>();
     auto* mp = mean.mutable_data_ptr<acc_t>();
     auto* rp = rstd.mutable_data_ptr<acc_t>();
-    // Past 2048 columns the float weight and bias fill a third of L1 and more, and the row's
-    // second pass finds them evicted; 16-bit copies halve that (bfloat16 2048x4096 forward
-    // from DRAM: 0.87-0.90 -> 0.62-0.63 ms, level with 8192x1024).
+    // bfloat16 2048x4096 from DRAM: 0.87-0.90 -> 0.62-0.63 ms with 16-bit parameters, level
+    // with 8192x1024.
     if (!std::is_same_v<scalar_t, acc_t> && cols > kWideRow) {
       const Tensor w16 = w.to(x.scalar_type()), b16 = b.to(x.scalar_type());
       forward<scalar_t>(xp, w16.const_data_ptr<scalar_t>(), b16.const_data_ptr<scalar_t>(), yp,

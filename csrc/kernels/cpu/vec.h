@@ -321,6 +321,14 @@ inline void prefetch(const T* p, int64_t n) {
   for (int64_t b = 0; b < n * int64_t(sizeof(T)); b += 64) __builtin_prefetch(c + b);
 }
 
+// Rows wider than this read a 16-bit bias or weight as 16 bits rather than as a float copy.
+// Every row touches every column's parameters (and, in a backward, its dbias/dweight
+// partials); past 2048 columns those float vectors fill a third of L1 and more, the row's own
+// data streaming through evicts them, and a 16-bit copy halves their share. Narrower rows
+// keep the float copy, which saves a conversion per vector. From DRAM at 2048x4096, bfloat16:
+// layer_norm forward 30 % faster, the GeLU backward 12 %, bias_dropout_add's forward 3-5 %.
+constexpr int64_t kWideRow = 2048;
+
 // Rows per at::parallel_for task: enough work (~32K elements) to amortise a task's start.
 inline int64_t row_grain(int64_t cols) {
   return std::max<int64_t>(1, 32768 / std::max<int64_t>(cols, 1));
