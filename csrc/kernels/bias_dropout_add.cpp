@@ -53,6 +53,7 @@ class DropoutGradFunction : public torch::autograd::Function<DropoutGradFunction
     ctx->save_for_backward({seed});
     ctx->saved_data["p"] = p;
     ctx->saved_data["training"] = training;
+    ctx->saved_data["dtype"] = grad.scalar_type();
     ctx->saved_data["shape"] = c10::IValue(std::vector<c10::SymInt>(grad.sym_sizes().begin(), grad.sym_sizes().end()));
     auto [dx, db] = bda_bwd(grad, seed, p, training);
     return {dx, db};
@@ -70,7 +71,7 @@ class DropoutGradFunction : public torch::autograd::Function<DropoutGradFunction
     auto seed = ctx->get_saved_variables()[0];
     auto dg = DropoutGradFunction::apply(g, seed, ctx->saved_data["p"].toDouble(),
                                          ctx->saved_data["training"].toBool());
-    return {dg[0], Tensor(), Tensor(), Tensor()};
+    return {dg[0].to(ctx->saved_data["dtype"].toScalarType()), Tensor(), Tensor(), Tensor()};
   }
 };
 
@@ -83,6 +84,8 @@ class BiasDropoutAddFunction : public torch::autograd::Function<BiasDropoutAddFu
     ctx->save_for_backward({seed});
     ctx->saved_data["p"] = p;
     ctx->saved_data["training"] = training;
+    ctx->saved_data["input_dtype"] = input.scalar_type();
+    ctx->saved_data["bias_dtype"] = bias.scalar_type();
     return out;
   }
 
@@ -92,7 +95,9 @@ class BiasDropoutAddFunction : public torch::autograd::Function<BiasDropoutAddFu
     auto d = DropoutGradFunction::apply(grads[0], seed, ctx->saved_data["p"].toDouble(),
                                         ctx->saved_data["training"].toBool());
     // d(out)/d(residual) is the identity: the incoming gradient passes through untouched.
-    return {d[0], d[1], grads[0], Tensor(), Tensor()};
+    // Mixed precision (kernels/ops.h): d[0] has the output's dtype and d[1] the accumulate type.
+    return {d[0].to(ctx->saved_data["input_dtype"].toScalarType()),
+            d[1].to(ctx->saved_data["bias_dtype"].toScalarType()), grads[0], Tensor(), Tensor()};
   }
 };
 
@@ -105,7 +110,8 @@ Tensor bda_unfused(const Tensor& input, const Tensor& bias, const Tensor& residu
                    bool training, bool functorch) {
   check_bias_op("bias_dropout_add", input, bias, &residual);
   check_dropout_p(p);
-  const auto acc = at::toOpMathType(input.scalar_type());
+  const auto dtype = bias_op_dtype(input, &residual);
+  const auto acc = at::toOpMathType(dtype);
   const auto opts = input.options().dtype(acc);
   Tensor z = input.to(acc).add(bias.to(acc));
   if (training && p >= 1.0) {
@@ -122,7 +128,7 @@ Tensor bda_unfused(const Tensor& input, const Tensor& bias, const Tensor& residu
     }
     z = z.mul(mult);
   }
-  return z.add(residual.to(acc)).to(input.scalar_type());
+  return z.add(residual.to(acc)).to(dtype);
 }
 
 Tensor bda_batched(const Tensor& input, const Tensor& bias, const Tensor& residual, double p,
@@ -147,14 +153,15 @@ std::tuple<Tensor, Tensor> bda_fwd_meta(const Tensor& input, const Tensor& bias,
                                         const Tensor& residual, double p, bool training) {
   check_bias_op("bias_dropout_add", input, bias, &residual);
   check_dropout_p(p);
-  return {at::empty_symint(input.sym_sizes(), input.options()),
+  return {at::empty_symint(input.sym_sizes(), input.options().dtype(bias_op_dtype(input, &residual))),
           at::empty({1}, input.options().dtype(at::kLong))};
 }
 
 std::tuple<Tensor, Tensor> bda_bwd_meta(const Tensor& grad_out, const Tensor& seed, double p,
                                         bool training) {
+  const auto acc = at::toOpMathType(grad_out.scalar_type());
   return {at::empty_symint(grad_out.sym_sizes(), grad_out.options()),
-          at::empty_symint({grad_out.sym_size(-1)}, grad_out.options())};
+          at::empty_symint({grad_out.sym_size(-1)}, grad_out.options().dtype(acc))};
 }
 
 }  // namespace
@@ -168,7 +175,9 @@ TORCH_LIBRARY_FRAGMENT(torchpar, m) {
   m.def("bias_dropout_add_fwd(Tensor input, Tensor bias, Tensor residual, float p, "
         "bool training) -> (Tensor, Tensor)",
         {at::Tag::nondeterministic_seeded});
-  // Returns (grad_input, grad_bias); the mask is regenerated from `seed`.
+  // Returns (grad_input, grad_bias): grad_input in grad_out's dtype, grad_bias in its accumulate
+  // type (float32 for 16-bit), for the caller to cast to the bias's; the mask is regenerated
+  // from `seed`.
   m.def("bias_dropout_add_bwd(Tensor grad_out, Tensor seed, float p, bool training) "
         "-> (Tensor, Tensor)");
 }

@@ -93,7 +93,11 @@ class LayerNormFunction : public torch::autograd::Function<LayerNormFunction> {
 Tensor layer_norm_unfused(const Tensor& input, c10::SymIntArrayRef shape, const OptTensor& weight,
                           const OptTensor& bias, double eps) {
   check_layer_norm(input, shape, weight, bias);
-  return at::layer_norm_symint(input, shape, weight, bias, eps);
+  const auto dt = input.scalar_type();
+  const bool mixed = (weight && weight->scalar_type() != dt) || (bias && bias->scalar_type() != dt);
+  if (!mixed) return at::layer_norm_symint(input, shape, weight, bias, eps);
+  // float32 parameters beside 16-bit input (kernels/ops.h): in float32, as the kernels compute.
+  return at::layer_norm_symint(input.to(at::kFloat), shape, weight, bias, eps).to(dt);
 }
 
 Tensor layer_norm_autograd(const Tensor& input, c10::SymIntArrayRef shape, const OptTensor& weight,

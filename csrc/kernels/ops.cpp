@@ -21,10 +21,16 @@ bool is_float_dtype(c10::ScalarType t) {
   return t == at::kFloat || t == at::kDouble || t == at::kBFloat16 || t == at::kHalf;
 }
 
-void check_same(const char* op, const char* name, const at::Tensor& t, const at::Tensor& input) {
-  TORCH_CHECK(t.scalar_type() == input.scalar_type(), "torchpar.", op, ": ", name, " has dtype ",
-              t.scalar_type(), " but input has dtype ", input.scalar_type(),
-              "; cast them to one dtype (mixed dtypes are not supported)");
+bool is_16bit(c10::ScalarType t) { return t == at::kBFloat16 || t == at::kHalf; }
+
+// A parameter (LayerNorm's weight and bias, the bias ops' bias) has input's dtype, or float32
+// beside a 16-bit input: mixed-precision training keeps its parameters in float32 (as under
+// torch.autocast), and the kernels compute in float32 anyway.
+void check_param(const char* op, const char* name, const at::Tensor& t, const at::Tensor& input) {
+  const auto dt = t.scalar_type(), in = input.scalar_type();
+  TORCH_CHECK(dt == in || (dt == at::kFloat && is_16bit(in)), "torchpar.", op, ": ", name,
+              " has dtype ", dt, " but input has dtype ", in, "; ", name,
+              " must have input's dtype, or be float32 beside a bfloat16 or float16 input");
   TORCH_CHECK(t.device() == input.device(), "torchpar.", op, ": ", name, " is on ", t.device(),
               " but input is on ", input.device());
 }
@@ -50,7 +56,7 @@ void check_layer_norm(const at::Tensor& input, c10::SymIntArrayRef normalized_sh
               "; expected input of shape [*, ", normalized_shape, "]");
   for (auto [name, t] : {std::pair{"weight", &weight}, std::pair{"bias", &bias}}) {
     if (!t->has_value() || !(*t)->defined()) continue;
-    check_same("layer_norm", name, **t, input);
+    check_param("layer_norm", name, **t, input);
     TORCH_CHECK((*t)->sym_sizes() == normalized_shape, "torchpar.layer_norm: ", name,
                 " has shape ", (*t)->sym_sizes(), " but normalized_shape is ", normalized_shape);
   }
@@ -61,12 +67,18 @@ void check_bias_op(const char* op, const at::Tensor& input, const at::Tensor& bi
   TORCH_CHECK(is_float_dtype(input.scalar_type()), "torchpar.", op,
               ": input must be float32, float64, bfloat16 or float16, got ", input.scalar_type());
   TORCH_CHECK(input.dim() >= 1, "torchpar.", op, ": input must have at least one dim");
-  check_same(op, "bias", bias, input);
+  check_param(op, "bias", bias, input);
   TORCH_CHECK(bias.dim() == 1 && bias.sym_size(0) == input.sym_size(-1), "torchpar.", op,
               ": bias must have shape [", input.sym_size(-1), "] (the last dim of input), got ",
               bias.sym_sizes());
   if (residual != nullptr) {
-    check_same(op, "residual", *residual, input);
+    const auto rt = residual->scalar_type(), in = input.scalar_type();
+    TORCH_CHECK(rt == in || (rt == at::kFloat && is_16bit(in)), "torchpar.", op,
+                ": residual has dtype ", rt, " but input has dtype ", in,
+                "; residual must have input's dtype, or be float32 beside a bfloat16 or float16 "
+                "input (a float32 residual stream)");
+    TORCH_CHECK(residual->device() == input.device(), "torchpar.", op, ": residual is on ",
+                residual->device(), " but input is on ", input.device());
     TORCH_CHECK(residual->sym_sizes() == input.sym_sizes(), "torchpar.", op,
                 ": residual has shape ", residual->sym_sizes(), " but input has shape ",
                 input.sym_sizes());
@@ -84,8 +96,9 @@ BiasOpInputs prepare_bias_op(const char* op, const at::Tensor& input, const at::
                              const at::Tensor* residual) {
   check_bias_op(op, input, bias, residual);
   BiasOpInputs in;
-  in.x = input.contiguous();
-  in.bias = bias.to(at::toOpMathType(input.scalar_type())).contiguous();
+  const auto dtype = bias_op_dtype(input, residual);
+  in.x = input.to(dtype).contiguous();
+  in.bias = bias.to(at::toOpMathType(dtype)).contiguous();
   if (residual != nullptr) in.residual = residual->contiguous();
   in.shape = rows_cols(in.x, in.x.size(-1));
   return in;

@@ -28,14 +28,20 @@ inline RowsCols rows_cols(const at::Tensor& t, int64_t cols) {
 // The checks read symbolic sizes so that the Meta kernels (torch.compile tracing) run
 // them too; on real tensors they are plain integers.
 
+// Mixed precision: a parameter (LayerNorm's weight and bias, the bias ops' bias) has input's
+// dtype, or float32 beside a bfloat16 or float16 input; outputs keep input's dtype and each
+// parameter's gradient has the parameter's dtype (summed in float32, never rounded to 16 bits).
+// bias_dropout_add's residual may likewise be float32 beside a 16-bit input (a float32 residual
+// stream): then input is promoted and the output is float32, as the unfused composite's is.
+
 // layer_norm: normalized_shape matches the trailing dims of input; weight and bias, when
-// given, have shape normalized_shape and input's dtype and device.
+// given, have shape normalized_shape, a parameter dtype (above) and input's device.
 void check_layer_norm(const at::Tensor& input, c10::SymIntArrayRef normalized_shape,
                       const std::optional<at::Tensor>& weight,
                       const std::optional<at::Tensor>& bias);
 
 // bias_gelu / bias_dropout_add: bias is 1-D of size input.size(-1); residual (when given)
-// has input's shape; all share one dtype and device. `op` names the caller in errors.
+// has input's shape; dtypes as above, one device. `op` names the caller in errors.
 void check_bias_op(const char* op, const at::Tensor& input, const at::Tensor& bias,
                    const at::Tensor* residual);
 
@@ -45,13 +51,18 @@ GeluApprox parse_gelu_approx(std::string_view approximate);
 // the bias in the accumulate type (kernels read it once per row; converting it once here
 // beats converting it per row), and the [rows, cols] view. Runs check_bias_op first.
 struct BiasOpInputs {
-  at::Tensor x;
+  at::Tensor x;         // in the output's dtype: promoted to a float32 residual's
   at::Tensor bias;      // accumulate type, contiguous
   at::Tensor residual;  // contiguous; undefined when the op has none
   RowsCols shape;
 };
 BiasOpInputs prepare_bias_op(const char* op, const at::Tensor& input, const at::Tensor& bias,
                              const at::Tensor* residual);
+
+// bias_dropout_add's output dtype: input's, or float32 with a float32 residual (above).
+inline c10::ScalarType bias_op_dtype(const at::Tensor& input, const at::Tensor* residual) {
+  return residual != nullptr ? residual->scalar_type() : input.scalar_type();
+}
 
 // grad_out as a contiguous tensor of input's dtype, after checking it has input's shape.
 at::Tensor prepare_grad(const char* op, const at::Tensor& grad_out, const at::Tensor& input);

@@ -144,7 +144,7 @@ std::tuple<Tensor, Tensor> bias_dropout_add_fwd(const Tensor& input, const Tenso
     auto* op = out.mutable_data_ptr<scalar_t>();
     with_flag(rule.active, [&](auto active) {
       constexpr bool A = decltype(active)::value;
-      if (!std::is_same_v<scalar_t, acc_t> && cols > kWideRow) {
+      if (!std::is_same_v<scalar_t, acc_t> && params_as_16bit(x, cols, {&bias})) {
         const Tensor b16 = b.to(x.scalar_type());
         forward<scalar_t, A>(xp, b16.const_data_ptr<scalar_t>(), rp, op, rule, rows, cols);
       } else {
@@ -176,7 +176,7 @@ std::tuple<Tensor, Tensor> bias_dropout_add_bwd(const Tensor& grad_out, const Te
                                                     rows, cols);
       });
     }
-    db = partial.sum(dy.scalar_type());
+    db = partial.sum(acc);
   });
   return {dx, db};
 }

@@ -259,7 +259,8 @@ std::tuple<Tensor, Tensor, Tensor> layer_norm_fwd(const Tensor& input, c10::IntA
     auto* rp = rstd.mutable_data_ptr<acc_t>();
     // bfloat16 2048x4096 from DRAM: 0.87-0.90 -> 0.62-0.63 ms with 16-bit parameters, level
     // with 8192x1024.
-    if (!std::is_same_v<scalar_t, acc_t> && cols > kWideRow) {
+    if (!std::is_same_v<scalar_t, acc_t> &&
+        params_as_16bit(x, cols, {weight ? &*weight : nullptr, bias ? &*bias : nullptr})) {
       const Tensor w16 = w.to(x.scalar_type()), b16 = b.to(x.scalar_type());
       forward<scalar_t>(xp, w16.const_data_ptr<scalar_t>(), b16.const_data_ptr<scalar_t>(), yp,
                         mp, rp, rows, cols, eps);
@@ -292,8 +293,8 @@ std::tuple<Tensor, Tensor, Tensor> layer_norm_bwd(const Tensor& grad_out, const 
                          rstd.contiguous().const_data_ptr<acc_t>(), w.const_data_ptr<acc_t>(),
                          dx.mutable_data_ptr<scalar_t>(), dw, db, rows, cols);
     }
-    if (weight) dw_out = dw.sum(x.scalar_type()).view(weight->sizes());
-    if (bias) db_out = db.sum(x.scalar_type()).view(bias->sizes());
+    if (weight) dw_out = dw.sum(weight->scalar_type()).view(weight->sizes());
+    if (bias) db_out = db.sum(bias->scalar_type()).view(bias->sizes());
   });
   return {dx, dw_out, db_out};
 }

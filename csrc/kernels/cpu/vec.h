@@ -13,6 +13,7 @@
 #include <ATen/ops/zeros.h>
 
 #include <algorithm>
+#include <initializer_list>
 #include <type_traits>
 
 // In the instruction set's own namespace: each copy of the kernels gets its own (kernels.h).
@@ -328,6 +329,19 @@ inline void prefetch(const T* p, int64_t n) {
 // keep the float copy, which saves a conversion per vector. From DRAM at 2048x4096, bfloat16:
 // layer_norm forward 30 % faster, the GeLU backward 12 %, bias_dropout_add's forward 3-5 %.
 constexpr int64_t kWideRow = 2048;
+
+// Whether a kernel on 16-bit `x` reads its parameters as 16 bits: rows wider than kWideRow,
+// and every parameter given (null or undefined: absent) of x's dtype. A float32 parameter
+// beside 16-bit input (mixed precision, kernels/ops.h) keeps its float copy: rounding it
+// would change the result.
+inline bool params_as_16bit(const at::Tensor& x, int64_t cols,
+                            std::initializer_list<const at::Tensor*> params) {
+  if (!at::isReducedFloatingType(x.scalar_type()) || cols <= kWideRow) return false;
+  for (const at::Tensor* p : params) {
+    if (p != nullptr && p->defined() && p->scalar_type() != x.scalar_type()) return false;
+  }
+  return true;
+}
 
 // Rows per at::parallel_for task: enough work (~32K elements) to amortise a task's start.
 inline int64_t row_grain(int64_t cols) {

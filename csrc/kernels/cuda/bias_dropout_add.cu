@@ -160,7 +160,7 @@ std::tuple<Tensor, Tensor> bias_dropout_add_bwd_cuda(const Tensor& grad_out, con
   const DropoutRule rule = DropoutRule::make(p, training, 0);  // the key is read on the device
   const auto acc = at::toOpMathType(dy.scalar_type());
   Tensor dx = at::empty_like(dy);
-  Tensor db = at::empty({cols}, dy.options());
+  Tensor db = at::empty({cols}, dy.options().dtype(acc));
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, dy.scalar_type(), "bias_dropout_add_bwd", [&] {
     using acc_t = at::opmath_type<scalar_t>;
     const int n = pack_width<scalar_t>(cols, {dy.const_data_ptr(), dx.const_data_ptr()});

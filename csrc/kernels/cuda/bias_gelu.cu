@@ -100,7 +100,7 @@ std::tuple<Tensor, Tensor> bias_gelu_bwd_cuda(const Tensor& grad_out, const Tens
   const Tensor dy = prepare_grad("bias_gelu", grad_out, x);
   const auto acc = at::toOpMathType(x.scalar_type());
   Tensor dx = at::empty_like(x);
-  Tensor db = at::empty({cols}, x.options());
+  Tensor db = at::empty({cols}, bias.options());
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "bias_gelu_bwd", [&] {
     using acc_t = at::opmath_type<scalar_t>;
     const int n = pack_width<scalar_t>(cols, {x.const_data_ptr(), dy.const_data_ptr(),

@@ -101,6 +101,8 @@ __device__ __forceinline__ Welford<T> block_welford(Welford<T> w, T* smem) {
 
 // Column sums in two steps: kernels that stream rows keep one partial row per block row
 // (`partial`, [blocks_y, cols] of acc_t), and this kernel sums them into `out` of type T.
+// sum_partials<T, acc_t> writes `out` as T, or as acc_t where `out` is a float32 parameter's
+// gradient beside 16-bit T (kernels/ops.h).
 template <typename T, typename acc_t>
 __global__ void sum_partials_kernel(const acc_t* __restrict__ partial, int64_t parts, int64_t cols,
                                     T* __restrict__ out) {
@@ -118,8 +120,14 @@ inline void sum_partials(const at::Tensor& partial, at::Tensor& out) {
   const int threads = 256;
   const int blocks = int(std::min<int64_t>((cols + threads - 1) / threads, 1024));
   if (cols == 0) return;
-  sum_partials_kernel<T, acc_t><<<blocks, threads, 0, at::cuda::getCurrentCUDAStream()>>>(
-      partial.const_data_ptr<acc_t>(), parts, cols, out.mutable_data_ptr<T>());
+  auto stream = at::cuda::getCurrentCUDAStream();
+  if (out.scalar_type() == partial.scalar_type()) {
+    sum_partials_kernel<acc_t, acc_t><<<blocks, threads, 0, stream>>>(
+        partial.const_data_ptr<acc_t>(), parts, cols, out.mutable_data_ptr<acc_t>());
+  } else {
+    sum_partials_kernel<T, acc_t><<<blocks, threads, 0, stream>>>(
+        partial.const_data_ptr<acc_t>(), parts, cols, out.mutable_data_ptr<T>());
+  }
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 

@@ -166,8 +166,8 @@ std::tuple<Tensor, Tensor, Tensor> layer_norm_bwd_cuda(const Tensor& grad_out, c
   const auto acc = at::toOpMathType(x.scalar_type());
   Tensor w = param_as_acc(weight, cols, x, 1.0);
   Tensor dx = at::empty_like(x);
-  Tensor dw = weight ? at::empty(weight->sizes(), x.options()) : at::empty({0}, x.options());
-  Tensor db = bias ? at::empty(bias->sizes(), x.options()) : at::empty({0}, x.options());
+  Tensor dw = weight ? at::empty(weight->sizes(), weight->options()) : at::empty({0}, x.options());
+  Tensor db = bias ? at::empty(bias->sizes(), bias->options()) : at::empty({0}, x.options());
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "layer_norm_bwd", [&] {
     using acc_t = at::opmath_type<scalar_t>;
     auto stream = at::cuda::getCurrentCUDAStream();
