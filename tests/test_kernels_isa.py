@@ -79,7 +79,8 @@ def _run_all(shape, dtype):
 
 
 # Column counts around each copy's vector widths (8, 16, 32 floats), with tails.
-SHAPES = [(3, 37), (5, 64), (4, 1000), (2, 4099)]  # 1000 and 4099: lockstep, single vectors, tail
+# 1010 and 4150: lockstep steps (32 or 128 floats), two-vector steps (16 or 32) and a tail.
+SHAPES = [(3, 37), (5, 64), (4, 1010), (2, 4150)]
 
 
 @pytest.mark.skipif(not OTHERS, reason="this CPU runs only one copy of the kernels")

@@ -1,6 +1,6 @@
 // GeLU and its derivative (Hendrycks & Gimpel, arXiv:1606.08415), written once for every
 // element type: T is a scalar (float, double: CPU tails and CUDA) or an at::vec vector
-// (CPU main loops). `M` supplies erf, exp and tanh for T, so the formulas stay identical
+// (CPU main loops). `M` supplies erfc, exp and the rest for T, so the formulas stay identical
 // on every path and the CPU tests exercise the math the CUDA kernels run.
 #pragma once
 
@@ -19,58 +19,83 @@ constexpr double kGeluTanhCoef = 0.044715;
 
 // The functions GeLU needs, for scalars on host and device. erfc_over_sqrt2(a) is erfc(a / sqrt2)
 // for a >= 0 (an implementation may skip the negative half, and fold the scale into its
-// coefficients). gauss(z) is e^{-z^2/2}, and cdf_gauss(z, g) the normal CDF Phi(z) given
-// g = gauss(z), which GeLU's gradient computes anyway: an implementation whose erfc is built on
-// e^{-x^2} (cpu/vec.h) reuses it; these scalar ones ignore it.
+// coefficients). gauss(a) is e^{-a^2/2}, and gauss_tail(a, g) the normal distribution's upper
+// tail 1 - Phi(a) = erfc(a / sqrt2) / 2 for a >= 0, given g = gauss(a), which GeLU's gradient
+// computes anyway: an implementation whose erfc is built on e^{-x^2} (cpu/vec.h) reuses it;
+// these scalar ones ignore it. one_sided(z, q) is 1 - q for z >= 0 and q for z < 0: a value on
+// z's side from a tail q computed for |z|, with no cancellation on the negative side.
+// reciprocal_factor(d) is 1 / d as accurate as the result needs.
 struct ScalarMath {
   template <typename T>
   C10_HOST_DEVICE static T min(T a, T b) { return b < a ? b : a; }
   C10_HOST_DEVICE static float abs(float x) { return ::fabsf(x); }
   C10_HOST_DEVICE static double abs(double x) { return ::fabs(x); }
+  C10_HOST_DEVICE static float exp(float x) { return ::expf(x); }
+  C10_HOST_DEVICE static double exp(double x) { return ::exp(x); }
+  template <typename T>
+  C10_HOST_DEVICE static T reciprocal_factor(T d) { return T(1) / d; }
   C10_HOST_DEVICE static float erfc_over_sqrt2(float a) { return ::erfcf(a * float(kInvSqrt2)); }
   C10_HOST_DEVICE static double erfc_over_sqrt2(double a) { return ::erfc(a * kInvSqrt2); }
-  C10_HOST_DEVICE static float gauss(float z) { return ::expf(-0.5f * z * z); }
-  C10_HOST_DEVICE static double gauss(double z) { return ::exp(-0.5 * z * z); }
-  // 1/2 erfc(-z / sqrt2) keeps Phi's left tail accurate where 1/2 (1 + erf(z / sqrt2)) cancels.
-  C10_HOST_DEVICE static float cdf_gauss(float z, float /*g*/) { return 0.5f * ::erfcf(-z * float(kInvSqrt2)); }
-  C10_HOST_DEVICE static double cdf_gauss(double z, double /*g*/) { return 0.5 * ::erfc(-z * kInvSqrt2); }
-  C10_HOST_DEVICE static float tanh(float x) { return ::tanhf(x); }
-  C10_HOST_DEVICE static double tanh(double x) { return ::tanh(x); }
+  C10_HOST_DEVICE static float gauss(float a) { return ::expf(-0.5f * a * a); }
+  C10_HOST_DEVICE static double gauss(double a) { return ::exp(-0.5 * a * a); }
+  C10_HOST_DEVICE static float gauss_tail(float a, float /*g*/) { return 0.5f * ::erfcf(a * float(kInvSqrt2)); }
+  C10_HOST_DEVICE static double gauss_tail(double a, double /*g*/) { return 0.5 * ::erfc(a * kInvSqrt2); }
+  template <typename T>
+  C10_HOST_DEVICE static T one_sided(T z, T q) { return z < T(0) ? q : T(1) - q; }
 };
+
+// Past |z| = 40 every tail term below is 0 in float and double alike (e^{-800} and smaller),
+// but an approximate exponential may keep a small floor there (cpu/vec.h's stops at e^{-87}):
+// capping the factor |z| that multiplies such a term keeps the floor from growing with |z|,
+// and +-inf from meeting 0.
+constexpr double kTailCap = 40.0;
 
 // gelu(z) = z * Phi(z), Phi the standard normal CDF, written as
 // (z + |z|) / 2 - |z| erfc(|z| / sqrt2) / 2. For z < 0 the first term is exactly 0, so the left
-// tail keeps its relative accuracy where z (1 + erf(z / sqrt2)) / 2 would cancel; and erf is
-// needed for non-negative arguments only.
-// The tail term's factor |z|/2 is capped at 15: past |z| = 30 erfc is below 1e-196, and the
-// cap keeps an approximate erfc's small floor from growing with |z| (and +inf from meeting 0).
+// tail is as accurate as erfc (relatively, with the exact one; cpu/vec.h's float erfc is
+// within 3e-7 absolutely), where z (1 + erf(z / sqrt2)) / 2 would cancel; and erfc is needed
+// for non-negative arguments only.
 template <typename T, typename M = ScalarMath>
 C10_HOST_DEVICE inline T gelu_erf(T z) {
   const T a = M::abs(z);
   const T h = T(0.5) * a;
-  return (T(0.5) * z + h) - M::min(h, T(15)) * M::erfc_over_sqrt2(a);
+  return (T(0.5) * z + h) - M::min(h, T(0.5 * kTailCap)) * M::erfc_over_sqrt2(a);
 }
 
-// gelu'(z) = Phi(z) + z * phi(z), phi(z) = e^{-z^2/2} / sqrt(2 pi); Phi may reuse the exponential.
+// gelu'(z) = Phi(z) + z phi(z), phi(z) = g / sqrt(2 pi) with g = e^{-z^2/2}. With a = |z| and
+// the tail Q = 1 - Phi(a): 1 - (Q - a phi) for z >= 0 and Q - a phi for z < 0 (there
+// Phi(z) = Q and z phi = -a phi), which one_sided takes from z's sign. a is capped
+// (kTailCap), so that +-inf gives 1 and 0.
 template <typename T, typename M = ScalarMath>
 C10_HOST_DEVICE inline T gelu_erf_grad(T z) {
-  const T g = M::gauss(z);
-  return M::cdf_gauss(z, g) + z * g * T(kInvSqrt2Pi);
+  const T a = M::min(M::abs(z), T(kTailCap));
+  const T g = M::gauss(a);
+  return M::one_sided(z, M::gauss_tail(a, g) - a * g * T(kInvSqrt2Pi));
 }
 
-// The tanh approximation: 0.5 z (1 + tanh(sqrt(2/pi) (z + 0.044715 z^3))).
+// The tanh approximation 0.5 z (1 + tanh(u)), u = sqrt(2/pi) (z + 0.044715 z^3), is
+// z sigma(2u), sigma the logistic function. With a = |z|, e = e^{-2u(a)} in [0, 1] and
+// s = e / (1 + e) = sigma(-2u(a)), the smaller of sigma(+-2u): gelu(z) = (z + a) / 2 - a s, the
+// form of gelu_erf above. No tanh: 1 + tanh(u) cancels for u < 0, and tanh(u) rounds to +-1
+// before 1 - tanh^2, which the gradient needs, reaches 0.
 template <typename T, typename M = ScalarMath>
 C10_HOST_DEVICE inline T gelu_tanh(T z) {
-  T inner = T(kSqrt2OverPi) * (z + T(kGeluTanhCoef) * z * z * z);
-  return T(0.5) * z * (T(1.0) + M::tanh(inner));
+  const T a = M::abs(z);
+  const T e = M::exp(a * (T(-2 * kSqrt2OverPi) + T(-2 * kSqrt2OverPi * kGeluTanhCoef) * a * a));
+  const T s = e * M::reciprocal_factor(T(1) + e);
+  return (T(0.5) * z + T(0.5) * a) - M::min(a, T(kTailCap)) * s;
 }
 
+// gelu'(z) = sigma(2u) + 2 z u'(z) sigma(2u) sigma(-2u), and sigma(2u) sigma(-2u) = s r with
+// r = 1 / (1 + e): one_sided(z, s (1 - a r 2u'(a))), as gelu_erf_grad.
 template <typename T, typename M = ScalarMath>
 C10_HOST_DEVICE inline T gelu_tanh_grad(T z) {
-  T z2 = z * z;
-  T t = M::tanh(T(kSqrt2OverPi) * (z + T(kGeluTanhCoef) * z2 * z));
-  T dinner = T(kSqrt2OverPi) * (T(1.0) + T(3.0 * kGeluTanhCoef) * z2);
-  return T(0.5) * (T(1.0) + t) + T(0.5) * z * (T(1.0) - t * t) * dinner;
+  const T a = M::min(M::abs(z), T(kTailCap));
+  const T a2 = a * a;
+  const T e = M::exp(a * (T(-2 * kSqrt2OverPi) + T(-2 * kSqrt2OverPi * kGeluTanhCoef) * a2));
+  const T r = M::reciprocal_factor(T(1) + e);
+  const T du2 = T(2 * kSqrt2OverPi) + T(6 * kSqrt2OverPi * kGeluTanhCoef) * a2;
+  return M::one_sided(z, e * r * (T(1) - a * r * du2));
 }
 
 template <typename T, typename M = ScalarMath>

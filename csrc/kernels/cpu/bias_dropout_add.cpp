@@ -145,7 +145,7 @@ std::tuple<Tensor, Tensor> bias_dropout_add_fwd(const Tensor& input, const Tenso
     with_flag(rule.active, [&](auto active) {
       constexpr bool A = decltype(active)::value;
       if (!std::is_same_v<scalar_t, acc_t> && params_as_16bit(x, cols, {&bias})) {
-        const Tensor b16 = b.to(x.scalar_type());
+        const Tensor b16 = bias.contiguous();
         forward<scalar_t, A>(xp, b16.const_data_ptr<scalar_t>(), rp, op, rule, rows, cols);
       } else {
         forward<scalar_t, A>(xp, b.const_data_ptr<acc_t>(), rp, op, rule, rows, cols);

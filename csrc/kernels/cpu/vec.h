@@ -1,7 +1,8 @@
 // at::vec glue for the CPU kernels: every dtype is computed in its accumulate type (float
 // for float16/bfloat16/float32, double for float64), two accumulate vectors per step so a
 // bfloat16 step is one 256-bit load. Kernels loop `for (i = 0; i + kStep <= n; i += kStep)`
-// over load2/store2 and finish the tail with the scalar form of the same math.
+// over load2/store2 and finish the tail with the scalar form of the same math; the GeLU
+// kernels first take kLanes vectors at a time in lockstep (Lanes, load<K>/store<K>).
 #pragma once
 
 // at::vec's headers carry `#pragma unroll` for nvcc, which g++ -Wall reports at every use.
@@ -160,29 +161,30 @@ struct VecIO {
   // K accumulate vectors (K even) from or to p[0 .. K * Vec::size()).
   template <int K>
   static Lanes<K> load(const T* p) {
+    static_assert(K % 2 == 0, "load<K> reads pairs of vectors");
     Lanes<K> l;
     for (int k = 0; k < K; k += 2) load2(p + k * Vec::size(), l.v[k], l.v[k + 1]);
     return l;
   }
   template <int K>
   static void store(T* p, const Lanes<K>& l) {
+    static_assert(K % 2 == 0, "store<K> writes pairs of vectors");
     for (int k = 0; k < K; k += 2) store2(p + k * Vec::size(), l.v[k], l.v[k + 1]);
   }
 };
 
-// abs/erf/erfc/exp/tanh of at::vec vectors, for the formulas in kernels/gelu.h.
+// The functions kernels/gelu.h asks of its `M`, for at::vec vectors.
 //
 // GeLU is compute-bound on a CPU core, so float vectors use an inline exp of their own (below)
-// instead of calls into Sleef's 1-ulp functions, erfc and erf by Abramowitz &
-// Stegun's rational forms (7.1.28 alone, 7.1.26 where e^{-x^2} is at hand), tanh through exp.
-// All stay within about 1e-6 of the exact value: below float16/bfloat16 rounding, and below
-// the noise of float32 training. Double vectors keep the accurate functions (gradcheck
-// compares to finite differences).
+// instead of calls into Sleef's 1-ulp functions, and erfc by Abramowitz & Stegun's rational
+// forms (7.1.28 alone, 7.1.26 where e^{-x^2} is at hand). All stay within about 1e-6 of the
+// exact value: below float16/bfloat16 rounding, and below the noise of float32 training.
+// Double vectors keep the accurate functions (gradcheck compares to finite differences).
 //
-// kFullPrecision = false is for results rounded to bfloat16/float16: erfc then keeps
-// AVX-512's 14-bit reciprocal estimate without a Newton step. GeLU only scales by erfc, so its
-// relative error (6e-5) passes to the result unamplified, a tenth of float16's half-ulp; the
-// step is 2 of GeLU's ~20 operations. tanh keeps the step: 1 + tanh(u) cancels as u -> -inf.
+// kFullPrecision = false is for results rounded to bfloat16/float16: reciprocal_factor then
+// keeps AVX-512's 14-bit reciprocal estimate without a Newton step. GeLU only scales by those
+// reciprocals, so their relative error (6e-5) passes to the result unamplified, a tenth of
+// float16's half-ulp; the step is 2 of GeLU's ~20 operations.
 template <bool kFullPrecision = true>
 struct VecMath {
   template <typename V>
@@ -218,13 +220,13 @@ struct VecMath {
     return scale_by_pow2(exp2_fraction(fmadd(xc, log2e, shifter - t)), t);
   }
 
-  // e^{-z^2/2} as exp above, with -log2(e)/2 as the one constant and only the lower clamp
-  // (z^2 <= 174 keeps 2^n normal; a NaN passes the min and stays NaN).
+  // e^{-a^2/2} as exp above, with -log2(e)/2 as the one constant and only the lower clamp
+  // (a^2 <= 174 keeps 2^n normal; a NaN passes the min and stays NaN).
   template <typename V>
     requires kFloatVec<V>
-  static V gauss(const V& z) {
+  static V gauss(const V& a) {
     const V shifter(12582912.f), c(-0.72134752f);
-    const V w = clamp_max(z * z, V(174.f));
+    const V w = clamp_max(a * a, V(174.f));
     const V t = fmadd(w, c, shifter);
     return scale_by_pow2(exp2_fraction(fmadd(w, c, shifter - t)), t);
   }
@@ -232,6 +234,7 @@ struct VecMath {
   // 1 / d by the hardware estimate and one Newton step (~23 bits): a divide has a quarter of
   // the throughput, and GeLU's erf and tanh need one per element.
   template <typename V>
+    requires kFloatVec<V>
   static V reciprocal(const V& d) {
     const V r = reciprocal_estimate(d);
     return r * (V(2.f) - d * r);
@@ -239,6 +242,7 @@ struct VecMath {
 
   // 1 / d for a factor of a result that kFullPrecision = false rounds to 16 bits.
   template <typename V>
+    requires kFloatVec<V>
   static V reciprocal_factor(const V& d) {
 #if defined(CPU_CAPABILITY_AVX512)
     if constexpr (!kFullPrecision) return reciprocal_estimate(d);
@@ -270,48 +274,49 @@ struct VecMath {
     return reciprocal_factor(d);
   }
 
-  // Phi(z), the standard normal CDF, given g = e^{-z^2/2}, by Abramowitz & Stegun 7.1.26:
-  // erfc(x) = t (a1 + t (a2 + t (a3 + t (a4 + t a5)))) e^{-x^2}, t = 1 / (1 + p x), x >= 0
-  // (|error| <= 1.5e-7). With x = |z| / sqrt2 the scale goes into p, and the 1/2 of
-  // Q = erfc(x) / 2 into the a_k. Then Phi(z) = 1 - Q for z >= 0 and Q for z < 0, taken
-  // without a branch from z's sign bit s: the step H = 1/2 + (1/2 ^ s), and Phi = H - (Q ^ s).
-  // The left tail keeps its relative accuracy, which 1/2 (1 + erf(z / sqrt2)) loses.
+  // The upper tail Q(a) = erfc(a / sqrt2) / 2, a >= 0, given g = e^{-a^2/2}, by Abramowitz &
+  // Stegun 7.1.26: erfc(x) = t (a1 + t (a2 + t (a3 + t (a4 + t a5)))) e^{-x^2},
+  // t = 1 / (1 + p x) (|error| <= 1.5e-7). With x = a / sqrt2 the scale goes into p, and the
+  // 1/2 into the a_k. Relative accuracy holds far into the tail, where 1/2 (1 - erf) cancels.
   template <typename V>
     requires kFloatVec<V>
-  static V cdf_gauss(const V& z, const V& g) {
+  static V gauss_tail(const V& a, const V& g) {
     const V p(0.231641888f), a1(0.127414796f), a2(-0.142248368f), a3(0.7107068705f),
-        a4(-0.7265760135f), a5(0.5307027145f), one(1.f), half(0.5f);
-    const V s = z & V(-0.f);
-    const V t = reciprocal_factor(fmadd(p, z.abs(), one));
+        a4(-0.7265760135f), a5(0.5307027145f), one(1.f);
+    const V t = reciprocal_factor(fmadd(p, a, one));
     V q = fmadd(a5, t, a4);
     q = fmadd(q, t, a3);
     q = fmadd(q, t, a2);
     q = fmadd(q, t, a1) * t;
-    return (half + (half ^ s)) - ((q * g) ^ s);
+    return q * g;
   }
 
+  // 1 - q for z >= 0 and q for z < 0, without a branch, from z's sign bit s: the step
+  // H = 1/2 + (1/2 ^ s) minus (q ^ s). A NaN z carries a NaN q (every caller's q is
+  // computed from |z|), so the result is NaN.
   template <typename V>
-    requires kFloatVec<V>
-  static V tanh(const V& x) {
-    // tanh(u) = 1 - 2 / (e^{2u} + 1); |u| > 9 rounds to +-1 in float anyway.
-    const V one(1.f), two(2.f);
-    const V u = clamp(x, V(-9.f), V(9.f));
-    return one - two * reciprocal(exp(u + u) + one);
+  static V one_sided(const V& z, const V& q) {
+    const V half(0.5f);
+    const V s = z & V(-0.f);
+    return (half + (half ^ s)) - (q ^ s);
   }
 
   // Double vectors: at::vec's accurate functions.
   template <typename V>
     requires(!kFloatVec<V>)
+  static V exp(const V& x) { return x.exp(); }
+  template <typename V>
+    requires(!kFloatVec<V>)
+  static V reciprocal_factor(const V& d) { return V(1.0) / d; }
+  template <typename V>
+    requires(!kFloatVec<V>)
   static V erfc_over_sqrt2(const V& a) { return (a * V(0.70710678118654752440)).erfc(); }
   template <typename V>
     requires(!kFloatVec<V>)
-  static V gauss(const V& z) { return (z * z * V(-0.5)).exp(); }
+  static V gauss(const V& a) { return (a * a * V(-0.5)).exp(); }
   template <typename V>
     requires(!kFloatVec<V>)
-  static V cdf_gauss(const V& z, const V& /*g*/) { return (z * V(-0.70710678118654752440)).erfc() * V(0.5); }
-  template <typename V>
-    requires(!kFloatVec<V>)
-  static V tanh(const V& x) { return x.tanh(); }
+  static V gauss_tail(const V& a, const V& /*g*/) { return (a * V(0.70710678118654752440)).erfc() * V(0.5); }
 };
 
 // Asks for p[0 .. n) to be brought into cache ahead of use, a line at a time: for a loop that
