@@ -46,13 +46,15 @@ void forward(const T* x, const at::opmath_type<T>* bias, T* y, int64_t rows, int
 }
 
 // B, the bias's element type: the accumulate type, or T itself for wide rows (kWideRow).
-template <typename T, GeluApprox A, typename B>
+// kFloatDbias: the bias is float32 beside a 16-bit x (mixed precision), so the gradient terms
+// also sum into a float32 dbias and need float32 accuracy, not only that of the 16-bit dx.
+template <typename T, GeluApprox A, typename B, bool kFloatDbias>
 void backward(const T* dy, const T* x, const B* bias, T* dx,
               ColumnPartials<at::opmath_type<T>>& db, int64_t rows, int64_t cols) {
   using IO = VecIO<T>;
   using acc_t = typename IO::acc_t;
   using Vec = typename IO::Vec;
-  using Math = VecMath<!IO::kReduced>;
+  using Math = VecMath<!IO::kReduced || kFloatDbias>;
   constexpr int64_t V = Vec::size();
   at::parallel_for(0, rows, row_grain(cols), [&](int64_t r0, int64_t r1) __attribute__((flatten)) {
     acc_t* dbp = db.row(at::get_thread_num());
@@ -130,9 +132,13 @@ std::tuple<Tensor, Tensor> bias_gelu_bwd(const Tensor& grad_out, const Tensor& i
         // bfloat16 2048x4096 from DRAM: 1.75-2.00 -> 1.54-1.72 ms with a 16-bit bias.
         if (!std::is_same_v<scalar_t, acc_t> && params_as_16bit(x, cols, {&bias})) {
           const Tensor bt = bias.contiguous();
-          backward<scalar_t, A>(dyp, xp, bt.const_data_ptr<scalar_t>(), dxp, partial, rows, cols);
+          backward<scalar_t, A, scalar_t, false>(dyp, xp, bt.const_data_ptr<scalar_t>(), dxp,
+                                                 partial, rows, cols);
         } else {
-          backward<scalar_t, A>(dyp, xp, b.const_data_ptr<acc_t>(), dxp, partial, rows, cols);
+          with_flag(bias.scalar_type() != x.scalar_type(), [&](auto float_dbias) {
+            backward<scalar_t, A, acc_t, decltype(float_dbias)::value>(
+                dyp, xp, b.const_data_ptr<acc_t>(), dxp, partial, rows, cols);
+          });
         }
       });
     }
