@@ -12,7 +12,7 @@ export MAX_JOBS ?= $(NPROC)
 
 SOURCES := setup.py $(shell find csrc -name '*.cpp' -o -name '*.h' -o -name '*.cu' 2>/dev/null)
 
-.PHONY: all deps build test test-py test-cpp demo bench build-cuda test-cuda-build clean
+.PHONY: all deps build test test-py test-cpp demo bench build-cuda test-cuda-build test-gpu clean
 
 all: build
 
@@ -66,10 +66,17 @@ bench: build
 	  --markdown bench-results/collectives.md
 
 # CUDA build: a separate venv with the CUDA build of torch; compiles every .cu file.
-CUDA_VENV ?= .venv-cuda
+# An extension only loads into the torch it was built against: to build for a GPU host with
+# another torch, name it, its Python and a folder of its own, e.g.
+#   make build-cuda PYTHON=python3.12 CUDA_TORCH=torch==2.11.0 CUDA_VENV=.venv-cuda-2.11 \
+#        CUDA_BUILD=build/cuda-2.11 CUDA_ARCHS=9.0
+# and copy $(CUDA_BUILD)-lib/torchpar/_C*.so into that host's torchpar/.
+CUDA_VENV  ?= .venv-cuda
+CUDA_TORCH ?= torch==2.14.1
+CUDA_BUILD ?= build/cuda
 $(CUDA_VENV)/.deps:
 	$(PYTHON) -m venv $(CUDA_VENV)
-	$(CUDA_VENV)/bin/pip install -q torch==2.14.1 nvidia-nccl-cu13 ninja setuptools wheel numpy pytest pytest-timeout
+	$(CUDA_VENV)/bin/pip install -q $(CUDA_TORCH) nvidia-nccl-cu13 ninja setuptools wheel numpy pytest pytest-timeout
 	@touch $@
 
 # CUDA_HOME: the toolkit holding nvcc (nvcc on PATH may be a wrapper script, which would
@@ -77,22 +84,36 @@ $(CUDA_VENV)/.deps:
 # ATen's CUDA headers include (cusparse.h, cublas_v2.h ...); CPATH hands them to g++ and nvcc.
 # The NCCL wheel has only libnccl.so.2, so -lnccl links through a libnccl.so symlink.
 CUDA_HOME ?= $(lastword $(sort $(wildcard /usr/local/cuda-*)))
-build-cuda: $(CUDA_VENV)/.deps
-	NCCL_DIR=$$($(CUDA_VENV)/bin/python -c "import nvidia.nccl, os; print(os.path.dirname(nvidia.nccl.__file__) if nvidia.nccl.__file__ else list(nvidia.nccl.__path__)[0])"); \
-	CU_INC=$$($(CUDA_VENV)/bin/python -c "import nvidia, os; print(':'.join(os.path.join(p, 'cu13', 'include') for p in nvidia.__path__))"); \
+CUDA_ARCHS ?= 8.0;9.0
+# $(call cuda_setup,PYTHON,ARGS): setup.py build_ext ARGS with PYTHON's CUDA torch and NCCL wheel.
+define cuda_setup
+	NCCL_DIR=$$($(1) -c "import nvidia.nccl, os; print(os.path.dirname(nvidia.nccl.__file__) if nvidia.nccl.__file__ else list(nvidia.nccl.__path__)[0])"); \
+	CU_INC=$$($(1) -c "import nvidia, os; print(':'.join(os.path.join(p, 'cu13', 'include') for p in nvidia.__path__))"); \
 	mkdir -p build/nccl-lib && ln -sf $$NCCL_DIR/lib/libnccl.so.2 build/nccl-lib/libnccl.so; \
 	CUDA_HOME=$(CUDA_HOME) CPATH=$$CU_INC$${CPATH:+:$$CPATH} \
 	TORCHPAR_CUDA=1 NCCL_INCLUDE=$$NCCL_DIR/include NCCL_LIB=$(CURDIR)/build/nccl-lib:$$NCCL_DIR/lib \
-	TORCH_CUDA_ARCH_LIST="8.0;9.0" $(CUDA_VENV)/bin/python setup.py -q build_ext --build-temp build/cuda-temp --build-lib build/cuda-lib
+	TORCH_CUDA_ARCH_LIST="$(CUDA_ARCHS)" $(1) setup.py -q build_ext $(2)
+endef
+
+build-cuda: $(CUDA_VENV)/.deps
+	$(call cuda_setup,$(CUDA_VENV)/bin/python,--build-temp $(CUDA_BUILD)-temp --build-lib $(CUDA_BUILD)-lib)
 
 # The CUDA build on a machine without a GPU: it loads (every symbol, NCCL included, resolves
 # against the CUDA torch) and its CPU kernels and backend pass their tests; GPU tests skip.
 CUDA_PKG := build/cuda-pkg
 test-cuda-build: build-cuda
 	rm -rf $(CUDA_PKG) && mkdir -p $(CUDA_PKG) && cp -r torchpar $(CUDA_PKG)/
-	rm -f $(CUDA_PKG)/torchpar/_C*.so $(CUDA_PKG)/torchpar/_C.stamp && cp build/cuda-lib/torchpar/_C*.so $(CUDA_PKG)/torchpar/
+	rm -f $(CUDA_PKG)/torchpar/_C*.so $(CUDA_PKG)/torchpar/_C.stamp && cp $(CUDA_BUILD)-lib/torchpar/_C*.so $(CUDA_PKG)/torchpar/
 	cd $(CUDA_PKG) && PYTHONPATH=$(CURDIR)/$(CUDA_PKG) $(CURDIR)/$(CUDA_VENV)/bin/python -m pytest -q -p no:cacheprovider \
 	  $(addprefix $(CURDIR)/,$(wildcard tests/test_kernels_*.py) tests/test_init.py)
+
+# On a machine with a GPU whose $(GPU_PYTHON) holds a CUDA build of torch: build in place
+# with it and run the kernel tests, the GPU ones included. CUDA_HOME defaults as above;
+# e.g. `make test-gpu CUDA_ARCHS=9.0 MAX_JOBS=16` on an H100.
+GPU_PYTHON ?= python3
+test-gpu:
+	$(call cuda_setup,$(GPU_PYTHON),--inplace)
+	$(GPU_PYTHON) -m pytest -q -p no:cacheprovider -rs tests/test_kernels_*.py tests/test_init.py
 
 clean:
 	rm -rf build torchpar/_C*.so torchpar/_C.stamp *.egg-info

@@ -1,4 +1,6 @@
 """Helpers shared by the tests of torchpar's fused kernels (tests/test_kernels_*.py)."""
+import math
+
 import numpy as np
 import pytest
 import torch
@@ -26,6 +28,19 @@ def noncontiguous(t):
     if t.dim() < 2:
         return t.repeat_interleave(2)[::2]
     return t.transpose(0, -1).contiguous().transpose(0, -1)
+
+
+def gelu_exact(z, approximate):
+    """gelu(z) and gelu'(z) in Python floats, in forms that hold over the whole float range."""
+    if math.isinf(z):
+        return (z if z > 0 else math.nan), (1.0 if z > 0 else 0.0)
+    if approximate == "none":
+        cdf = 0.5 * math.erfc(-z / math.sqrt(2))
+        return z * cdf, cdf + z * math.exp(-0.5 * z * z) / math.sqrt(2 * math.pi)
+    k, c = math.sqrt(2 / math.pi), 0.044715
+    u = k * (z + c * z**3)
+    sig = lambda t: 1 / (1 + math.exp(-t)) if t >= 0 else math.exp(t) / (1 + math.exp(t))  # noqa: E731
+    return z * sig(2 * u), sig(2 * u) + 2 * z * k * (1 + 3 * c * z * z) * sig(2 * u) * sig(-2 * u)
 
 
 # --- Philox4x32-10 in numpy: the specification the CPU and CUDA kernels must both meet ----

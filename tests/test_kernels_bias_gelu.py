@@ -6,7 +6,7 @@ import torch
 import torch.nn.functional as TF
 
 import torchpar.nn as tnn
-from kernels_util import assert_close, noncontiguous, requires_cuda
+from kernels_util import assert_close, gelu_exact, noncontiguous, requires_cuda
 
 pytestmark = pytest.mark.timeout(120)
 F = tnn.functional
@@ -28,19 +28,6 @@ def test_gradcheck_float64(shape, approximate):
     assert torch.autograd.gradcheck(lambda x, b: F.bias_gelu(x, b, approximate), (x, b))
 
 
-def _gelu_exact(z, approximate):
-    """gelu(z) and gelu'(z) in Python floats, in forms that hold over the whole float range."""
-    if math.isinf(z):
-        return (z if z > 0 else math.nan), (1.0 if z > 0 else 0.0)
-    if approximate == "none":
-        cdf = 0.5 * math.erfc(-z / math.sqrt(2))
-        return z * cdf, cdf + z * math.exp(-0.5 * z * z) / math.sqrt(2 * math.pi)
-    k, c = math.sqrt(2 / math.pi), 0.044715
-    u = k * (z + c * z**3)
-    sig = lambda t: 1 / (1 + math.exp(-t)) if t >= 0 else math.exp(t) / (1 + math.exp(t))  # noqa: E731
-    return z * sig(2 * u), sig(2 * u) + 2 * z * k * (1 + 3 * c * z * z) * sig(2 * u) * sig(-2 * u)
-
-
 @pytest.mark.parametrize("approximate", ["none", "tanh"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
 def test_extreme_inputs(dtype, approximate):
@@ -56,7 +43,7 @@ def test_extreme_inputs(dtype, approximate):
     y = F.bias_gelu(x, torch.zeros(309, dtype=dtype), approximate)
     y.sum().backward()
     for i, zi in enumerate(z.tolist()):
-        want_y, want_g = _gelu_exact(zi, approximate)
+        want_y, want_g = gelu_exact(zi, approximate)
         # Forward: within 1e-6 of the value (the float erfc's floor is an absolute 3e-7), and
         # under 1e-13 in the far tails; the gradient to its relative accuracy.
         rtol = {torch.float32: 1e-5, torch.bfloat16: 1e-2, torch.float64: 1e-12}[dtype]

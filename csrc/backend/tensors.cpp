@@ -99,7 +99,8 @@ collectives::ReduceOp reduce_op(const c10d::ReduceOp& op, const char* op_name, c
 
 at::Tensor premultiply(const at::Tensor& t, const c10d::ReduceOp& op) {
   if (op.op_ != c10d::ReduceOp::PREMUL_SUM) return t;
-  auto* s = dynamic_cast<c10d::PreMulSumSupplement*>(op.supplement_.get());
+  // The name torch 2.11 declares; newer torch renamed it PreMulSumSupplement and keeps this alias.
+  auto* s = dynamic_cast<c10d::NCCLPreMulSumSupplement*>(op.supplement_.get());
   TORCH_CHECK(s != nullptr, "torchpar: PREMUL_SUM without a factor");
   if (s->tensor_factor.defined()) return t * s->tensor_factor.to(t.device());
   return t * s->double_factor;

@@ -15,7 +15,7 @@
 #pragma once
 
 #include <ATen/core/Tensor.h>
-#include <torch/csrc/autograd/node.h>
+#include <torch/csrc/autograd/function.h>  // torch::autograd::Node, in every torch version
 #include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
 #include <torch/csrc/distributed/c10d/comm.hpp>
 
@@ -168,7 +168,10 @@ class Reducer {
 
   // Grad accumulators are held here: a parameter only keeps a weak reference to its own,
   // and a fresh one (without our hook) would be made if this one were freed.
-  std::vector<c10::intrusive_ptr<torch::autograd::Node>> accumulators_;
+  // What grad_accumulator() returns: c10::intrusive_ptr<Node>, or std::shared_ptr in older torch (2.11).
+  using AccumulatorPtr =
+      decltype(torch::autograd::impl::grad_accumulator(std::declval<const at::Tensor&>()));
+  std::vector<AccumulatorPtr> accumulators_;
   std::vector<uintptr_t> hook_keys_;
 
   // Step state, guarded by mutex_ (hooks run on autograd device threads).

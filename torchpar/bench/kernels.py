@@ -6,7 +6,8 @@ For each op, shape and dtype, times the forward and forward+backward of
   compile    torch.compile of that same composite,
 all in one run, and reports achieved GB/s = bytes the op must move / time, beside the copy
 bandwidth (``dst.copy_(src)``, read + write) measured in the same run: the roofline of a
-memory-bound op (llm.c's way of reporting kernels).
+memory-bound op (llm.c's way of reporting kernels). ``--device cuda`` runs the same on the
+GPU (the CUDA build), each call timed with CUDA events.
 """
 import argparse
 import ctypes
@@ -90,27 +91,79 @@ def _llc_bytes():
 
 class _CacheFlush:
     """Streams twice the last-level cache through memory, so the next call reads its inputs
-    from DRAM. The ops' tensors (32 MiB each) are about this CPU's L3: without it, the peer
-    timed right after one that read the same input finds part of it in cache, and the order
-    of the round-robin decides who gains."""
+    from DRAM. The ops' tensors (32 MiB each) are about this CPU's L3 (and a GPU's L2):
+    without it, the peer timed right after one that read the same input finds part of it in
+    cache, and the order of the round-robin decides who gains."""
 
-    def __init__(self):
-        self.buf = torch.empty(2 * _llc_bytes() // 4, dtype=torch.float32)
+    def __init__(self, device="cpu"):
+        device = torch.device(device)
+        llc = (torch.cuda.get_device_properties(device).L2_cache_size if device.type == "cuda"
+               else _llc_bytes())
+        self.buf = torch.empty(2 * llc // 4, dtype=torch.float32, device=device)
 
     def __call__(self):
         self.buf.fill_(1.0)
 
 
-def _time(fns, reps, warmup=2, flush=None):
+class _CpuTimer:
+    def __call__(self, fn):
+        t0 = time.perf_counter()
+        fn()
+        return time.perf_counter() - t0
+
+
+class _CudaTimer:
+    """GPU seconds of one call, between two CUDA events on the current stream.
+
+    A sleep kernel runs first, long enough for the CPU to queue the whole call behind it, so
+    the events time the call's kernels back to back, as in a training step where the CPU runs
+    ahead of the GPU. Without it an op of 20-60 us would be timed at the CPU's launch speed
+    (autograd's, or torch.compile's guards), the same for every peer, and no kernel compared.
+    """
+
+    def __init__(self):
+        self.start = torch.cuda.Event(enable_timing=True)
+        self.end = torch.cuda.Event(enable_timing=True)
+        self.sleep_cycles = 1 << 20
+        self.cycles_per_s = self._cycles_per_second()
+
+    def _cycles_per_second(self):
+        torch.cuda.synchronize()
+        self.start.record()
+        torch.cuda._sleep(self.sleep_cycles)
+        self.end.record()
+        self.end.synchronize()
+        return self.sleep_cycles / (self.start.elapsed_time(self.end) * 1e-3)
+
+    def __call__(self, fn):
+        torch.cuda._sleep(self.sleep_cycles)
+        t0 = time.perf_counter()
+        self.start.record()
+        fn()
+        self.end.record()
+        queued = time.perf_counter() - t0
+        self.end.synchronize()
+        # The next sleep covers twice the longest queueing time seen (the warm-up calls set it;
+        # a call that outran its sleep is timed long, never short, and the best is taken).
+        self.sleep_cycles = max(self.sleep_cycles, int(2 * queued * self.cycles_per_s))
+        return self.start.elapsed_time(self.end) * 1e-3
+
+
+def _timer(device):
+    return _CudaTimer() if torch.device(device).type == "cuda" else _CpuTimer()
+
+
+def _time(fns, reps, warmup=2, flush=None, device="cpu"):
     """Best of `reps` for each of `fns`, taken round-robin: on a shared 2-core machine the
     neighbours' load then falls on every peer alike, and the best sample is the one they
     left alone. `flush` (untimed) runs before each timed call. Each round visits the peers
     in a new (seeded) order: a call can slow the one after it despite the flush (the peer
     timed after torch.compile's forward+backward ran 25-35 % slower in a fixed order,
     whichever peer it was), so no peer may always follow the same one."""
+    timer = _timer(device)
     for fn in fns:
         for _ in range(warmup):
-            fn()
+            timer(fn)
     best = [float("inf")] * len(fns)
     order = list(range(len(fns)))
     shuffle = random.Random(0).shuffle
@@ -119,17 +172,15 @@ def _time(fns, reps, warmup=2, flush=None):
         for k in order:
             if flush:
                 flush()
-            t0 = time.perf_counter()
-            fns[k]()
-            best[k] = min(best[k], time.perf_counter() - t0)
+            best[k] = min(best[k], timer(fns[k]))
     return best
 
 
-def copy_bandwidth(nbytes, reps):
+def copy_bandwidth(nbytes, reps, device="cpu"):
     """GB/s of ``dst.copy_(src)`` (bytes read + written) for arrays of ``nbytes``."""
-    src = torch.empty(nbytes // 4, dtype=torch.float32).uniform_()
+    src = torch.empty(nbytes // 4, dtype=torch.float32, device=device).uniform_()
     dst = torch.empty_like(src)
-    (t,) = _time([lambda: dst.copy_(src)], reps)
+    (t,) = _time([lambda: dst.copy_(src)], reps, device=device)
     return 2 * nbytes / t / 1e9
 
 
@@ -139,13 +190,13 @@ def copy_bandwidth(nbytes, reps):
 DRAM_COPY_BYTES = 256 << 20
 
 
-def measure(op, rows, cols, dtype, reps, use_compile):
+def measure(op, rows, cols, dtype, reps, use_compile, device="cpu"):
     g = torch.Generator().manual_seed(0)
-    x = torch.randn(rows, cols, generator=g).to(dtype)
-    w = torch.randn(cols, generator=g).to(dtype)
-    b = torch.randn(cols, generator=g).to(dtype)
-    r = torch.randn(rows, cols, generator=g).to(dtype)
-    dy = torch.randn(rows, cols, generator=g).to(dtype)
+    x = torch.randn(rows, cols, generator=g).to(device, dtype)
+    w = torch.randn(cols, generator=g).to(device, dtype)
+    b = torch.randn(cols, generator=g).to(device, dtype)
+    r = torch.randn(rows, cols, generator=g).to(device, dtype)
+    dy = torch.randn(rows, cols, generator=g).to(device, dtype)
     args = [x, w, b, r]
     peers = {"torchpar": _fused(op), "eager": _composite(op)}
     if use_compile:
@@ -168,7 +219,7 @@ def measure(op, rows, cols, dtype, reps, use_compile):
         names += [(name, "fwd"), (name, "fwd_bwd")]
         fns += [fwd, fwd_bwd]
     out = {}
-    for (name, mode), t in zip(names, _time(fns, reps, flush=_CacheFlush())):
+    for (name, mode), t in zip(names, _time(fns, reps, flush=_CacheFlush(device), device=device)):
         out.setdefault(name, {})[mode] = t
     return out
 
@@ -210,20 +261,23 @@ def compute_cost(op, cols, dtype, reps=200):
 
 def run(args):
     torch.set_num_threads(args.threads or torch.get_num_threads())
-    args.malloc_reuse = args.malloc == "reuse" and reuse_freed_memory()
+    dev = args.device
+    on_cpu = dev == "cpu"
+    args.malloc_reuse = on_cpu and args.malloc == "reuse" and reuse_freed_memory()
     args.load_before = os.getloadavg()[0]
     shapes = [tuple(int(v) for v in s.lower().split("x")) for s in args.shapes]
     elem_bytes_max = max(rows * cols for rows, cols in shapes) * 4
     # Many short samples: a copy takes milliseconds, so a neighbour's burst spoils few.
-    copy_gbs = copy_bandwidth(DRAM_COPY_BYTES, max(args.reps, 100))
-    copy_op_sized_gbs = copy_bandwidth(elem_bytes_max, max(args.reps, 200))
+    copy_gbs = copy_bandwidth(DRAM_COPY_BYTES, max(args.reps, 100), dev)
+    copy_op_sized_gbs = copy_bandwidth(elem_bytes_max, max(args.reps, 200), dev)
     results = []
     for op in args.ops:
         for rows, cols in shapes:
             for dname in args.dtypes:
                 dtype = DTYPES[dname]
-                t = measure(op, rows, cols, dtype, args.reps, not args.no_compile)
-                cost = compute_cost(op, cols, dtype)
+                t = measure(op, rows, cols, dtype, args.reps, not args.no_compile, dev)
+                # The in-cache arithmetic bound is a CPU notion (per core, times the threads).
+                cost = compute_cost(op, cols, dtype) if on_cpu else None
                 elem = torch.empty((), dtype=dtype).element_size()
                 act = rows * cols * elem
                 fwd_units, bwd_units = TRAFFIC[op]
@@ -233,10 +287,10 @@ def run(args):
                     for peer, times in t.items():
                         row[f"{peer}_ms"] = times[mode] * 1e3
                     row["gbs"] = row["bytes"] / (row["torchpar_ms"] * 1e-3) / 1e9
-                    # The GB/s the arithmetic alone allows on all threads (memory for free).
-                    ns = cost[0] if mode == "fwd" else cost[0] + cost[1]
-                    row["compute_ns_per_elem"] = ns
-                    row["compute_gbs"] = units * elem * torch.get_num_threads() / ns
+                    if cost:  # the GB/s the arithmetic alone allows on all threads (memory for free)
+                        ns = cost[0] if mode == "fwd" else cost[0] + cost[1]
+                        row["compute_ns_per_elem"] = ns
+                        row["compute_gbs"] = units * elem * torch.get_num_threads() / ns
                     row["pct_copy"] = 100 * row["gbs"] / copy_gbs
                     row["x_eager"] = row["eager_ms"] / row["torchpar_ms"]
                     if "compile_ms" in row:
@@ -245,12 +299,13 @@ def run(args):
                 print(f"measured {op} {rows}x{cols} {dname}", file=sys.stderr, flush=True)
     # Measured again after the ops: a neighbour's burst during one short copy window would
     # otherwise set the roofline; the better of the two windows is the machine's.
-    copy_gbs = max(copy_gbs, copy_bandwidth(DRAM_COPY_BYTES, max(args.reps, 100)))
-    copy_op_sized_gbs = max(copy_op_sized_gbs, copy_bandwidth(elem_bytes_max, max(args.reps, 200)))
+    copy_gbs = max(copy_gbs, copy_bandwidth(DRAM_COPY_BYTES, max(args.reps, 100), dev))
+    copy_op_sized_gbs = max(copy_op_sized_gbs, copy_bandwidth(elem_bytes_max, max(args.reps, 200), dev))
     for row in results:
         row["pct_copy"] = 100 * row["gbs"] / copy_gbs
-        row["compute_pct_copy"] = 100 * row["compute_gbs"] / copy_gbs
-    print_header(copy_gbs, copy_op_sized_gbs, elem_bytes_max)
+        if "compute_gbs" in row:
+            row["compute_pct_copy"] = 100 * row["compute_gbs"] / copy_gbs
+    print_header(copy_gbs, copy_op_sized_gbs, elem_bytes_max, dev)
     for row in results:
         print_row(row)
     args.load_after = os.getloadavg()[0]
@@ -261,9 +316,10 @@ def run(args):
 
 
 def meta(args):
+    gpu = torch.cuda.get_device_name(args.device) if args.device != "cpu" else None
     return {"date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
-            "torch": torch.__version__, "threads": torch.get_num_threads(),
-            "cpu": platform.processor() or platform.machine(), "reps": args.reps,
+            "torch": torch.__version__, "threads": torch.get_num_threads(), "device": args.device,
+            "gpu": gpu, "cpu": platform.processor() or platform.machine(), "reps": args.reps,
             "dropout_p": P_DROP, "malloc_reuse": args.malloc_reuse,
             "load_before": args.load_before, "load_after": args.load_after,
             "torch_cpu_capability": torch.backends.cpu.get_cpu_capability(),
@@ -274,25 +330,31 @@ HEADER = (f"{'op':<17}{'shape':>10}{'dtype':>9}{'pass':>8}{'torchpar':>10}{'eage
           f"{'compile':>9}{'x eager':>9}{'x comp':>8}{'GB/s':>7}{'%copy':>7}{'ceiling':>9}")
 
 
-def print_header(copy_gbs, copy_op_sized_gbs, op_bytes):
+def print_header(copy_gbs, copy_op_sized_gbs, op_bytes, device="cpu"):
+    cache = "L3" if device == "cpu" else "L2"
     print(f"copy bandwidth, dst.copy_(src) read+write, best of a window before and one after "
           f"the ops: {copy_gbs:.1f} GB/s with "
           f"{DRAM_COPY_BYTES >> 20} MiB arrays (DRAM; %copy is against this), "
-          f"{copy_op_sized_gbs:.1f} GB/s with {op_bytes >> 20} MiB arrays (partly in L3)")
-    print(f"torch's kernels: {torch.backends.cpu.get_cpu_capability()}; torchpar: {torchpar._C.cpu_kernels_isa()}; "
-          f"{torch.get_num_threads()} threads; times in ms, best of --reps; "
-          "x eager / x comp = peer time / torchpar time; ceiling = the %copy torchpar's arithmetic "
-          "alone allows (its kernels timed on one core with data in cache, times the threads)")
+          f"{copy_op_sized_gbs:.1f} GB/s with {op_bytes >> 20} MiB arrays (partly in {cache})")
+    if device == "cpu":
+        print(f"torch's kernels: {torch.backends.cpu.get_cpu_capability()}; torchpar: "
+              f"{torchpar._C.cpu_kernels_isa()}; {torch.get_num_threads()} threads; times in ms, "
+              "best of --reps; x eager / x comp = peer time / torchpar time; ceiling = the %copy "
+              "torchpar's arithmetic alone allows (its kernels timed on one core with data in "
+              "cache, times the threads)")
+    else:
+        print(f"{torch.cuda.get_device_name(device)}: times in ms between CUDA events, best of "
+              "--reps; x eager / x comp = peer time / torchpar time")
     print(HEADER)
 
 
 def print_row(row):
     comp = f"{row['compile_ms']:>9.2f}" if "compile_ms" in row else f"{'-':>9}"
     xcomp = f"{row['x_compile']:>8.2f}" if "x_compile" in row else f"{'-':>8}"
+    ceiling = f"{row['compute_pct_copy']:>9.0f}" if "compute_pct_copy" in row else f"{'-':>9}"
     print(f"{row['op']:<17}{row['shape']:>10}{row['dtype']:>9}{row['pass']:>8}"
           f"{row['torchpar_ms']:>10.2f}{row['eager_ms']:>9.2f}{comp}{row['x_eager']:>9.2f}"
-          f"{xcomp}{row['gbs']:>7.1f}{row['pct_copy']:>7.0f}{row['compute_pct_copy']:>9.0f}",
-          flush=True)
+          f"{xcomp}{row['gbs']:>7.1f}{row['pct_copy']:>7.0f}{ceiling}", flush=True)
 
 
 def plot(report, path):
@@ -311,21 +373,23 @@ def plot(report, path):
         ax.bar([i + k * width for i in range(len(rows))], gbs, width, label=peer)
     # torchpar's compute ceiling over its bar; past the copy line it is drawn at the top.
     top = 1.05 * report["copy_gbs"]
-    xs = list(range(len(rows)))
-    ceil = [r["compute_gbs"] for r in rows]
+    xs = [i for i, r in enumerate(rows) if "compute_gbs" in r]
+    ceil = {i: rows[i]["compute_gbs"] for i in xs}
     below = [i for i in xs if ceil[i] <= top]
     above = [i for i in xs if ceil[i] > top]
-    ax.scatter(below, [ceil[i] for i in below], marker="_", s=200, color="k", zorder=3,
-               label="torchpar's compute ceiling")
-    ax.scatter(above, [top] * len(above), marker="^", s=30, color="k", zorder=3,
-               label="ceiling above the copy")
+    if below:
+        ax.scatter(below, [ceil[i] for i in below], marker="_", s=200, color="k", zorder=3,
+                   label="torchpar's compute ceiling")
+    if above:
+        ax.scatter(above, [top] * len(above), marker="^", s=30, color="k", zorder=3,
+                   label="ceiling above the copy")
     ax.axhline(report["copy_gbs"], color="k", linestyle="--", label="copy bandwidth")
     ax.axhline(0.6 * report["copy_gbs"], color="grey", linestyle=":", label="60% of copy")
     ax.set_xticks([i + 0.4 - width / 2 for i in range(len(rows))])
     ax.set_xticklabels(labels, fontsize=6, rotation=90)
     ax.set_ylabel("achieved GB/s (bytes the op must move / time)")
-    ax.set_title(f"torchpar fused kernels, {report['meta']['date']}, "
-                 f"{report['meta']['threads']} threads")
+    where = report["meta"].get("gpu") or f"{report['meta']['threads']} threads"
+    ax.set_title(f"torchpar fused kernels, {report['meta']['date']}, {where}")
     ax.legend(fontsize=8)
     fig.tight_layout()
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
@@ -345,9 +409,12 @@ def main(argv=None):
                     help="reuse: keep freed activations in glibc's heap (see reuse_freed_memory)")
     ap.add_argument("--json", metavar="PATH", help="write the results as JSON")
     ap.add_argument("--plot", metavar="PATH", help="write a PNG of GB/s per peer")
+    ap.add_argument("--device", default="cpu", help="cpu, or cuda[:N] (the CUDA build on a GPU)")
     ap.add_argument("--cpu-kernels", metavar="ISA", choices=["AVX2", "AVX512", "AVX512_BF16"],
                     help="run torchpar's CPU kernels built for ISA (default: the widest this CPU runs)")
     args = ap.parse_args(argv)
+    if torch.device(args.device).type == "cuda" and not torch.cuda.is_available():
+        ap.error(f"--device {args.device}: torch sees no CUDA device here (torch {torch.__version__})")
     if args.cpu_kernels:
         torchpar._C.set_cpu_kernels_isa(args.cpu_kernels)
     report = run(args)
