@@ -74,7 +74,8 @@ common = dict(
     define_macros=define_macros,
 )
 if WITH_CUDA:
-    extra["nvcc"] = ["-O3", "--use_fast_math", "-DTORCHPAR_WITH_CUDA"]
+    # -std=c++20: the .cu files use the .cpp files' standard (torch hands nvcc C++17 unless told).
+    extra["nvcc"] = ["-O3", "--use_fast_math", "-std=c++20", "-DTORCHPAR_WITH_CUDA"]
     extra["cxx"].append("-DTORCHPAR_WITH_CUDA")
     libraries.append("nccl")
     common["include_dirs"] += [p for p in os.environ.get("NCCL_INCLUDE", "").split(":") if p]
