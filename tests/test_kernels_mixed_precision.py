@@ -142,23 +142,49 @@ def test_double_backward_gives_the_same_gradients():
 
 
 class _Block(torch.nn.Module):
-    """A transformer-style MLP block: LayerNorm, Linear, GeLU, Linear, dropout, residual add."""
+    """A transformer-style MLP block: LayerNorm, Linear, GeLU, Linear, dropout, residual add,
+    and a LayerNorm on the first Linear's output, so one sees float32 input under autocast and
+    one 16-bit input beside its float32 parameters."""
 
     def __init__(self, d, fused):
         super().__init__()
         self.fused = fused
         self.norm = (tnn.LayerNorm if fused else torch.nn.LayerNorm)(d)
+        self.norm_h = (tnn.LayerNorm if fused else torch.nn.LayerNorm)(4 * d)
         self.fc1 = torch.nn.Linear(d, 4 * d, bias=False)
         self.b1 = torch.nn.Parameter(0.1 * torch.randn(4 * d))
         self.fc2 = torch.nn.Linear(4 * d, d, bias=False)
         self.b2 = torch.nn.Parameter(0.1 * torch.randn(d))
 
     def forward(self, x):
-        h = self.fc1(self.norm(x))
+        h = self.norm_h(self.fc1(self.norm(x)))
         if self.fused:
             return F.bias_dropout_add(self.fc2(F.bias_gelu(h, self.b1)), self.b2, x, 0.0, True)
         h = TF.gelu(h + self.b1.to(h.dtype))
         return x + TF.dropout(self.fc2(h) + self.b2, 0.0)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("float32_param", ["weight", "bias", "both"])
+def test_layer_norm_under_vmap_and_forward_ad(float32_param, dtype):
+    """vmap and forward-mode AD run layer_norm as torch's composite (kernels/ops.h): it must
+    take every mix the fused kernel takes, one float32 parameter beside a 16-bit one too."""
+    x, dx, w, b = _data((4, 24), dtype)
+    w = w if float32_param in ("weight", "both") else w.to(dtype)
+    b = b if float32_param in ("bias", "both") else b.to(dtype)
+    want = F.layer_norm(x, (24,), w, b, 1e-5)
+    got = torch.func.vmap(lambda row: F.layer_norm(row, (24,), w, b, 1e-5))(x)
+    assert got.dtype == dtype
+    assert_close(got, want, dtype)
+
+    x64, w64, b64 = (t.double() for t in (x, w, b))
+    _, tangent64 = torch.func.jvp(lambda t: TF.layer_norm(t, (24,), w64, b64, 1e-5), (x64,), (dx.double(),))
+    with torch.autograd.forward_ad.dual_level():
+        dual = torch.autograd.forward_ad.make_dual(x, dx)
+        y, tangent = torch.autograd.forward_ad.unpack_dual(F.layer_norm(dual, (24,), w, b, 1e-5))
+    assert y.dtype == tangent.dtype == dtype
+    assert_close(y, want, dtype)
+    assert_close(tangent, tangent64, dtype, scale=5)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -169,6 +195,8 @@ def test_modules_train_under_autocast(dtype):
     fused = _Block(16, fused=True)
     ref = _Block(16, fused=False)
     ref.load_state_dict(fused.state_dict())
+    norm_h_inputs = []
+    fused.norm_h.register_forward_pre_hook(lambda m, args: norm_h_inputs.append(args[0].dtype))
     x = torch.randn(8, 16)
     outs = []
     for m in (fused, ref):
@@ -177,6 +205,7 @@ def test_modules_train_under_autocast(dtype):
         assert y.dtype == torch.float32
         y.square().mean().backward()
         outs.append(y)
+    assert norm_h_inputs == [dtype]  # 16-bit input beside float32 weight and bias
     torch.testing.assert_close(outs[0], outs[1], atol=3e-2, rtol=3e-2)
     for (name, p), q in zip(fused.named_parameters(), ref.parameters()):
         assert p.grad.dtype == torch.float32, name

@@ -94,10 +94,15 @@ Tensor layer_norm_unfused(const Tensor& input, c10::SymIntArrayRef shape, const 
                           const OptTensor& bias, double eps) {
   check_layer_norm(input, shape, weight, bias);
   const auto dt = input.scalar_type();
-  const bool mixed = (weight && weight->scalar_type() != dt) || (bias && bias->scalar_type() != dt);
+  auto given = [](const OptTensor& p) { return p && p->defined(); };
+  const bool mixed = (given(weight) && weight->scalar_type() != dt) ||
+                     (given(bias) && bias->scalar_type() != dt);
   if (!mixed) return at::layer_norm_symint(input, shape, weight, bias, eps);
-  // float32 parameters beside 16-bit input (kernels/ops.h): in float32, as the kernels compute.
-  return at::layer_norm_symint(input.to(at::kFloat), shape, weight, bias, eps).to(dt);
+  // A float32 parameter beside 16-bit input (kernels/ops.h), the other one either dtype: all in
+  // float32, as the kernels compute.
+  auto as_float = [&](const OptTensor& p) { return given(p) ? OptTensor(p->to(at::kFloat)) : p; };
+  return at::layer_norm_symint(input.to(at::kFloat), shape, as_float(weight), as_float(bias), eps)
+      .to(dt);
 }
 
 Tensor layer_norm_autograd(const Tensor& input, c10::SymIntArrayRef shape, const OptTensor& weight,
