@@ -54,7 +54,7 @@ void backward(const T* dy, const T* x, const B* bias, T* dx,
   using IO = VecIO<T>;
   using acc_t = typename IO::acc_t;
   using Vec = typename IO::Vec;
-  using Math = VecMath<!IO::kReduced || kFloatDbias>;
+  using Math = VecMath<gelu_grad_full_precision<T> || kFloatDbias>;
   constexpr int64_t V = Vec::size();
   at::parallel_for(0, rows, row_grain(cols), [&](int64_t r0, int64_t r1) __attribute__((flatten)) {
     acc_t* dbp = db.row(at::get_thread_num());
