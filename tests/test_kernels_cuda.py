@@ -41,17 +41,19 @@ def _run(op, device, x, p, r, dy, approximate="none", contiguous=True):
     return [t.detach().cpu().double() for t in [y] + grads]
 
 
-def _inputs(shape, dtype, param_dtype=None, seed=0):
+def _inputs(shape, dtype, param_dtype=None, residual_dtype=None, seed=0):
     g = torch.Generator().manual_seed(seed)
     x = (torch.randn(shape, generator=g, dtype=torch.float64) * 2).to(dtype)
     p = torch.randn(shape[-1], generator=g, dtype=torch.float64).to(param_dtype or dtype)
-    r = torch.randn(shape, generator=g, dtype=torch.float64).to(dtype)
+    r = torch.randn(shape, generator=g, dtype=torch.float64).to(residual_dtype or dtype)
     dy = torch.randn(shape, generator=g, dtype=torch.float64)
     return x, p, r, dy
 
 
-def _check(op, shape, dtype, param_dtype=None, approximate="none", contiguous=True):
-    x, p, r, dy = _inputs(shape, dtype, param_dtype)
+def _check(op, shape, dtype, param_dtype=None, residual_dtype=None, approximate="none",
+           contiguous=True):
+    """Compares `op` on the GPU with the float64 reference; returns both, as _run gives them."""
+    x, p, r, dy = _inputs(shape, dtype, param_dtype, residual_dtype)
     dy = dy.to(dtype).double()  # the gradient each device receives, exactly
     got = _run(op, "cuda", x, p, r, dy, approximate, contiguous)
     want = _run(op, "cpu", x.double(), p.double(), r.double(), dy, approximate)
@@ -63,6 +65,7 @@ def _check(op, shape, dtype, param_dtype=None, approximate="none", contiguous=Tr
             assert_close(a, b, dtype, scale=scale)
         except AssertionError as e:
             raise AssertionError(f"{op} {shape} {dtype}: {name}: {e}") from None
+    return got, want
 
 
 @pytest.mark.parametrize("contiguous", [True, False])
@@ -83,12 +86,25 @@ def test_bias_gelu_tanh(shape):
 @pytest.mark.parametrize("op", ["layer_norm", "bias_gelu", "bias_dropout_add"])
 def test_float32_parameters_beside_16bit_input(op, dtype):
     for shape in ((64, 1000), (3, 2100), (5, 12289)):
-        _check(op, shape, dtype, param_dtype=torch.float32)
+        got, want = _check(op, shape, dtype, param_dtype=torch.float32)
+        # The float32 parameter's gradient is summed in float32 and never rounded to 16 bits:
+        # float32 accuracy, which _check's 16-bit tolerance would not tell from a rounded one.
+        torch.testing.assert_close(got[2], want[2], rtol=1e-4, atol=1e-4,
+                                   msg=lambda m: f"{op} {shape} {dtype}: dparam: {m}")
     x, p, r, dy = _inputs((8, 300), dtype, torch.float32)
     leaves = [t.cuda().requires_grad_() for t in (x, p, r)]
     y = _call(op, *leaves)
     y.backward(torch.ones_like(y))
     assert y.dtype == dtype and leaves[1].grad.dtype == torch.float32
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+def test_bias_dropout_add_float32_residual_stream(dtype):
+    # A 16-bit input and bias beside a float32 residual: the output is float32.
+    for shape in ((64, 1000), (3, 2100), (5, 12289)):
+        _check("bias_dropout_add", shape, dtype, residual_dtype=torch.float32)
+        _check("bias_dropout_add", shape, dtype, param_dtype=torch.float32,
+               residual_dtype=torch.float32)
 
 
 @pytest.mark.parametrize("op", ["layer_norm", "bias_gelu", "bias_dropout_add"])

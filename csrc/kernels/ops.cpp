@@ -21,16 +21,16 @@ bool is_float_dtype(c10::ScalarType t) {
   return t == at::kFloat || t == at::kDouble || t == at::kBFloat16 || t == at::kHalf;
 }
 
-bool is_16bit(c10::ScalarType t) { return t == at::kBFloat16 || t == at::kHalf; }
-
 // A parameter (LayerNorm's weight and bias, the bias ops' bias) has input's dtype, or float32
 // beside a 16-bit input: mixed-precision training keeps its parameters in float32 (as under
-// torch.autocast), and the kernels compute in float32 anyway.
-void check_param(const char* op, const char* name, const at::Tensor& t, const at::Tensor& input) {
+// torch.autocast), and the kernels compute in float32 anyway. bias_dropout_add's residual
+// follows the same rule (`why` says what a float32 one is).
+void check_param(const char* op, const char* name, const at::Tensor& t, const at::Tensor& input,
+                 const char* why = "") {
   const auto dt = t.scalar_type(), in = input.scalar_type();
-  TORCH_CHECK(dt == in || (dt == at::kFloat && is_16bit(in)), "torchpar.", op, ": ", name,
-              " has dtype ", dt, " but input has dtype ", in, "; ", name,
-              " must have input's dtype, or be float32 beside a bfloat16 or float16 input");
+  TORCH_CHECK(dt == in || (dt == at::kFloat && at::isReducedFloatingType(in)), "torchpar.", op,
+              ": ", name, " has dtype ", dt, " but input has dtype ", in, "; ", name,
+              " must have input's dtype, or be float32 beside a bfloat16 or float16 input", why);
   TORCH_CHECK(t.device() == input.device(), "torchpar.", op, ": ", name, " is on ", t.device(),
               " but input is on ", input.device());
 }
@@ -72,13 +72,7 @@ void check_bias_op(const char* op, const at::Tensor& input, const at::Tensor& bi
               ": bias must have shape [", input.sym_size(-1), "] (the last dim of input), got ",
               bias.sym_sizes());
   if (residual != nullptr) {
-    const auto rt = residual->scalar_type(), in = input.scalar_type();
-    TORCH_CHECK(rt == in || (rt == at::kFloat && is_16bit(in)), "torchpar.", op,
-                ": residual has dtype ", rt, " but input has dtype ", in,
-                "; residual must have input's dtype, or be float32 beside a bfloat16 or float16 "
-                "input (a float32 residual stream)");
-    TORCH_CHECK(residual->device() == input.device(), "torchpar.", op, ": residual is on ",
-                residual->device(), " but input is on ", input.device());
+    check_param(op, "residual", *residual, input, " (a float32 residual stream)");
     TORCH_CHECK(residual->sym_sizes() == input.sym_sizes(), "torchpar.", op,
                 ": residual has shape ", residual->sym_sizes(), " but input has shape ",
                 input.sym_sizes());
