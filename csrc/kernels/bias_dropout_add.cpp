@@ -33,29 +33,30 @@ std::tuple<Tensor, Tensor> bda_fwd(const Tensor& input, const Tensor& bias, cons
 }
 
 std::tuple<Tensor, Tensor> bda_bwd(const Tensor& grad_out, const Tensor& seed, double p,
-                                   bool training) {
+                                   bool training, bool bias_grad) {
   static auto op = c10::Dispatcher::singleton()
                        .findSchemaOrThrow("torchpar::bias_dropout_add_bwd", "")
                        .typed<std::tuple<Tensor, Tensor>(const Tensor&, const Tensor&, double,
-                                                         bool)>();
-  return op.call(grad_out, seed, p, training);
+                                                         bool, bool)>();
+  return op.call(grad_out, seed, p, training, bias_grad);
 }
 
 // grad -> (mask * scale * grad, its column sums): the backward of the dropout, as a function of
 // its own. It is linear in grad, with the adjoint (gdx, gdb) -> mask * scale * (gdx + gdb), so
 // its backward is itself again: double (and higher) backward through bias_dropout_add holds.
+// Without bias_grad the column sums are an empty tensor, never computed.
 class DropoutGradFunction : public torch::autograd::Function<DropoutGradFunction> {
  public:
   static torch::autograd::variable_list forward(torch::autograd::AutogradContext* ctx,
                                                 const Tensor& grad, const Tensor& seed, double p,
-                                                bool training) {
+                                                bool training, bool bias_grad) {
     at::AutoDispatchBelowADInplaceOrView guard;
     ctx->save_for_backward({seed});
     ctx->saved_data["p"] = p;
     ctx->saved_data["training"] = training;
     ctx->saved_data["dtype"] = grad.scalar_type();
     ctx->saved_data["shape"] = c10::IValue(std::vector<c10::SymInt>(grad.sym_sizes().begin(), grad.sym_sizes().end()));
-    auto [dx, db] = bda_bwd(grad, seed, p, training);
+    auto [dx, db] = bda_bwd(grad, seed, p, training, bias_grad);
     return {dx, db};
   }
 
@@ -63,15 +64,16 @@ class DropoutGradFunction : public torch::autograd::Function<DropoutGradFunction
                                                  torch::autograd::variable_list grads) {
     const Tensor& gdx = grads[0];
     const Tensor& gdb = grads[1];
-    if (!gdx.defined() && !gdb.defined()) return {Tensor(), Tensor(), Tensor(), Tensor()};
+    if (!gdx.defined() && !gdb.defined()) return {Tensor(), Tensor(), Tensor(), Tensor(), Tensor()};
     // Undefined means zero; the column sums' adjoint broadcasts gdb over the rows.
     const Tensor g = !gdb.defined()   ? gdx
                      : !gdx.defined() ? gdb.expand_symint(ctx->saved_data["shape"].toSymIntVector())
                                       : gdx.add(gdb);
     auto seed = ctx->get_saved_variables()[0];
     auto dg = DropoutGradFunction::apply(g, seed, ctx->saved_data["p"].toDouble(),
-                                         ctx->saved_data["training"].toBool());
-    return {dg[0].to(ctx->saved_data["dtype"].toScalarType()), Tensor(), Tensor(), Tensor()};
+                                         ctx->saved_data["training"].toBool(), /*bias_grad=*/false);
+    return {dg[0].to(ctx->saved_data["dtype"].toScalarType()), Tensor(), Tensor(), Tensor(),
+            Tensor()};
   }
 };
 
@@ -92,12 +94,14 @@ class BiasDropoutAddFunction : public torch::autograd::Function<BiasDropoutAddFu
   static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
                                                  torch::autograd::variable_list grads) {
     auto seed = ctx->get_saved_variables()[0];
+    const bool bias_grad = ctx->needs_input_grad(1);  // a frozen bias: no column sums
     auto d = DropoutGradFunction::apply(grads[0], seed, ctx->saved_data["p"].toDouble(),
-                                        ctx->saved_data["training"].toBool());
+                                        ctx->saved_data["training"].toBool(), bias_grad);
     // d(out)/d(residual) is the identity: the incoming gradient passes through untouched.
     // Mixed precision (kernels/ops.h): d[0] has the output's dtype and d[1] the accumulate type.
     return {d[0].to(ctx->saved_data["input_dtype"].toScalarType()),
-            d[1].to(ctx->saved_data["bias_dtype"].toScalarType()), grads[0], Tensor(), Tensor()};
+            bias_grad ? d[1].to(ctx->saved_data["bias_dtype"].toScalarType()) : Tensor(),
+            grads[0], Tensor(), Tensor()};
   }
 };
 
@@ -158,10 +162,10 @@ std::tuple<Tensor, Tensor> bda_fwd_meta(const Tensor& input, const Tensor& bias,
 }
 
 std::tuple<Tensor, Tensor> bda_bwd_meta(const Tensor& grad_out, const Tensor& seed, double p,
-                                        bool training) {
-  const auto acc = at::toOpMathType(grad_out.scalar_type());
+                                        bool training, bool bias_grad) {
+  const auto acc = grad_out.options().dtype(at::toOpMathType(grad_out.scalar_type()));
   return {at::empty_symint(grad_out.sym_sizes(), grad_out.options()),
-          at::empty_symint({grad_out.sym_size(-1)}, grad_out.options().dtype(acc))};
+          bias_grad ? at::empty_symint({grad_out.sym_size(-1)}, acc) : at::empty({0}, acc)};
 }
 
 }  // namespace
@@ -176,10 +180,10 @@ TORCH_LIBRARY_FRAGMENT(torchpar, m) {
         "bool training) -> (Tensor, Tensor)",
         {at::Tag::nondeterministic_seeded});
   // Returns (grad_input, grad_bias): grad_input in grad_out's dtype, grad_bias in its accumulate
-  // type (float32 for 16-bit), for the caller to cast to the bias's; the mask is regenerated
-  // from `seed`.
-  m.def("bias_dropout_add_bwd(Tensor grad_out, Tensor seed, float p, bool training) "
-        "-> (Tensor, Tensor)");
+  // type (float32 for 16-bit), for the caller to cast to the bias's, or empty, never summed,
+  // unless bias_grad; the mask is regenerated from `seed`.
+  m.def("bias_dropout_add_bwd(Tensor grad_out, Tensor seed, float p, bool training, "
+        "bool bias_grad=True) -> (Tensor, Tensor)");
 }
 
 TORCH_LIBRARY_IMPL(torchpar, Autograd, m) {

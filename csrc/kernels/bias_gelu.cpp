@@ -28,12 +28,13 @@ Tensor bias_gelu_op(const Tensor& input, const Tensor& bias, c10::string_view ap
 }
 
 std::tuple<Tensor, Tensor> bias_gelu_bwd(const Tensor& grad_out, const Tensor& input,
-                                         const Tensor& bias, c10::string_view approximate) {
+                                         const Tensor& bias, c10::string_view approximate,
+                                         bool bias_grad) {
   static auto op = c10::Dispatcher::singleton()
                        .findSchemaOrThrow("torchpar::bias_gelu_bwd", "")
                        .typed<std::tuple<Tensor, Tensor>(const Tensor&, const Tensor&,
-                                                         const Tensor&, c10::string_view)>();
-  return op.call(grad_out, input, bias, approximate);
+                                                         const Tensor&, c10::string_view, bool)>();
+  return op.call(grad_out, input, bias, approximate, bias_grad);
 }
 
 class BiasGeluFunction : public torch::autograd::Function<BiasGeluFunction> {
@@ -50,6 +51,7 @@ class BiasGeluFunction : public torch::autograd::Function<BiasGeluFunction> {
                                                  torch::autograd::variable_list grads) {
     auto saved = ctx->get_saved_variables();
     auto approximate = ctx->saved_data["approximate"].toStringRef();
+    const bool bias_grad = ctx->needs_input_grad(1);  // a frozen bias: no column sums
     if (at::GradMode::is_enabled()) {
       // create_graph: the gradient must itself be differentiable. torch's gelu_backward has a
       // derivative of its own; computed in the accumulate type, as the fused kernel does.
@@ -57,11 +59,13 @@ class BiasGeluFunction : public torch::autograd::Function<BiasGeluFunction> {
       const auto acc = at::toOpMathType(input.scalar_type());
       const Tensor z = input.to(acc).add(saved[1].to(acc));
       const Tensor dz = at::gelu_backward(grads[0].to(acc), z, approximate);
-      const Tensor db = dz.reshape({-1, dz.size(-1)}).sum(0).view(saved[1].sizes());
-      return {dz.to(input.scalar_type()), db.to(saved[1].scalar_type()), Tensor()};
+      const Tensor db = bias_grad ? dz.reshape({-1, dz.size(-1)}).sum(0).view(saved[1].sizes())
+                                        .to(saved[1].scalar_type())
+                                  : Tensor();
+      return {dz.to(input.scalar_type()), db, Tensor()};
     }
-    auto [dx, db] = bias_gelu_bwd(grads[0], saved[0], saved[1], approximate);
-    return {dx, db, Tensor()};
+    auto [dx, db] = bias_gelu_bwd(grads[0], saved[0], saved[1], approximate, bias_grad);
+    return {dx, bias_grad ? db : Tensor(), Tensor()};
   }
 };
 
@@ -86,18 +90,20 @@ Tensor bias_gelu_meta(const Tensor& input, const Tensor& bias, c10::string_view 
 }
 
 std::tuple<Tensor, Tensor> bias_gelu_bwd_meta(const Tensor& grad_out, const Tensor& input,
-                                              const Tensor& bias, c10::string_view approximate) {
+                                              const Tensor& bias, c10::string_view approximate,
+                                              bool bias_grad) {
   return {at::empty_symint(input.sym_sizes(), input.options()),
-          at::empty_symint(bias.sym_sizes(), bias.options())};
+          bias_grad ? at::empty_symint(bias.sym_sizes(), bias.options())
+                    : at::empty({0}, bias.options())};
 }
 
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(torchpar, m) {
   m.def("bias_gelu(Tensor input, Tensor bias, str approximate='none') -> Tensor");
-  // Returns (grad_input, grad_bias).
-  m.def("bias_gelu_bwd(Tensor grad_out, Tensor input, Tensor bias, str approximate) "
-        "-> (Tensor, Tensor)");
+  // Returns (grad_input, grad_bias); grad_bias is empty, never summed, unless bias_grad.
+  m.def("bias_gelu_bwd(Tensor grad_out, Tensor input, Tensor bias, str approximate, "
+        "bool bias_grad=True) -> (Tensor, Tensor)");
 }
 
 TORCH_LIBRARY_IMPL(torchpar, Autograd, m) {

@@ -78,8 +78,8 @@ Tensor3 layer_norm_fwd(const Tensor& input, c10::IntArrayRef shape, const OptTen
 
 Tensor3 layer_norm_bwd(const Tensor& grad_out, const Tensor& input, c10::IntArrayRef shape,
                        const Tensor& mean, const Tensor& rstd, const OptTensor& weight,
-                       const OptTensor& bias) {
-  return kernels().layer_norm_bwd(grad_out, input, shape, mean, rstd, weight, bias);
+                       const OptTensor& bias, Mask3 output_mask) {
+  return kernels().layer_norm_bwd(grad_out, input, shape, mean, rstd, weight, bias, output_mask);
 }
 
 Tensor bias_gelu(const Tensor& input, const Tensor& bias, c10::string_view approximate) {
@@ -87,8 +87,8 @@ Tensor bias_gelu(const Tensor& input, const Tensor& bias, c10::string_view appro
 }
 
 Tensor2 bias_gelu_bwd(const Tensor& grad_out, const Tensor& input, const Tensor& bias,
-                      c10::string_view approximate) {
-  return kernels().bias_gelu_bwd(grad_out, input, bias, approximate);
+                      c10::string_view approximate, bool bias_grad) {
+  return kernels().bias_gelu_bwd(grad_out, input, bias, approximate, bias_grad);
 }
 
 Tensor2 bias_dropout_add_fwd(const Tensor& input, const Tensor& bias, const Tensor& residual,
@@ -96,8 +96,9 @@ Tensor2 bias_dropout_add_fwd(const Tensor& input, const Tensor& bias, const Tens
   return kernels().bias_dropout_add_fwd(input, bias, residual, p, training);
 }
 
-Tensor2 bias_dropout_add_bwd(const Tensor& grad_out, const Tensor& seed, double p, bool training) {
-  return kernels().bias_dropout_add_bwd(grad_out, seed, p, training);
+Tensor2 bias_dropout_add_bwd(const Tensor& grad_out, const Tensor& seed, double p, bool training,
+                             bool bias_grad) {
+  return kernels().bias_dropout_add_bwd(grad_out, seed, p, training, bias_grad);
 }
 
 }  // namespace

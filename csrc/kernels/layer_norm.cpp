@@ -33,13 +33,14 @@ std::tuple<Tensor, Tensor, Tensor> layer_norm_fwd(const Tensor& input, c10::SymI
 std::tuple<Tensor, Tensor, Tensor> layer_norm_bwd(const Tensor& grad_out, const Tensor& input,
                                                   c10::SymIntArrayRef shape, const Tensor& mean,
                                                   const Tensor& rstd, const OptTensor& weight,
-                                                  const OptTensor& bias) {
+                                                  const OptTensor& bias,
+                                                  std::array<bool, 3> output_mask) {
   static auto op = c10::Dispatcher::singleton()
                        .findSchemaOrThrow("torchpar::layer_norm_bwd", "")
                        .typed<std::tuple<Tensor, Tensor, Tensor>(
                            const Tensor&, const Tensor&, c10::SymIntArrayRef, const Tensor&,
-                           const Tensor&, const OptTensor&, const OptTensor&)>();
-  return op.call(grad_out, input, shape, mean, rstd, weight, bias);
+                           const Tensor&, const OptTensor&, const OptTensor&, std::array<bool, 3>)>();
+  return op.call(grad_out, input, shape, mean, rstd, weight, bias, output_mask);
 }
 
 class LayerNormFunction : public torch::autograd::Function<LayerNormFunction> {
@@ -49,7 +50,8 @@ class LayerNormFunction : public torch::autograd::Function<LayerNormFunction> {
   // so it runs in the statistics' dtype (float32 for reduced types, as our kernels compute).
   static torch::autograd::variable_list differentiable_backward(const Tensor& grad,
                                                                 const std::vector<Tensor>& saved,
-                                                                c10::SymIntArrayRef shape) {
+                                                                c10::SymIntArrayRef shape,
+                                                                const LayerNormGrads& want) {
     const Tensor &input = saved[0], &mean = saved[1], &rstd = saved[2];
     const auto acc = mean.scalar_type();
     auto up = [&](const Tensor& t) { return t.defined() ? OptTensor(t.to(acc)) : std::nullopt; };
@@ -58,11 +60,12 @@ class LayerNormFunction : public torch::autograd::Function<LayerNormFunction> {
     auto [dx, dw, db] = at::native_layer_norm_backward_symint(
         grad.to(acc), input.to(acc), shape, mean.view_symint(stat_shape),
         rstd.view_symint(stat_shape), up(saved[3]), up(saved[4]),
-        {true, saved[3].defined(), saved[4].defined()});
-    auto down = [](const Tensor& g, const Tensor& like) {
-      return like.defined() ? g.to(like.scalar_type()) : Tensor();
+        {want.dx, want.dweight, want.dbias});
+    auto down = [](bool wanted, const Tensor& g, const Tensor& like) {
+      return wanted ? g.to(like.scalar_type()) : Tensor();
     };
-    return {dx.to(input.scalar_type()), Tensor(), down(dw, saved[3]), down(db, saved[4]), Tensor()};
+    return {down(want.dx, dx, input), Tensor(), down(want.dweight, dw, saved[3]),
+            down(want.dbias, db, saved[4]), Tensor()};
   }
 
  public:
@@ -83,9 +86,16 @@ class LayerNormFunction : public torch::autograd::Function<LayerNormFunction> {
     auto shape = ctx->saved_data["shape"].toSymIntVector();
     OptTensor weight = saved[3].defined() ? OptTensor(saved[3]) : std::nullopt;
     OptTensor bias = saved[4].defined() ? OptTensor(saved[4]) : std::nullopt;
-    if (at::GradMode::is_enabled()) return differentiable_backward(grads[0], saved, shape);
-    auto [dx, dw, db] = layer_norm_bwd(grads[0], saved[0], shape, saved[1], saved[2], weight, bias);
-    return {dx, Tensor(), weight ? dw : Tensor(), bias ? db : Tensor(), Tensor()};
+    // Autograd's edges follow the tensors given: input, then weight and bias where present.
+    const size_t bias_edge = weight ? 2 : 1;
+    const LayerNormGrads want({ctx->needs_input_grad(0), weight && ctx->needs_input_grad(1),
+                               bias && ctx->needs_input_grad(bias_edge)},
+                              weight, bias);
+    if (at::GradMode::is_enabled()) return differentiable_backward(grads[0], saved, shape, want);
+    auto [dx, dw, db] = layer_norm_bwd(grads[0], saved[0], shape, saved[1], saved[2], weight, bias,
+                                       {want.dx, want.dweight, want.dbias});
+    return {want.dx ? dx : Tensor(), Tensor(), want.dweight ? dw : Tensor(),
+            want.dbias ? db : Tensor(), Tensor()};
   }
 };
 
@@ -133,12 +143,15 @@ std::tuple<Tensor, Tensor, Tensor> layer_norm_bwd_meta(const Tensor& grad_out, c
                                                        c10::SymIntArrayRef shape,
                                                        const Tensor& mean, const Tensor& rstd,
                                                        const OptTensor& weight,
-                                                       const OptTensor& bias) {
-  auto param = [&](const OptTensor& p) {
-    return p ? at::empty_symint(p->sym_sizes(), p->options())
-             : at::empty({0}, input.options());
+                                                       const OptTensor& bias,
+                                                       std::array<bool, 3> output_mask) {
+  const LayerNormGrads want(output_mask, weight, bias);
+  auto grad = [&](bool wanted, const Tensor& like) {
+    return wanted ? at::empty_symint(like.sym_sizes(), like.options())
+                  : at::empty({0}, input.options());
   };
-  return {at::empty_symint(input.sym_sizes(), input.options()), param(weight), param(bias)};
+  return {grad(want.dx, input), grad(want.dweight, want.dweight ? *weight : input),
+          grad(want.dbias, want.dbias ? *bias : input)};
 }
 
 }  // namespace
@@ -150,9 +163,13 @@ TORCH_LIBRARY_FRAGMENT(torchpar, m) {
   // Returns (output, mean, rstd); mean and rstd have input's leading shape.
   m.def("layer_norm_fwd(Tensor input, SymInt[] normalized_shape, Tensor? weight, Tensor? bias, "
         "float eps) -> (Tensor, Tensor, Tensor)");
-  // Returns (grad_input, grad_weight, grad_bias); a missing weight or bias gets an empty grad.
+  // Returns (grad_input, grad_weight, grad_bias): those output_mask asks for (a parameter's
+  // only when it is given), the others empty, never computed (kernels/ops.h, LayerNormGrads).
+  // New arguments take defaults that keep the old behaviour: graphs that torch.compile cached
+  // before they existed call the op without them.
   m.def("layer_norm_bwd(Tensor grad_out, Tensor input, SymInt[] normalized_shape, Tensor mean, "
-        "Tensor rstd, Tensor? weight, Tensor? bias) -> (Tensor, Tensor, Tensor)");
+        "Tensor rstd, Tensor? weight, Tensor? bias, bool[3] output_mask=[True, True, True]) "
+        "-> (Tensor, Tensor, Tensor)");
 }
 
 TORCH_LIBRARY_IMPL(torchpar, Autograd, m) {

@@ -6,6 +6,7 @@
 #include <ATen/core/Tensor.h>
 #include <c10/util/OptionalArrayRef.h>
 
+#include <array>
 #include <cstdint>
 #include <optional>
 #include <vector>
@@ -119,6 +120,20 @@ uint64_t draw_dropout_seed();
 // leading shape in the accumulate type (zero-filled, so an empty row has defined stats).
 std::tuple<at::Tensor, at::Tensor, at::Tensor> layer_norm_outputs(const at::Tensor& x,
                                                                   int64_t normalized_ndim);
+
+// Which gradients a layer_norm backward produces: output_mask is (input, weight, bias), as in
+// torch's native_layer_norm_backward, and a parameter's gradient needs the parameter. The
+// others come back as empty tensors, and no pass over the data is made for them (frozen
+// parameters, as in adapter or LoRA fine-tuning, or a LayerNorm on a frozen input).
+struct LayerNormGrads {
+  bool dx, dweight, dbias;
+  LayerNormGrads(std::array<bool, 3> output_mask, const std::optional<at::Tensor>& weight,
+                 const std::optional<at::Tensor>& bias)
+      : dx(output_mask[0]),
+        dweight(output_mask[1] && weight && weight->defined()),
+        dbias(output_mask[2] && bias && bias->defined()) {}
+  bool params() const { return dweight || dbias; }
+};
 
 // Shape of LayerNorm's saved mean/rstd: input's leading dims (those not normalised).
 std::vector<c10::SymInt> layer_norm_stat_shape(const at::Tensor& input, int64_t normalized_ndim);

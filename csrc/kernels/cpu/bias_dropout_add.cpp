@@ -78,7 +78,8 @@ void forward(const T* x, const B* bias, const T* res, T* out,
   });
 }
 
-template <typename T, bool Active>
+// kDbias: sum dbias into db (unused otherwise).
+template <typename T, bool Active, bool kDbias>
 void backward(const T* dy, T* dx, ColumnPartials<at::opmath_type<T>>& db, const DropoutRule& rule,
               int64_t rows, int64_t cols) {
   using IO = VecIO<T>;
@@ -87,14 +88,14 @@ void backward(const T* dy, T* dx, ColumnPartials<at::opmath_type<T>>& db, const 
   constexpr int64_t V = Vec::size();
   at::parallel_for(0, rows, row_grain(cols), [&](int64_t r0, int64_t r1) {
     std::vector<acc_t> mult(Active ? std::min(cols, kChunk) : 0);
-    acc_t* dbp_row = db.row(at::get_thread_num());
+    acc_t* dbp_row = kDbias ? db.row(at::get_thread_num()) : nullptr;
     const int64_t end = r1 * cols;
     for (int64_t r = r0; r < r1; ++r) {
       for (int64_t c0 = 0; c0 < cols; c0 += kChunk) {
         const int64_t n = std::min(kChunk, cols - c0), e = r * cols + c0;
         const T* dyc = dy + e;
         T* dxc = dx + e;
-        acc_t* dbp = dbp_row + c0;
+        acc_t* dbp = kDbias ? dbp_row + c0 : nullptr;
         if constexpr (Active) {
           prefetch(dyc + n, std::min(kChunk, end - e - n));
           dropout_multipliers(rule, uint64_t(e), n, mult.data());
@@ -108,14 +109,16 @@ void backward(const T* dy, T* dx, ColumnPartials<at::opmath_type<T>>& db, const 
             b = b * Vec::loadu(mult.data() + i + V);
           }
           IO::store2(dxc + i, a, b);
-          (Vec::loadu(dbp + i) + a).store(dbp + i);
-          (Vec::loadu(dbp + i + V) + b).store(dbp + i + V);
+          if constexpr (kDbias) {
+            (Vec::loadu(dbp + i) + a).store(dbp + i);
+            (Vec::loadu(dbp + i + V) + b).store(dbp + i + V);
+          }
         }
         for (; i < n; ++i) {
           acc_t g = acc_t(dyc[i]);
           if constexpr (Active) g = g * mult[i];
           dxc[i] = T(g);
-          dbp[i] += g;
+          if constexpr (kDbias) dbp[i] += g;
         }
       }
     }
@@ -156,7 +159,7 @@ std::tuple<Tensor, Tensor> bias_dropout_add_fwd(const Tensor& input, const Tenso
 }
 
 std::tuple<Tensor, Tensor> bias_dropout_add_bwd(const Tensor& grad_out, const Tensor& seed,
-                                                    double p, bool training) {
+                                                    double p, bool training, bool bias_grad) {
   check_dropout_p(p);
   TORCH_CHECK(seed.numel() == 1 && seed.scalar_type() == at::kLong,
               "torchpar.bias_dropout_add backward: seed must be one int64, got ", seed.sizes(), " ",
@@ -168,15 +171,18 @@ std::tuple<Tensor, Tensor> bias_dropout_add_bwd(const Tensor& grad_out, const Te
   Tensor dx = at::empty_like(dy);
   Tensor db;
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, dy.scalar_type(), "bias_dropout_add_bwd", [&] {
-    ColumnPartials<at::opmath_type<scalar_t>> partial(at::get_num_threads(), cols, acc);
+    ColumnPartials<at::opmath_type<scalar_t>> partial(bias_grad ? at::get_num_threads() : 0, cols,
+                                                      acc);
     if (dy.numel() > 0) {
       with_flag(rule.active, [&](auto active) {
-        backward<scalar_t, decltype(active)::value>(dy.const_data_ptr<scalar_t>(),
-                                                    dx.mutable_data_ptr<scalar_t>(), partial, rule,
-                                                    rows, cols);
+        with_flag(bias_grad, [&](auto sum) {
+          backward<scalar_t, decltype(active)::value, decltype(sum)::value>(
+              dy.const_data_ptr<scalar_t>(), dx.mutable_data_ptr<scalar_t>(), partial, rule, rows,
+              cols);
+        });
       });
     }
-    db = partial.sum(acc);
+    db = bias_grad ? partial.sum(acc) : at::empty({0}, dy.options().dtype(acc));
   });
   return {dx, db};
 }

@@ -2,6 +2,7 @@
 // write of dx backward, with dbias summed per thread on the way (kernels/gelu.h has the math).
 #include <ATen/Dispatch.h>
 #include <ATen/Parallel.h>
+#include <ATen/ops/empty.h>
 #include <ATen/ops/empty_like.h>
 
 #include "kernels/cpu/kernels.h"
@@ -45,19 +46,32 @@ void forward(const T* x, const at::opmath_type<T>* bias, T* y, int64_t rows, int
   });
 }
 
+// What the backward does with the gradient terms besides writing dx: nothing (the bias needs
+// no gradient), or sum them into dbias, of input's dtype or float32. A float32 bias beside a
+// 16-bit x (mixed precision) needs float32-accurate terms, not only those of the 16-bit dx.
+enum class Dbias { kNone, kInputDtype, kFloat32 };
+
+template <typename F>
+void with_dbias(Dbias d, F&& f) {
+  switch (d) {
+    case Dbias::kNone: return f(std::integral_constant<Dbias, Dbias::kNone>{});
+    case Dbias::kInputDtype: return f(std::integral_constant<Dbias, Dbias::kInputDtype>{});
+    case Dbias::kFloat32: return f(std::integral_constant<Dbias, Dbias::kFloat32>{});
+  }
+}
+
 // B, the bias's element type: the accumulate type, or T itself for wide rows (kWideRow).
-// kFloatDbias: the bias is float32 beside a 16-bit x (mixed precision), so the gradient terms
-// also sum into a float32 dbias and need float32 accuracy, not only that of the 16-bit dx.
-template <typename T, GeluApprox A, typename B, bool kFloatDbias>
+template <typename T, GeluApprox A, typename B, Dbias D>
 void backward(const T* dy, const T* x, const B* bias, T* dx,
               ColumnPartials<at::opmath_type<T>>& db, int64_t rows, int64_t cols) {
   using IO = VecIO<T>;
   using acc_t = typename IO::acc_t;
   using Vec = typename IO::Vec;
-  using Math = VecMath<gelu_grad_full_precision<T> || kFloatDbias>;
-  constexpr int64_t V = Vec::size();
+  using Math = VecMath<gelu_grad_full_precision<T> || D == Dbias::kFloat32>;
+  constexpr bool kSum = D != Dbias::kNone;
+  [[maybe_unused]] constexpr int64_t V = Vec::size();
   at::parallel_for(0, rows, row_grain(cols), [&](int64_t r0, int64_t r1) __attribute__((flatten)) {
-    acc_t* dbp = db.row(at::get_thread_num());
+    acc_t* dbp = kSum ? db.row(at::get_thread_num()) : nullptr;
     for (int64_t r = r0; r < r1; ++r) {
       const T* dyr = dy + r * cols;
       const T* xr = x + r * cols;
@@ -69,7 +83,7 @@ void backward(const T* dy, const T* x, const B* bias, T* dx,
           const L z = IO::template load<kLanes>(xr + i) + VecIO<B>::template load<kLanes>(bias + i);
           const L g = IO::template load<kLanes>(dyr + i) * gelu_grad<L, Math>(z, A);
           IO::template store<kLanes>(dxr + i, g);
-          (L::loadu(dbp + i) + g).store(dbp + i);
+          if constexpr (kSum) (L::loadu(dbp + i) + g).store(dbp + i);
         }
       }
       for (; i + IO::kStep <= cols; i += IO::kStep) {
@@ -80,13 +94,15 @@ void backward(const T* dy, const T* x, const B* bias, T* dx,
         Vec g0 = d0 * gelu_grad<Vec, Math>(x0 + b0, A);
         Vec g1 = d1 * gelu_grad<Vec, Math>(x1 + b1, A);
         IO::store2(dxr + i, g0, g1);
-        (Vec::loadu(dbp + i) + g0).store(dbp + i);
-        (Vec::loadu(dbp + i + V) + g1).store(dbp + i + V);
+        if constexpr (kSum) {
+          (Vec::loadu(dbp + i) + g0).store(dbp + i);
+          (Vec::loadu(dbp + i + V) + g1).store(dbp + i + V);
+        }
       }
       for (; i < cols; ++i) {
         acc_t g = acc_t(dyr[i]) * gelu_grad<acc_t>(acc_t(xr[i]) + acc_t(bias[i]), A);
         dxr[i] = T(g);
-        dbp[i] += g;
+        if constexpr (kSum) dbp[i] += g;
       }
     }
   });
@@ -112,7 +128,8 @@ Tensor bias_gelu(const Tensor& input, const Tensor& bias, c10::string_view appro
 }
 
 std::tuple<Tensor, Tensor> bias_gelu_bwd(const Tensor& grad_out, const Tensor& input,
-                                             const Tensor& bias, c10::string_view approximate) {
+                                             const Tensor& bias, c10::string_view approximate,
+                                             bool bias_grad) {
   const GeluApprox approx = parse_gelu_approx(approximate);
   const auto [x, b, unused, shape] = prepare_bias_op("bias_gelu", input, bias, nullptr);
   const auto [rows, cols] = shape;
@@ -122,27 +139,34 @@ std::tuple<Tensor, Tensor> bias_gelu_bwd(const Tensor& grad_out, const Tensor& i
   Tensor db;
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "bias_gelu_bwd", [&] {
     using acc_t = at::opmath_type<scalar_t>;
-    ColumnPartials<acc_t> partial(at::get_num_threads(), cols, acc);
+    const Dbias mode = !bias_grad                           ? Dbias::kNone
+                       : bias.scalar_type() != x.scalar_type() ? Dbias::kFloat32
+                                                               : Dbias::kInputDtype;
+    ColumnPartials<acc_t> partial(bias_grad ? at::get_num_threads() : 0, cols, acc);
     if (x.numel() > 0) {
       with_gelu_approx(approx, [&](auto a) {
-        constexpr GeluApprox A = decltype(a)::value;
-        const auto* dyp = dy.const_data_ptr<scalar_t>();
-        const auto* xp = x.const_data_ptr<scalar_t>();
-        auto* dxp = dx.mutable_data_ptr<scalar_t>();
-        // bfloat16 2048x4096 from DRAM: 1.75-2.00 -> 1.54-1.72 ms with a 16-bit bias.
-        if (!std::is_same_v<scalar_t, acc_t> && params_as_16bit(x, cols, {&bias})) {
-          const Tensor bt = bias.contiguous();
-          backward<scalar_t, A, scalar_t, false>(dyp, xp, bt.const_data_ptr<scalar_t>(), dxp,
+        with_dbias(mode, [&](auto d) {
+          constexpr GeluApprox A = decltype(a)::value;
+          constexpr Dbias D = decltype(d)::value;
+          const auto* dyp = dy.const_data_ptr<scalar_t>();
+          const auto* xp = x.const_data_ptr<scalar_t>();
+          auto* dxp = dx.mutable_data_ptr<scalar_t>();
+          // bfloat16 2048x4096 from DRAM: 1.75-2.00 -> 1.54-1.72 ms with a 16-bit bias (a
+          // float32 one is never read as 16 bits).
+          if constexpr (!std::is_same_v<scalar_t, acc_t> && D != Dbias::kFloat32) {
+            if (params_as_16bit(x, cols, {&bias})) {
+              const Tensor bt = bias.contiguous();
+              backward<scalar_t, A, scalar_t, D>(dyp, xp, bt.const_data_ptr<scalar_t>(), dxp,
                                                  partial, rows, cols);
-        } else {
-          with_flag(bias.scalar_type() != x.scalar_type(), [&](auto float_dbias) {
-            backward<scalar_t, A, acc_t, decltype(float_dbias)::value>(
-                dyp, xp, b.const_data_ptr<acc_t>(), dxp, partial, rows, cols);
-          });
-        }
+              return;
+            }
+          }
+          backward<scalar_t, A, acc_t, D>(dyp, xp, b.const_data_ptr<acc_t>(), dxp, partial,
+                                          rows, cols);
+        });
       });
     }
-    db = partial.sum(bias.scalar_type());
+    db = bias_grad ? partial.sum(bias.scalar_type()) : at::empty({0}, bias.options());
   });
   return {dx, db};
 }

@@ -13,6 +13,7 @@
 #include <c10/util/ArrayRef.h>
 #include <c10/util/string_view.h>
 
+#include <array>
 #include <optional>
 #include <string>
 #include <tuple>
@@ -22,6 +23,7 @@ namespace torchpar::kernels::cpu {
 using Tensor3 = std::tuple<at::Tensor, at::Tensor, at::Tensor>;
 using Tensor2 = std::tuple<at::Tensor, at::Tensor>;
 using OptTensor = std::optional<at::Tensor>;
+using Mask3 = std::array<bool, 3>;
 
 struct CpuKernels {
   const char* isa;  // "AVX2", "AVX512", "AVX512_BF16"
@@ -30,15 +32,15 @@ struct CpuKernels {
   Tensor3 (*layer_norm_bwd)(const at::Tensor& grad_out, const at::Tensor& input,
                             c10::IntArrayRef normalized_shape, const at::Tensor& mean,
                             const at::Tensor& rstd, const OptTensor& weight,
-                            const OptTensor& bias);
+                            const OptTensor& bias, Mask3 output_mask);
   at::Tensor (*bias_gelu)(const at::Tensor& input, const at::Tensor& bias,
                           c10::string_view approximate);
   Tensor2 (*bias_gelu_bwd)(const at::Tensor& grad_out, const at::Tensor& input,
-                           const at::Tensor& bias, c10::string_view approximate);
+                           const at::Tensor& bias, c10::string_view approximate, bool bias_grad);
   Tensor2 (*bias_dropout_add_fwd)(const at::Tensor& input, const at::Tensor& bias,
                                   const at::Tensor& residual, double p, bool training);
   Tensor2 (*bias_dropout_add_bwd)(const at::Tensor& grad_out, const at::Tensor& seed, double p,
-                                  bool training);
+                                  bool training, bool bias_grad);
 };
 
 // Each instruction set's table (cpu/table.cpp, compiled per instruction set).
@@ -62,15 +64,16 @@ Tensor3 layer_norm_fwd(const at::Tensor& input, c10::IntArrayRef normalized_shap
                        const OptTensor& weight, const OptTensor& bias, double eps);
 Tensor3 layer_norm_bwd(const at::Tensor& grad_out, const at::Tensor& input,
                        c10::IntArrayRef normalized_shape, const at::Tensor& mean,
-                       const at::Tensor& rstd, const OptTensor& weight, const OptTensor& bias);
+                       const at::Tensor& rstd, const OptTensor& weight, const OptTensor& bias,
+                       Mask3 output_mask);
 at::Tensor bias_gelu(const at::Tensor& input, const at::Tensor& bias,
                      c10::string_view approximate);
 Tensor2 bias_gelu_bwd(const at::Tensor& grad_out, const at::Tensor& input, const at::Tensor& bias,
-                      c10::string_view approximate);
+                      c10::string_view approximate, bool bias_grad);
 Tensor2 bias_dropout_add_fwd(const at::Tensor& input, const at::Tensor& bias,
                              const at::Tensor& residual, double p, bool training);
 Tensor2 bias_dropout_add_bwd(const at::Tensor& grad_out, const at::Tensor& seed, double p,
-                             bool training);
+                             bool training, bool bias_grad);
 }  // namespace CPU_CAPABILITY
 #endif
 

@@ -142,8 +142,9 @@ struct BackwardStep {
 };
 
 // Pass 1 of the backward over n columns of one row: adds sum(g) and sum(g * xhat) to sums, and
-// the row's share to the dweight and dbias partials (g = dy * w, xhat = (x - mean) * rstd).
-template <typename T>
+// (kParamGrads) the row's share to the dweight and dbias partials (g = dy * w,
+// xhat = (x - mean) * rstd).
+template <typename T, bool kParamGrads>
 void backward_sums(const T* dy, const T* x, const at::opmath_type<T>* w, at::opmath_type<T>* dwp,
                    at::opmath_type<T>* dbp, at::opmath_type<T> mu, at::opmath_type<T> rs,
                    int64_t n, at::opmath_type<T>& sum_g, at::opmath_type<T>& sum_gx) {
@@ -158,18 +159,22 @@ void backward_sums(const T* dy, const T* x, const at::opmath_type<T>* w, at::opm
     const BackwardStep<T, Vec> s(dy, x, w, i, vmu, vrs);
     sg = sg + s.g0 + s.g1;
     sgx = at::vec::fmadd(s.g0, s.h0, at::vec::fmadd(s.g1, s.h1, sgx));
-    at::vec::fmadd(s.d0, s.h0, Vec::loadu(dwp + i)).store(dwp + i);
-    at::vec::fmadd(s.d1, s.h1, Vec::loadu(dwp + i + V)).store(dwp + i + V);
-    (Vec::loadu(dbp + i) + s.d0).store(dbp + i);
-    (Vec::loadu(dbp + i + V) + s.d1).store(dbp + i + V);
+    if constexpr (kParamGrads) {
+      at::vec::fmadd(s.d0, s.h0, Vec::loadu(dwp + i)).store(dwp + i);
+      at::vec::fmadd(s.d1, s.h1, Vec::loadu(dwp + i + V)).store(dwp + i + V);
+      (Vec::loadu(dbp + i) + s.d0).store(dbp + i);
+      (Vec::loadu(dbp + i + V) + s.d1).store(dbp + i + V);
+    }
   }
   acc_t g_total = reduce_sum<T, acc_t>(sg), gx_total = reduce_sum<T, acc_t>(sgx);
   for (; i < n; ++i) {
     acc_t d = acc_t(dy[i]), h = (acc_t(x[i]) - mu) * rs, g = d * w[i];
     g_total += g;
     gx_total += g * h;
-    dwp[i] += d * h;
-    dbp[i] += d;
+    if constexpr (kParamGrads) {
+      dwp[i] += d * h;
+      dbp[i] += d;
+    }
   }
   sum_g += g_total;
   sum_gx += gx_total;
@@ -206,7 +211,9 @@ void backward_dx(const T* dy, const T* x, const at::opmath_type<T>* w, T* dx,
 // and the tile's rows wait in L2 for pass 2.
 constexpr int64_t kBwdChunk = 1024, kBwdTileRows = 8;
 
-template <typename T>
+// kParamGrads: sum dweight and dbias into dw and db (unused otherwise). dx null: no dx (pass 1
+// then serves the parameter gradients alone).
+template <typename T, bool kParamGrads>
 void backward(const T* dy, const T* x, const at::opmath_type<T>* mean,
               const at::opmath_type<T>* rstd, const at::opmath_type<T>* w, T* dx,
               ColumnPartials<at::opmath_type<T>>& dw, ColumnPartials<at::opmath_type<T>>& db,
@@ -214,8 +221,8 @@ void backward(const T* dy, const T* x, const at::opmath_type<T>* mean,
   using acc_t = at::opmath_type<T>;
   const int64_t tile_rows = cols <= kBwdChunk ? 1 : kBwdTileRows;
   at::parallel_for(0, rows, row_grain(cols), [&](int64_t r0, int64_t r1) {
-    acc_t* dwp = dw.row(at::get_thread_num());
-    acc_t* dbp = db.row(at::get_thread_num());
+    acc_t* dwp = kParamGrads ? dw.row(at::get_thread_num()) : nullptr;
+    acc_t* dbp = kParamGrads ? db.row(at::get_thread_num()) : nullptr;
     for (int64_t rb = r0; rb < r1; rb += tile_rows) {
       const int64_t re = std::min(rb + tile_rows, r1);
       acc_t sum_g[kBwdTileRows] = {}, sum_gx[kBwdTileRows] = {};
@@ -223,10 +230,11 @@ void backward(const T* dy, const T* x, const at::opmath_type<T>* mean,
         const int64_t n = std::min(kBwdChunk, cols - c0);
         for (int64_t r = rb; r < re; ++r) {
           const int64_t o = r * cols + c0;
-          backward_sums<T>(dy + o, x + o, w + c0, dwp + c0, dbp + c0, mean[r], rstd[r], n,
-                           sum_g[r - rb], sum_gx[r - rb]);
+          backward_sums<T, kParamGrads>(dy + o, x + o, w + c0, dwp + c0, dbp + c0, mean[r],
+                                        rstd[r], n, sum_g[r - rb], sum_gx[r - rb]);
         }
       }
+      if (dx == nullptr) continue;
       for (int64_t c0 = 0; c0 < cols; c0 += kBwdChunk) {
         const int64_t n = std::min(kBwdChunk, cols - c0);
         for (int64_t r = rb; r < re; ++r) {
@@ -275,26 +283,31 @@ std::tuple<Tensor, Tensor, Tensor> layer_norm_fwd(const Tensor& input, c10::IntA
 std::tuple<Tensor, Tensor, Tensor> layer_norm_bwd(const Tensor& grad_out, const Tensor& input,
                                                       c10::IntArrayRef shape, const Tensor& mean,
                                                       const Tensor& rstd, const OptTensor& weight,
-                                                      const OptTensor& bias) {
+                                                      const OptTensor& bias, Mask3 output_mask) {
   check_layer_norm(input, c10::fromIntArrayRefSlow(shape), weight, bias);
   const Tensor x = input.contiguous();
   const Tensor dy = prepare_grad("layer_norm", grad_out, x);
   const auto [rows, cols] = rows_cols(x, c10::multiply_integers(shape));
   const auto acc = at::toOpMathType(x.scalar_type());
+  const LayerNormGrads want(output_mask, weight, bias);
   Tensor w = param_as_acc(weight, cols, x, 1.0);
-  Tensor dx = at::empty_like(x);
+  Tensor dx = want.dx ? at::empty_like(x) : at::empty({0}, x.options());
   Tensor dw_out = at::empty({0}, x.options()), db_out = at::empty({0}, x.options());
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "layer_norm_bwd", [&] {
     using acc_t = at::opmath_type<scalar_t>;
-    ColumnPartials<acc_t> dw(at::get_num_threads(), cols, acc), db(at::get_num_threads(), cols, acc);
-    if (x.numel() > 0) {
-      backward<scalar_t>(dy.const_data_ptr<scalar_t>(), x.const_data_ptr<scalar_t>(),
-                         mean.contiguous().const_data_ptr<acc_t>(),
-                         rstd.contiguous().const_data_ptr<acc_t>(), w.const_data_ptr<acc_t>(),
-                         dx.mutable_data_ptr<scalar_t>(), dw, db, rows, cols);
+    const int64_t partial_rows = want.params() ? at::get_num_threads() : 0;
+    ColumnPartials<acc_t> dw(partial_rows, cols, acc), db(partial_rows, cols, acc);
+    if (x.numel() > 0 && (want.dx || want.params())) {
+      with_flag(want.params(), [&](auto params) {
+        backward<scalar_t, decltype(params)::value>(
+            dy.const_data_ptr<scalar_t>(), x.const_data_ptr<scalar_t>(),
+            mean.contiguous().const_data_ptr<acc_t>(), rstd.contiguous().const_data_ptr<acc_t>(),
+            w.const_data_ptr<acc_t>(), want.dx ? dx.mutable_data_ptr<scalar_t>() : nullptr, dw,
+            db, rows, cols);
+      });
     }
-    if (weight) dw_out = dw.sum(weight->scalar_type()).view(weight->sizes());
-    if (bias) db_out = db.sum(bias->scalar_type()).view(bias->sizes());
+    if (want.dweight) dw_out = dw.sum(weight->scalar_type()).view(weight->sizes());
+    if (want.dbias) db_out = db.sum(bias->scalar_type()).view(bias->sizes());
   });
   return {dx, dw_out, db_out};
 }

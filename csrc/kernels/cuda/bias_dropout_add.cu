@@ -65,7 +65,8 @@ __global__ void forward_kernel(const T* __restrict__ x, const at::opmath_type<T>
   }
 }
 
-template <typename T, int N, bool Active>
+// kDbias: also sum each chunk's dbias into db_part (null otherwise).
+template <typename T, int N, bool Active, bool kDbias>
 __global__ void backward_kernel(const T* __restrict__ dy, T* __restrict__ dx,
                                 at::opmath_type<T>* __restrict__ db_part, int64_t rows,
                                 int64_t cols, const int64_t* __restrict__ seed_in,
@@ -91,12 +92,14 @@ __global__ void backward_kernel(const T* __restrict__ dy, T* __restrict__ dx,
       acc_t g = acc_t(d.v[j]);
       if constexpr (Active) g *= m[j];
       o.v[j] = T(g);
-      s[j] += g;
+      if constexpr (kDbias) s[j] += g;
     }
     *reinterpret_cast<P*>(dx + off) = o;
   }
+  if constexpr (kDbias) {
 #pragma unroll
-  for (int j = 0; j < N; ++j) db_part[blockIdx.y * cols + c0 + j] = s[j];
+    for (int j = 0; j < N; ++j) db_part[blockIdx.y * cols + c0 + j] = s[j];
+  }
 }
 
 std::tuple<Tensor, Tensor> bias_dropout_add_fwd_cuda(const Tensor& input, const Tensor& bias,
@@ -148,7 +151,7 @@ std::tuple<Tensor, Tensor> bias_dropout_add_fwd_cuda(const Tensor& input, const 
 }
 
 std::tuple<Tensor, Tensor> bias_dropout_add_bwd_cuda(const Tensor& grad_out, const Tensor& seed,
-                                                     double p, bool training) {
+                                                     double p, bool training, bool bias_grad) {
   check_dropout_p(p);
   TORCH_CHECK(seed.numel() == 1 && seed.scalar_type() == at::kLong &&
                   seed.device() == grad_out.device(),
@@ -160,7 +163,7 @@ std::tuple<Tensor, Tensor> bias_dropout_add_bwd_cuda(const Tensor& grad_out, con
   const DropoutRule rule = DropoutRule::make(p, training, 0);  // the key is read on the device
   const auto acc = at::toOpMathType(dy.scalar_type());
   Tensor dx = at::empty_like(dy);
-  Tensor db = at::empty({cols}, dy.options().dtype(acc));
+  Tensor db = at::empty({bias_grad ? cols : 0}, dy.options().dtype(acc));
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, dy.scalar_type(), "bias_dropout_add_bwd", [&] {
     using acc_t = at::opmath_type<scalar_t>;
     const int n = pack_width<scalar_t>(cols, {dy.const_data_ptr(), dx.const_data_ptr()});
@@ -168,18 +171,20 @@ std::tuple<Tensor, Tensor> bias_dropout_add_bwd_cuda(const Tensor& grad_out, con
       constexpr int N = decltype(pack)::value;
       const int threads = 128;
       const dim3 grid = column_tile_grid(rows, cols, threads * N);
-      Tensor part = at::zeros({int64_t(grid.y), cols}, dy.options().dtype(acc));
+      Tensor part = at::zeros({bias_grad ? int64_t(grid.y) : 0, cols}, dy.options().dtype(acc));
       if (dy.numel() > 0) {
         with_flag(rule.active, [&](auto active) {
-          backward_kernel<scalar_t, N, decltype(active)::value>
-              <<<grid, threads, 0, at::cuda::getCurrentCUDAStream()>>>(
-                  dy.const_data_ptr<scalar_t>(), dx.mutable_data_ptr<scalar_t>(),
-                  part.mutable_data_ptr<acc_t>(), rows, cols, seed.const_data_ptr<int64_t>(),
-                  rule.threshold, rule.scale);
-          C10_CUDA_KERNEL_LAUNCH_CHECK();
+          with_flag(bias_grad, [&](auto sum) {
+            backward_kernel<scalar_t, N, decltype(active)::value, decltype(sum)::value>
+                <<<grid, threads, 0, at::cuda::getCurrentCUDAStream()>>>(
+                    dy.const_data_ptr<scalar_t>(), dx.mutable_data_ptr<scalar_t>(),
+                    bias_grad ? part.mutable_data_ptr<acc_t>() : nullptr, rows, cols,
+                    seed.const_data_ptr<int64_t>(), rule.threshold, rule.scale);
+            C10_CUDA_KERNEL_LAUNCH_CHECK();
+          });
         });
       }
-      sum_partials<scalar_t, acc_t>(part, db);
+      if (bias_grad) sum_partials<scalar_t, acc_t>(part, db);
     });
   });
   return {dx, db};

@@ -33,7 +33,8 @@ __global__ void forward_kernel(const T* __restrict__ x, const at::opmath_type<T>
   }
 }
 
-template <typename T, int N, GeluApprox A>
+// kDbias: also sum each chunk's dbias into db_part (null otherwise).
+template <typename T, int N, GeluApprox A, bool kDbias>
 __global__ void backward_kernel(const T* __restrict__ dy, const T* __restrict__ x,
                                 const at::opmath_type<T>* __restrict__ bias, T* __restrict__ dx,
                                 at::opmath_type<T>* __restrict__ db_part, int64_t rows,
@@ -57,12 +58,14 @@ __global__ void backward_kernel(const T* __restrict__ dy, const T* __restrict__ 
     for (int j = 0; j < N; ++j) {
       const acc_t g = acc_t(d.v[j]) * gelu_grad<acc_t>(acc_t(v.v[j]) + b[j], A);
       o.v[j] = T(g);
-      s[j] += g;
+      if constexpr (kDbias) s[j] += g;
     }
     *reinterpret_cast<P*>(dx + off) = o;
   }
+  if constexpr (kDbias) {
 #pragma unroll
-  for (int j = 0; j < N; ++j) db_part[blockIdx.y * cols + c0 + j] = s[j];
+    for (int j = 0; j < N; ++j) db_part[blockIdx.y * cols + c0 + j] = s[j];
+  }
 }
 
 Tensor bias_gelu_cuda(const Tensor& input, const Tensor& bias, c10::string_view approximate) {
@@ -92,7 +95,8 @@ Tensor bias_gelu_cuda(const Tensor& input, const Tensor& bias, c10::string_view 
 }
 
 std::tuple<Tensor, Tensor> bias_gelu_bwd_cuda(const Tensor& grad_out, const Tensor& input,
-                                              const Tensor& bias, c10::string_view approximate) {
+                                              const Tensor& bias, c10::string_view approximate,
+                                              bool bias_grad) {
   const GeluApprox approx = parse_gelu_approx(approximate);
   c10::cuda::CUDAGuard guard(input.device());
   const auto [x, b, unused, shape] = prepare_bias_op("bias_gelu", input, bias, nullptr);
@@ -100,7 +104,7 @@ std::tuple<Tensor, Tensor> bias_gelu_bwd_cuda(const Tensor& grad_out, const Tens
   const Tensor dy = prepare_grad("bias_gelu", grad_out, x);
   const auto acc = at::toOpMathType(x.scalar_type());
   Tensor dx = at::empty_like(x);
-  Tensor db = at::empty({cols}, bias.options());
+  Tensor db = at::empty({bias_grad ? cols : 0}, bias.options());
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "bias_gelu_bwd", [&] {
     using acc_t = at::opmath_type<scalar_t>;
     const int n = pack_width<scalar_t>(cols, {x.const_data_ptr(), dy.const_data_ptr(),
@@ -109,18 +113,20 @@ std::tuple<Tensor, Tensor> bias_gelu_bwd_cuda(const Tensor& grad_out, const Tens
       constexpr int N = decltype(pack)::value;
       const int threads = 128;
       const dim3 grid = column_tile_grid(rows, cols, threads * N);
-      Tensor part = at::zeros({int64_t(grid.y), cols}, x.options().dtype(acc));
+      Tensor part = at::zeros({bias_grad ? int64_t(grid.y) : 0, cols}, x.options().dtype(acc));
       if (x.numel() > 0) {
         with_gelu_approx(approx, [&](auto a) {
-          backward_kernel<scalar_t, N, decltype(a)::value>
-              <<<grid, threads, 0, at::cuda::getCurrentCUDAStream()>>>(
-                  dy.const_data_ptr<scalar_t>(), x.const_data_ptr<scalar_t>(),
-                  b.const_data_ptr<acc_t>(), dx.mutable_data_ptr<scalar_t>(),
-                  part.mutable_data_ptr<acc_t>(), rows, cols);
-          C10_CUDA_KERNEL_LAUNCH_CHECK();
+          with_flag(bias_grad, [&](auto sum) {
+            backward_kernel<scalar_t, N, decltype(a)::value, decltype(sum)::value>
+                <<<grid, threads, 0, at::cuda::getCurrentCUDAStream()>>>(
+                    dy.const_data_ptr<scalar_t>(), x.const_data_ptr<scalar_t>(),
+                    b.const_data_ptr<acc_t>(), dx.mutable_data_ptr<scalar_t>(),
+                    bias_grad ? part.mutable_data_ptr<acc_t>() : nullptr, rows, cols);
+            C10_CUDA_KERNEL_LAUNCH_CHECK();
+          });
         });
       }
-      sum_partials<scalar_t, acc_t>(part, db);
+      if (bias_grad) sum_partials<scalar_t, acc_t>(part, db);
     });
   });
   return {dx, db};

@@ -156,7 +156,8 @@ std::tuple<Tensor, Tensor, Tensor> layer_norm_bwd_cuda(const Tensor& grad_out, c
                                                        c10::IntArrayRef shape, const Tensor& mean_in,
                                                        const Tensor& rstd_in,
                                                        const OptTensor& weight,
-                                                       const OptTensor& bias) {
+                                                       const OptTensor& bias,
+                                                       std::array<bool, 3> output_mask) {
   check_layer_norm(input, c10::fromIntArrayRefSlow(shape), weight, bias);
   c10::cuda::CUDAGuard guard(input.device());
   const Tensor x = input.contiguous();
@@ -164,14 +165,15 @@ std::tuple<Tensor, Tensor, Tensor> layer_norm_bwd_cuda(const Tensor& grad_out, c
   const Tensor mean = mean_in.contiguous(), rstd = rstd_in.contiguous();
   const auto [rows, cols] = rows_cols(x, c10::multiply_integers(shape));
   const auto acc = at::toOpMathType(x.scalar_type());
+  const LayerNormGrads want(output_mask, weight, bias);
   Tensor w = param_as_acc(weight, cols, x, 1.0);
-  Tensor dx = at::empty_like(x);
-  Tensor dw = weight ? at::empty(weight->sizes(), weight->options()) : at::empty({0}, x.options());
-  Tensor db = bias ? at::empty(bias->sizes(), bias->options()) : at::empty({0}, x.options());
+  Tensor dx = want.dx ? at::empty_like(x) : at::empty({0}, x.options());
+  Tensor dw = want.dweight ? at::empty(weight->sizes(), weight->options()) : at::empty({0}, x.options());
+  Tensor db = want.dbias ? at::empty(bias->sizes(), bias->options()) : at::empty({0}, x.options());
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "layer_norm_bwd", [&] {
     using acc_t = at::opmath_type<scalar_t>;
     auto stream = at::cuda::getCurrentCUDAStream();
-    if (x.numel() > 0) {
+    if (want.dx && x.numel() > 0) {
       const int n = pack_width<scalar_t>(cols, {x.const_data_ptr(), dy.const_data_ptr(),
                                                dx.const_data_ptr()});
       with_pack<scalar_t>(n, [&](auto pack) {
@@ -183,7 +185,7 @@ std::tuple<Tensor, Tensor, Tensor> layer_norm_bwd_cuda(const Tensor& grad_out, c
         C10_CUDA_KERNEL_LAUNCH_CHECK();
       });
     }
-    if (!weight && !bias) return;
+    if (!want.params()) return;
     const int threads = 128;
     const dim3 grid = column_tile_grid(rows, cols, threads);
     Tensor dw_part = at::zeros({int64_t(grid.y), cols}, x.options().dtype(acc));
@@ -195,8 +197,8 @@ std::tuple<Tensor, Tensor, Tensor> layer_norm_bwd_cuda(const Tensor& grad_out, c
           db_part.mutable_data_ptr<acc_t>());
       C10_CUDA_KERNEL_LAUNCH_CHECK();
     }
-    if (weight) sum_partials<scalar_t, acc_t>(dw_part, dw);
-    if (bias) sum_partials<scalar_t, acc_t>(db_part, db);
+    if (want.dweight) sum_partials<scalar_t, acc_t>(dw_part, dw);
+    if (want.dbias) sum_partials<scalar_t, acc_t>(db_part, db);
   });
   return {dx, dw, db};
 }
