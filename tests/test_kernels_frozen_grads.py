@@ -87,12 +87,21 @@ def test_layer_norm_gives_the_gradients_asked_for(shape, requires, create_graph)
             torch.testing.assert_close(g, e)
 
 
-@pytest.mark.parametrize("requires", [(True, False), (False, True), (True, True)], ids=["x", "w", "xw"])
-def test_layer_norm_without_bias_gives_the_gradients_asked_for(requires):
-    # No bias: the weight is autograd's second edge, and nothing is summed for a bias.
-    x, w, _, dy = _data((4, 300))
-    got = _grads(lambda x, w: F.layer_norm(x, [300], w, None, 1e-5), (x, w), requires, dy)
-    want = _grads(lambda x, w: TF.layer_norm(x, [300], w, None, 1e-5), (x, w), requires, dy)
+@pytest.mark.parametrize("absent", ["weight", "bias"])
+@pytest.mark.parametrize("requires", [(True, False), (False, True), (True, True)], ids=["x", "p", "xp"])
+def test_layer_norm_with_one_parameter_gives_the_gradients_asked_for(requires, absent):
+    # One parameter absent: the other is autograd's second edge, and nothing is summed for the
+    # absent one.
+    x, w, b, dy = _data((4, 300))
+
+    def call(fn):
+        if absent == "weight":
+            return lambda x, b: fn(x, [300], None, b, 1e-5)
+        return lambda x, w: fn(x, [300], w, None, 1e-5)
+
+    param = b if absent == "weight" else w
+    got = _grads(call(F.layer_norm), (x, param), requires, dy)
+    want = _grads(call(TF.layer_norm), (x, param), requires, dy)
     for g, e in zip(got, want):
         assert (g is None) == (e is None)
         if e is not None:
@@ -174,7 +183,32 @@ def test_compile_traces_frozen_parameters():
         xs = x.clone().requires_grad_()
         torch.manual_seed(3)
         out = fn(xs, w, b, b2)
-        (gx,) = torch.autograd.grad(out, xs, dy)
+        with _BackwardCalls() as calls:
+            (gx,) = torch.autograd.grad(out, xs, dy)
         results.append((out, gx))
+        # The compiled backward, too, asks the kernels for dx alone.
+        assert calls.arg("layer_norm_bwd", "output_mask") == [True, False, False]
+        assert calls.arg("bias_gelu_bwd", "bias_grad") is False
+        assert calls.arg("bias_dropout_add_bwd", "bias_grad") is False
     for a, c in zip(*results):
         torch.testing.assert_close(a, c)
+
+
+@pytest.mark.parametrize("bias_requires_grad", [True, False])
+def test_bias_dropout_add_double_backward_for_the_input_alone(bias_requires_grad):
+    # A gradient penalty on the input alone: the bias's column sums are not asked for, in
+    # either backward, whether the bias is frozen or not.
+    x, r, b, _ = _data((4, 40))
+    x, b = x.clone().requires_grad_(), b.clone().requires_grad_(bias_requires_grad)
+
+    def run(fn):
+        torch.manual_seed(3)
+        y = fn(x, b, r.expand(4, 40), 0.3, True)
+        (gx,) = torch.autograd.grad(y.square().sum(), x, create_graph=True)
+        return torch.autograd.grad(gx.square().sum(), x)[0]
+
+    def composite(x, b, r, p, training):  # the same mask, drawn by the fused op with ones in
+        mult = F.bias_dropout_add(torch.ones_like(x), torch.zeros_like(b), torch.zeros_like(x), p, training)
+        return r + (x + b) * mult
+
+    torch.testing.assert_close(run(F.bias_dropout_add), run(composite))

@@ -51,6 +51,9 @@ class DropoutGradFunction : public torch::autograd::Function<DropoutGradFunction
                                                 const Tensor& grad, const Tensor& seed, double p,
                                                 bool training, bool bias_grad) {
     at::AutoDispatchBelowADInplaceOrView guard;
+    // An output nothing used comes back undefined, not as zeros of its shape (an empty column
+    // sum's would not broadcast): backward below takes undefined for zero.
+    ctx->set_materialize_grads(false);
     ctx->save_for_backward({seed});
     ctx->saved_data["p"] = p;
     ctx->saved_data["training"] = training;

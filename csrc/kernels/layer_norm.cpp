@@ -59,8 +59,7 @@ class LayerNormFunction : public torch::autograd::Function<LayerNormFunction> {
     stat_shape.resize(stat_shape.size() + shape.size(), 1);
     auto [dx, dw, db] = at::native_layer_norm_backward_symint(
         grad.to(acc), input.to(acc), shape, mean.view_symint(stat_shape),
-        rstd.view_symint(stat_shape), up(saved[3]), up(saved[4]),
-        {want.dx, want.dweight, want.dbias});
+        rstd.view_symint(stat_shape), up(saved[3]), up(saved[4]), want.mask());
     auto down = [](bool wanted, const Tensor& g, const Tensor& like) {
       return wanted ? g.to(like.scalar_type()) : Tensor();
     };
@@ -93,7 +92,7 @@ class LayerNormFunction : public torch::autograd::Function<LayerNormFunction> {
                               weight, bias);
     if (at::GradMode::is_enabled()) return differentiable_backward(grads[0], saved, shape, want);
     auto [dx, dw, db] = layer_norm_bwd(grads[0], saved[0], shape, saved[1], saved[2], weight, bias,
-                                       {want.dx, want.dweight, want.dbias});
+                                       want.mask());
     return {want.dx ? dx : Tensor(), Tensor(), want.dweight ? dw : Tensor(),
             want.dbias ? db : Tensor(), Tensor()};
   }

@@ -133,6 +133,7 @@ struct LayerNormGrads {
         dweight(output_mask[1] && weight && weight->defined()),
         dbias(output_mask[2] && bias && bias->defined()) {}
   bool params() const { return dweight || dbias; }
+  std::array<bool, 3> mask() const { return {dx, dweight, dbias}; }
 };
 
 // Shape of LayerNorm's saved mean/rstd: input's leading dims (those not normalised).

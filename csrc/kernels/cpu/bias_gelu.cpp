@@ -20,10 +20,11 @@ using at::Tensor;
 // gelu'(z) for 16-bit results from the polynomials of gelu_grad_table.h: |z| picks one of 16
 // segments, whose degree-5 coefficients come from one register each by a permute, and
 // gelu'(-a) = 1 - gelu'(a). About 17 vector operations on a short dependency chain, against
-// ~27 on a long one (exp, erfc and a reciprocal) for the formulas; absolute error 6e-8, where
+// ~27 on a long one (exp, erfc and a reciprocal) for the formulas; absolute error 1.2e-7, where
 // the formulas' 16-bit forms reach 7e-5. That is relative accuracy enough down to z = -4
-// (gelu'(-4) = -5e-4); below, only the formulas keep it, so a vector with such a lane (or a
-// NaN) is left to them. Past |z| = 6 the last segment gives gelu' = 1, as float32 has it.
+// (gelu'(-4) = -5e-4); below, only the formulas keep it, so a lane there (or a NaN) takes
+// them, merged into its vector lane by lane. Past |z| = 6 the last segment gives gelu' = 1, as
+// float32 has it.
 struct GeluGradTable {
   static constexpr bool kAvailable = true;
   __m512 c[kGeluGradDegree + 1];
@@ -33,16 +34,16 @@ struct GeluGradTable {
     for (int j = 0; j <= kGeluGradDegree; ++j) c[j] = _mm512_load_ps(coefs[j]);
   }
 
-  // g = gelu'(z) lane by lane, except in the vectors k whose bit the result sets: those have
-  // a lane below -4 or NaN, and their g.v[k] is unspecified.
-  template <int K>
-  unsigned operator()(const Lanes<K>& z, Lanes<K>& g) const {
+  // gelu'(z), lane by lane; the lanes below -4 or NaN from formula(z.v[k]) instead.
+  template <int K, typename Formula>
+  Lanes<K> operator()(const Lanes<K>& z, Formula&& formula) const {
     const __m512 scale = _mm512_set1_ps(1.f / kGeluGradSegmentWidth);
     const __m512 last = _mm512_set1_ps(float(kGeluGradSegments) * (1.f - 0x1p-23f));
-    unsigned tails = 0;
+    Lanes<K> g;
+    __mmask16 tail[K];
     for (int k = 0; k < K; ++k) {
       const __m512 zk = z.v[k];
-      tails |= unsigned(_mm512_cmp_ps_mask(zk, _mm512_set1_ps(-4.f), _CMP_NGE_UQ) != 0) << k;
+      tail[k] = _mm512_cmp_ps_mask(zk, _mm512_set1_ps(-4.f), _CMP_NGE_UQ);
       const __mmask16 negative = _mm512_cmp_ps_mask(zk, _mm512_setzero_ps(), _CMP_LT_OQ);
       const __m512 s = _mm512_min_ps(_mm512_mul_ps(_mm512_abs_ps(zk), scale), last);
       const __m512i segment = _mm512_cvttps_epi32(s);
@@ -53,15 +54,20 @@ struct GeluGradTable {
       }
       g.v[k] = _mm512_mask_sub_ps(p, negative, _mm512_set1_ps(1.f), p);
     }
-    return tails;
+    for (int k = 0; k < K; ++k) {
+      if (tail[k] != 0) g.v[k] = _mm512_mask_mov_ps(g.v[k], tail[k], formula(z.v[k]));
+    }
+    return g;
   }
 };
 #else
 struct GeluGradTable {  // AVX2 has no 16-entry permute: the formulas serve every lane
   static constexpr bool kAvailable = false;
   explicit GeluGradTable(GeluApprox) {}
-  template <int K>
-  unsigned operator()(const Lanes<K>&, Lanes<K>&) const { return (1u << K) - 1; }
+  template <int K, typename Formula>
+  Lanes<K> operator()(const Lanes<K>& z, Formula&& formula) const {
+    return Lanes<K>::map(formula, z);
+  }
 };
 #endif
 
@@ -101,13 +107,16 @@ void forward(const T* x, const at::opmath_type<T>* bias, T* y, int64_t rows, int
 // 16-bit x (mixed precision) needs float32-accurate terms, not only those of the 16-bit dx.
 enum class Dbias { kNone, kInputDtype, kFloat32 };
 
-template <typename F>
+// kMixed: whether input's dtype admits a float32 bias (16-bit input); else no kFloat32 code.
+template <bool kMixed, typename F>
 void with_dbias(Dbias d, F&& f) {
   switch (d) {
     case Dbias::kNone: return f(std::integral_constant<Dbias, Dbias::kNone>{});
     case Dbias::kInputDtype: return f(std::integral_constant<Dbias, Dbias::kInputDtype>{});
-    case Dbias::kFloat32: return f(std::integral_constant<Dbias, Dbias::kFloat32>{});
+    case Dbias::kFloat32:
+      if constexpr (kMixed) return f(std::integral_constant<Dbias, Dbias::kFloat32>{});
   }
+  TORCH_CHECK(false, "torchpar.bias_gelu: a float32 bias needs 16-bit input");  // check_bias_op's rule
 }
 
 // B, the bias's element type: the accumulate type, or T itself for wide rows (kWideRow).
@@ -120,7 +129,7 @@ void backward(const T* dy, const T* x, const B* bias, T* dx,
   using Math = VecMath<gelu_grad_full_precision<T> || D == Dbias::kFloat32>;
   constexpr bool kSum = D != Dbias::kNone;
   // 16-bit results (and a dbias of their dtype) take the table, 4 vectors a step, and the
-  // formulas for a vector it does not cover.
+  // formulas for a lane it does not cover.
   constexpr bool kTable = GeluGradTable::kAvailable && IO::kReduced && D != Dbias::kFloat32;
   constexpr int K = kTable ? 4 : kLanes;
   [[maybe_unused]] constexpr int64_t V = Vec::size();
@@ -135,10 +144,7 @@ void backward(const T* dy, const T* x, const B* bias, T* dx,
       const L z = IO::template load<W>(xr + i) + VecIO<B>::template load<W>(bias + i);
       L grad;
       if constexpr (kTable) {
-        for (unsigned tails = table(z, grad); tails != 0; tails &= tails - 1) {
-          const int k = __builtin_ctz(tails);
-          grad.v[k] = gelu_grad<Vec, Math>(z.v[k], A);
-        }
+        grad = table(z, [](const Vec& zk) { return gelu_grad<Vec, Math>(zk, A); });
       } else {
         grad = gelu_grad<L, Math>(z, A);
       }
@@ -219,7 +225,7 @@ std::tuple<Tensor, Tensor> bias_gelu_bwd(const Tensor& grad_out, const Tensor& i
     ColumnPartials<acc_t> partial(bias_grad ? at::get_num_threads() : 0, cols, acc);
     if (x.numel() > 0) {
       with_gelu_approx(approx, [&](auto a) {
-        with_dbias(mode, [&](auto d) {
+        with_dbias<!std::is_same_v<scalar_t, acc_t>>(mode, [&](auto d) {
           constexpr GeluApprox A = decltype(a)::value;
           constexpr Dbias D = decltype(d)::value;
           const auto* dyp = dy.const_data_ptr<scalar_t>();

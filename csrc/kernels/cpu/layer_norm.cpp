@@ -230,8 +230,9 @@ void backward(const T* dy, const T* x, const at::opmath_type<T>* mean,
         const int64_t n = std::min(kBwdChunk, cols - c0);
         for (int64_t r = rb; r < re; ++r) {
           const int64_t o = r * cols + c0;
-          backward_sums<T, kParamGrads>(dy + o, x + o, w + c0, dwp + c0, dbp + c0, mean[r],
-                                        rstd[r], n, sum_g[r - rb], sum_gx[r - rb]);
+          backward_sums<T, kParamGrads>(dy + o, x + o, w + c0, kParamGrads ? dwp + c0 : nullptr,
+                                        kParamGrads ? dbp + c0 : nullptr, mean[r], rstd[r], n,
+                                        sum_g[r - rb], sum_gx[r - rb]);
         }
       }
       if (dx == nullptr) continue;
