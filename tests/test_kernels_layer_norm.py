@@ -52,6 +52,17 @@ def test_wide_rows_backward(rows, cols, dtype):
             assert_close(got, want.to(dtype), dtype, scale=5)
 
 
+def test_gradgradcheck_float64_bias_without_weight():
+    # torch's own layer_norm fails this: its bias gradient has no second derivative when there
+    # is no weight.
+    x, _, b = _inputs((3, 5, 6), (5, 6), torch.float64)
+    args = [x.requires_grad_(), b.requires_grad_()]
+    assert torch.autograd.gradgradcheck(lambda x, b: F.layer_norm(x, (5, 6), None, b, 1e-5), args)
+    x1 = torch.randn(6, dtype=torch.float64, requires_grad=True)  # no leading dims
+    assert torch.autograd.gradgradcheck(lambda x, b: F.layer_norm(x, (6,), None, b, 1e-5),
+                                        [x1, torch.randn(6, dtype=torch.float64, requires_grad=True)])
+
+
 @pytest.mark.parametrize("affine,bias", [(True, True), (True, False), (False, False)])
 def test_gradgradcheck_float64(affine, bias):
     shape, norm = SHAPES[2]

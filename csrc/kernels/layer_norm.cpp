@@ -11,6 +11,9 @@
 #include <torch/autograd.h>
 #include <torch/library.h>
 
+#include <numeric>
+#include <vector>
+
 #include "kernels/ops.h"
 
 namespace torchpar::kernels {
@@ -57,9 +60,18 @@ class LayerNormFunction : public torch::autograd::Function<LayerNormFunction> {
     auto up = [&](const Tensor& t) { return t.defined() ? OptTensor(t.to(acc)) : std::nullopt; };
     std::vector<c10::SymInt> stat_shape(mean.sym_sizes().begin(), mean.sym_sizes().end());
     stat_shape.resize(stat_shape.size() + shape.size(), 1);
-    auto [dx, dw, db] = at::native_layer_norm_backward_symint(
-        grad.to(acc), input.to(acc), shape, mean.view_symint(stat_shape),
-        rstd.view_symint(stat_shape), up(saved[3]), up(saved[4]), want.mask());
+    const Tensor g = grad.to(acc);
+    auto [dx, dw, unused] = at::native_layer_norm_backward_symint(
+        g, input.to(acc), shape, mean.view_symint(stat_shape), rstd.view_symint(stat_shape),
+        up(saved[3]), up(saved[4]), {want.dx, want.dweight, false});
+    // dbias is grad summed over the leading dims, taken here: native_layer_norm_backward's own
+    // has no second derivative when there is no weight.
+    Tensor db;
+    if (want.dbias) {
+      std::vector<int64_t> leading(grad.dim() - static_cast<int64_t>(shape.size()));
+      std::iota(leading.begin(), leading.end(), 0);
+      db = leading.empty() ? g : g.sum(leading);
+    }
     auto down = [](bool wanted, const Tensor& g, const Tensor& like) {
       return wanted ? g.to(like.scalar_type()) : Tensor();
     };
