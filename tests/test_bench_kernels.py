@@ -26,3 +26,15 @@ def test_kernels_bench_writes_its_report(tmp_path):
     for row in rows:
         for key in ("torchpar_ms", "eager_ms", "gbs", "pct_copy", "compute_gbs", "compute_pct_copy"):
             assert row[key] > 0, (row["op"], row["dtype"], row["pass"], key)
+
+
+def test_kernels_bench_times_frozen_parameters(tmp_path):
+    out = tmp_path / "kernels.json"
+    proc = subprocess.run(
+        [sys.executable, "-m", "torchpar.bench", "kernels", "--frozen", "--shapes", "64x1024",
+         "--dtypes", "bfloat16", "--reps", "1", "--no-compile", "--json", str(out)],
+        capture_output=True, text=True, timeout=110)
+    assert proc.returncode == 0, proc.stderr
+    assert "frozen parameters" in proc.stdout
+    report = json.loads(out.read_text())
+    assert report["meta"]["frozen"] is True and len(report["results"]) == 3 * 2

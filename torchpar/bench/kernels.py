@@ -72,13 +72,16 @@ def _fused(op):
     return lambda x, w, b, r: F.bias_dropout_add(x, b, r, P_DROP, True)
 
 
-def _grad_inputs(op):
-    """Tensors that get a gradient in the forward+backward timing.
+def _grad_inputs(op, frozen=False):
+    """Tensors that get a gradient in the forward+backward timing: the input, and the
+    parameters unless `frozen` (adapter or LoRA fine-tuning freezes them).
 
     bias_dropout_add's residual is left out: its gradient is dy itself for every peer, but as
     a leaf it would get a copy of dy (autograd cannot hand a leaf a tensor the caller still
     holds), 2 more tensors of traffic that a model never pays, where the residual is an
     activation whose gradient dy simply flows on."""
+    if frozen:
+        return (0,)
     return {"layer_norm": (0, 1, 2), "bias_gelu": (0, 2), "bias_dropout_add": (0, 2)}[op]
 
 
@@ -190,7 +193,7 @@ def copy_bandwidth(nbytes, reps, device="cpu"):
 DRAM_COPY_BYTES = 256 << 20
 
 
-def measure(op, rows, cols, dtype, reps, use_compile, device="cpu"):
+def measure(op, rows, cols, dtype, reps, use_compile, device="cpu", frozen=False):
     g = torch.Generator().manual_seed(0)
     x = torch.randn(rows, cols, generator=g).to(device, dtype)
     w = torch.randn(cols, generator=g).to(device, dtype)
@@ -202,7 +205,7 @@ def measure(op, rows, cols, dtype, reps, use_compile, device="cpu"):
     if use_compile:
         torch._dynamo.reset()
         peers["compile"] = torch.compile(_composite(op), dynamic=False)
-    grad_idx = _grad_inputs(op)
+    grad_idx = _grad_inputs(op, frozen)
     names, fns = [], []
     for name, fn in peers.items():
         leaves = [a.detach().requires_grad_(i in grad_idx) for i, a in enumerate(args)]
@@ -224,21 +227,23 @@ def measure(op, rows, cols, dtype, reps, use_compile, device="cpu"):
     return out
 
 
-def _kernel_calls(op, x, w, b, r, dy):
-    """The fused forward and backward kernels of `op` as plain calls, without autograd."""
-    ops, cols = torch.ops.torchpar, x.shape[-1]
+def _kernel_calls(op, x, w, b, r, dy, frozen=False):
+    """The fused forward and backward kernels of `op` as plain calls, without autograd; the
+    backward asks for the parameters' gradients unless `frozen`."""
+    ops, cols, params = torch.ops.torchpar, x.shape[-1], not frozen
     if op == "layer_norm":
         _, mean, rstd = ops.layer_norm_fwd(x, [cols], w, b, 1e-5)
         return (lambda: ops.layer_norm_fwd(x, [cols], w, b, 1e-5),
-                lambda: ops.layer_norm_bwd(dy, x, [cols], mean, rstd, w, b))
+                lambda: ops.layer_norm_bwd(dy, x, [cols], mean, rstd, w, b, [True, params, params]))
     if op == "bias_gelu":
-        return (lambda: ops.bias_gelu(x, b, "none"), lambda: ops.bias_gelu_bwd(dy, x, b, "none"))
+        return (lambda: ops.bias_gelu(x, b, "none"),
+                lambda: ops.bias_gelu_bwd(dy, x, b, "none", params))
     seed = ops.bias_dropout_add_fwd(x, b, r, P_DROP, True)[1]
     return (lambda: ops.bias_dropout_add_fwd(x, b, r, P_DROP, True),
-            lambda: ops.bias_dropout_add_bwd(dy, seed, P_DROP, True))
+            lambda: ops.bias_dropout_add_bwd(dy, seed, P_DROP, True, params))
 
 
-def compute_cost(op, cols, dtype, reps=200):
+def compute_cost(op, cols, dtype, reps=200, frozen=False):
     """ns per element on one core of `op`'s forward and backward kernels with data in cache:
     the arithmetic alone, which bounds an op however fast memory is. The slope between two
     cache-resident sizes (96 and 32 rows of 1024 columns' worth), so the per-call overhead
@@ -252,7 +257,7 @@ def compute_cost(op, cols, dtype, reps=200):
             g = torch.Generator().manual_seed(0)
             x, r, dy = (torch.randn(rows, cols, generator=g).to(dtype) for _ in range(3))
             w, b = (torch.randn(cols, generator=g).to(dtype) for _ in range(2))
-            times.append((rows * cols, _time(list(_kernel_calls(op, x, w, b, r, dy)), reps)))
+            times.append((rows * cols, _time(list(_kernel_calls(op, x, w, b, r, dy, frozen)), reps)))
         (n0, t0), (n1, t1) = times
         return tuple((b1 - b0) / (n1 - n0) * 1e9 for b0, b1 in zip(t0, t1))
     finally:
@@ -275,9 +280,9 @@ def run(args):
         for rows, cols in shapes:
             for dname in args.dtypes:
                 dtype = DTYPES[dname]
-                t = measure(op, rows, cols, dtype, args.reps, not args.no_compile, dev)
+                t = measure(op, rows, cols, dtype, args.reps, not args.no_compile, dev, args.frozen)
                 # The in-cache arithmetic bound is a CPU notion (per core, times the threads).
-                cost = compute_cost(op, cols, dtype) if on_cpu else None
+                cost = compute_cost(op, cols, dtype, frozen=args.frozen) if on_cpu else None
                 elem = torch.empty((), dtype=dtype).element_size()
                 act = rows * cols * elem
                 fwd_units, bwd_units = TRAFFIC[op]
@@ -305,7 +310,7 @@ def run(args):
         row["pct_copy"] = 100 * row["gbs"] / copy_gbs
         if "compute_gbs" in row:
             row["compute_pct_copy"] = 100 * row["compute_gbs"] / copy_gbs
-    print_header(copy_gbs, copy_op_sized_gbs, elem_bytes_max, dev)
+    print_header(copy_gbs, copy_op_sized_gbs, elem_bytes_max, dev, args.frozen)
     for row in results:
         print_row(row)
     args.load_after = os.getloadavg()[0]
@@ -320,7 +325,7 @@ def meta(args):
     return {"date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
             "torch": torch.__version__, "threads": torch.get_num_threads(), "device": args.device,
             "gpu": gpu, "cpu": platform.processor() or platform.machine(), "reps": args.reps,
-            "dropout_p": P_DROP, "malloc_reuse": args.malloc_reuse,
+            "dropout_p": P_DROP, "frozen": args.frozen, "malloc_reuse": args.malloc_reuse,
             "load_before": args.load_before, "load_after": args.load_after,
             "torch_cpu_capability": torch.backends.cpu.get_cpu_capability(),
             "torchpar_cpu_kernels": torchpar._C.cpu_kernels_isa()}
@@ -330,7 +335,7 @@ HEADER = (f"{'op':<17}{'shape':>10}{'dtype':>9}{'pass':>8}{'torchpar':>10}{'eage
           f"{'compile':>9}{'x eager':>9}{'x comp':>8}{'GB/s':>7}{'%copy':>7}{'ceiling':>9}")
 
 
-def print_header(copy_gbs, copy_op_sized_gbs, op_bytes, device="cpu"):
+def print_header(copy_gbs, copy_op_sized_gbs, op_bytes, device="cpu", frozen=False):
     cache = "L3" if device == "cpu" else "L2"
     print(f"copy bandwidth, dst.copy_(src) read+write, best of a window before and one after "
           f"the ops: {copy_gbs:.1f} GB/s with "
@@ -345,6 +350,8 @@ def print_header(copy_gbs, copy_op_sized_gbs, op_bytes, device="cpu"):
     else:
         print(f"{torch.cuda.get_device_name(device)}: times in ms between CUDA events, best of "
               "--reps; x eager / x comp = peer time / torchpar time")
+    if frozen:
+        print("frozen parameters: fwd_bwd gives the input's gradient alone")
     print(HEADER)
 
 
@@ -410,6 +417,9 @@ def main(argv=None):
     ap.add_argument("--json", metavar="PATH", help="write the results as JSON")
     ap.add_argument("--plot", metavar="PATH", help="write a PNG of GB/s per peer")
     ap.add_argument("--device", default="cpu", help="cpu, or cuda[:N] (the CUDA build on a GPU)")
+    ap.add_argument("--frozen", action="store_true",
+                    help="parameters take no gradient (adapter or LoRA fine-tuning): the "
+                         "forward+backward gives the input's alone")
     ap.add_argument("--cpu-kernels", metavar="ISA", choices=["AVX2", "AVX512", "AVX512_BF16"],
                     help="run torchpar's CPU kernels built for ISA (default: the widest this CPU runs)")
     args = ap.parse_args(argv)
