@@ -76,3 +76,29 @@ def reference_keep_mask(seed, numel, p):
     bits = (word.astype(np.uint64) >> (np.uint64(16) * (idx & np.uint64(1)))) & np.uint64(0xFFFF)
     threshold = int(round((1.0 - p) * 2.0**16))
     return torch.from_numpy((bits < threshold).astype(np.bool_))
+
+
+def run_all_ops(shape, dtype, param_dtype=None, params_grad=True):
+    """Outputs and gradients of the three ops on fixed inputs; parameters of `param_dtype`
+    (float32 beside 16-bit input: mixed precision) or of the input's dtype, frozen unless
+    params_grad."""
+    import torchpar.nn.functional as F
+
+    g = torch.Generator().manual_seed(3)
+    cols = shape[-1]
+    x, r = (torch.randn(shape, generator=g).to(dtype).requires_grad_() for _ in range(2))
+    w, b, bias = (torch.randn(cols, generator=g).to(param_dtype or dtype).requires_grad_(params_grad)
+                  for _ in range(3))
+    dy = torch.randn(shape, generator=g).to(dtype)
+    outs = []
+    for fn in (lambda: F.layer_norm(x, [cols], w, b),
+               lambda: F.bias_gelu(x, bias, "none"),
+               lambda: F.bias_gelu(x, bias, "tanh"),
+               lambda: F.bias_dropout_add(x, bias, r, 0.3, True)):
+        for t in (x, r, w, b, bias):
+            t.grad = None
+        torch.manual_seed(11)
+        y = fn()
+        y.backward(dy)
+        outs.append([y.detach()] + [t.grad for t in (x, r, w, b, bias) if t.grad is not None])
+    return outs

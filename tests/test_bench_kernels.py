@@ -28,13 +28,15 @@ def test_kernels_bench_writes_its_report(tmp_path):
             assert row[key] > 0, (row["op"], row["dtype"], row["pass"], key)
 
 
-def test_kernels_bench_times_frozen_parameters(tmp_path):
+def test_kernels_bench_times_frozen_parameters_with_streamed_outputs(tmp_path):
     out = tmp_path / "kernels.json"
     proc = subprocess.run(
         [sys.executable, "-m", "torchpar.bench", "kernels", "--frozen", "--shapes", "64x1024",
-         "--dtypes", "bfloat16", "--reps", "1", "--no-compile", "--json", str(out)],
+         "--dtypes", "bfloat16", "--reps", "1", "--no-compile", "--streaming-stores", "always",
+         "--json", str(out)],
         capture_output=True, text=True, timeout=110)
     assert proc.returncode == 0, proc.stderr
     assert "frozen parameters" in proc.stdout
     report = json.loads(out.read_text())
     assert report["meta"]["frozen"] is True and len(report["results"]) == 3 * 2
+    assert report["meta"]["streaming_store_bytes"] == 0

@@ -15,7 +15,7 @@ import torch
 
 import torchpar
 import torchpar.nn as tnn
-from kernels_util import gelu_exact
+from kernels_util import gelu_exact, run_all_ops
 
 pytestmark = pytest.mark.timeout(120)
 F = tnn.functional
@@ -61,30 +61,6 @@ def test_an_unknown_or_unbuilt_isa_is_refused_by_name():
     assert C.cpu_kernels_isa() == DEFAULT
 
 
-def _run_all(shape, dtype, param_dtype=None, params_grad=True):
-    """Outputs and gradients of the three ops on fixed inputs; parameters of `param_dtype`
-    (float32 beside 16-bit input: mixed precision) or of the input's dtype, frozen unless
-    params_grad."""
-    g = torch.Generator().manual_seed(3)
-    cols = shape[-1]
-    x, r = (torch.randn(shape, generator=g).to(dtype).requires_grad_() for _ in range(2))
-    w, b, bias = (torch.randn(cols, generator=g).to(param_dtype or dtype).requires_grad_(params_grad)
-                  for _ in range(3))
-    dy = torch.randn(shape, generator=g).to(dtype)
-    outs = []
-    for fn in (lambda: F.layer_norm(x, [cols], w, b),
-               lambda: F.bias_gelu(x, bias, "none"),
-               lambda: F.bias_gelu(x, bias, "tanh"),
-               lambda: F.bias_dropout_add(x, bias, r, 0.3, True)):
-        for t in (x, r, w, b, bias):
-            t.grad = None
-        torch.manual_seed(11)
-        y = fn()
-        y.backward(dy)
-        outs.append([y.detach()] + [t.grad for t in (x, r, w, b, bias) if t.grad is not None])
-    return outs
-
-
 # Column counts around each copy's vector widths (8, 16, 32 floats), with tails.
 # 1010 and 4150: lockstep steps (32 or 128 floats), two-vector steps (16 or 32) and a tail.
 SHAPES = [(3, 37), (5, 64), (4, 1010), (2, 4150)]
@@ -95,9 +71,9 @@ SHAPES = [(3, 37), (5, 64), (4, 1010), (2, 4150)]
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.float64])
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
 def test_every_copy_computes_what_the_default_does(isa, dtype, shape, use_isa):
-    expected = _run_all(shape, dtype)
+    expected = run_all_ops(shape, dtype)
     use_isa(isa)
-    got = _run_all(shape, dtype)
+    got = run_all_ops(shape, dtype)
     _assert_all_close(got, expected)
 
 
@@ -119,9 +95,9 @@ def _assert_all_close(got, expected):
 def test_every_copy_computes_mixed_precision_as_the_default_does(isa, dtype, shape, use_isa):
     # float32 parameters beside 16-bit input: their gradients are float32 in every copy, to
     # float32's tolerance (a copy that summed 16-bit-accurate terms would miss it).
-    expected = _run_all(shape, dtype, torch.float32)
+    expected = run_all_ops(shape, dtype, torch.float32)
     use_isa(isa)
-    _assert_all_close(_run_all(shape, dtype, torch.float32), expected)
+    _assert_all_close(run_all_ops(shape, dtype, torch.float32), expected)
 
 
 @pytest.mark.skipif(not OTHERS, reason="this CPU runs only one copy of the kernels")
@@ -130,9 +106,9 @@ def test_every_copy_computes_mixed_precision_as_the_default_does(isa, dtype, sha
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
 def test_every_copy_computes_frozen_parameters_as_the_default_does(isa, dtype, shape, use_isa):
     # Frozen parameters: the kernels that sum no parameter gradients, in every copy.
-    expected = _run_all(shape, dtype, params_grad=False)
+    expected = run_all_ops(shape, dtype, params_grad=False)
     use_isa(isa)
-    _assert_all_close(_run_all(shape, dtype, params_grad=False), expected)
+    _assert_all_close(run_all_ops(shape, dtype, params_grad=False), expected)
 
 
 @pytest.mark.skipif(not OTHERS, reason="this CPU runs only one copy of the kernels")

@@ -3,6 +3,8 @@
 #include <ATen/Version.h>
 #include <torch/library.h>
 
+#include <cpuinfo.h>
+
 #include <atomic>
 #include <string_view>
 #include <utility>
@@ -65,6 +67,27 @@ void use_kernels(const std::string& isa) {
     have += std::string(have.empty() ? "" : ", ") + table->isa;
   }
   TORCH_CHECK(false, "torchpar: no ", isa, " CPU kernels in this build; it has ", have);
+}
+
+namespace {
+
+// The last-level cache's size, from cpuinfo (which torch ships and initialises itself): the
+// cache that a core shares with its neighbours, 32 MiB on this machine's Zen 5, where glibc's
+// sysconf gives the sum over every core complex of the host (384 MiB). 32 MiB when unknown.
+int64_t last_level_cache_bytes() {
+  const uint32_t bytes = cpuinfo_initialize() ? cpuinfo_get_max_cache_size() : 0;
+  return bytes > 0 ? int64_t(bytes) : int64_t(32) << 20;
+}
+
+const int64_t kDefaultStreamingStoreBytes = last_level_cache_bytes() / 2;
+std::atomic<int64_t> streaming_bytes{kDefaultStreamingStoreBytes};
+
+}  // namespace
+
+int64_t streaming_store_bytes() { return streaming_bytes.load(std::memory_order_relaxed); }
+
+void set_streaming_store_bytes(int64_t bytes) {
+  streaming_bytes.store(bytes < 0 ? kDefaultStreamingStoreBytes : bytes, std::memory_order_relaxed);
 }
 
 namespace {

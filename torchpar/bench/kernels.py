@@ -328,7 +328,8 @@ def meta(args):
             "dropout_p": P_DROP, "frozen": args.frozen, "malloc_reuse": args.malloc_reuse,
             "load_before": args.load_before, "load_after": args.load_after,
             "torch_cpu_capability": torch.backends.cpu.get_cpu_capability(),
-            "torchpar_cpu_kernels": torchpar._C.cpu_kernels_isa()}
+            "torchpar_cpu_kernels": torchpar._C.cpu_kernels_isa(),
+            "streaming_store_bytes": torchpar._C.streaming_store_bytes()}
 
 
 HEADER = (f"{'op':<17}{'shape':>10}{'dtype':>9}{'pass':>8}{'torchpar':>10}{'eager':>9}"
@@ -403,6 +404,10 @@ def plot(report, path):
     fig.savefig(path, dpi=120)
 
 
+# --streaming-stores: the output size from which the CPU kernels use non-temporal stores.
+STREAMING = {"auto": -1, "always": 0, "never": 2**62}
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(prog="python -m torchpar.bench kernels", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -422,11 +427,15 @@ def main(argv=None):
                          "forward+backward gives the input's alone")
     ap.add_argument("--cpu-kernels", metavar="ISA", choices=["AVX2", "AVX512", "AVX512_BF16"],
                     help="run torchpar's CPU kernels built for ISA (default: the widest this CPU runs)")
+    ap.add_argument("--streaming-stores", choices=list(STREAMING), default="auto",
+                    help="how torchpar's CPU kernels write outputs: auto (non-temporal stores for "
+                         "outputs of at least half the last-level cache), always, or never")
     args = ap.parse_args(argv)
     if torch.device(args.device).type == "cuda" and not torch.cuda.is_available():
         ap.error(f"--device {args.device}: torch sees no CUDA device here (torch {torch.__version__})")
     if args.cpu_kernels:
         torchpar._C.set_cpu_kernels_isa(args.cpu_kernels)
+    torchpar._C.set_streaming_store_bytes(STREAMING[args.streaming_stores])
     report = run(args)
     if args.json:
         os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)

@@ -7,8 +7,6 @@
 #include <ATen/ops/empty.h>
 #include <ATen/ops/empty_like.h>
 
-#include <vector>
-
 #include "kernels/cpu/philox_simd.h"
 #include "kernels/cpu/kernels.h"
 #include "kernels/cpu/vec.h"
@@ -28,15 +26,16 @@ using at::Tensor;
 constexpr int64_t kChunk = 512;
 
 // B, the bias's element type: the accumulate type, or T itself for wide rows (kWideRow).
+// stream: write out with non-temporal stores (stream_output).
 template <typename T, bool Active, typename B>
 void forward(const T* x, const B* bias, const T* res, T* out,
-             const DropoutRule& rule, int64_t rows, int64_t cols) {
+             const DropoutRule& rule, int64_t rows, int64_t cols, bool stream) {
   using IO = VecIO<T>;
   using acc_t = typename IO::acc_t;
   using Vec = typename IO::Vec;
   constexpr int64_t V = Vec::size();
   at::parallel_for(0, rows, row_grain(cols), [&](int64_t r0, int64_t r1) {
-    std::vector<acc_t> mult(Active ? std::min(cols, kChunk) : 0);
+    alignas(64) acc_t mult[kChunk];  // one chunk's multipliers (Active)
     const int64_t end = r1 * cols;
     for (int64_t r = r0; r < r1; ++r) {
       for (int64_t c0 = 0; c0 < cols; c0 += kChunk) {
@@ -49,7 +48,7 @@ void forward(const T* x, const B* bias, const T* res, T* out,
           // The next chunk streams in while this one's multipliers are drawn.
           prefetch(xc + n, std::min(kChunk, end - e - n));
           prefetch(rc + n, std::min(kChunk, end - e - n));
-          dropout_multipliers(rule, uint64_t(e), n, mult.data());
+          dropout_multipliers(rule, uint64_t(e), n, mult);
         }
         int64_t i = 0;
         for (; i + IO::kStep <= n; i += IO::kStep) {
@@ -60,13 +59,13 @@ void forward(const T* x, const B* bias, const T* res, T* out,
           a = a + ba;
           b = b + bb;
           if constexpr (Active) {
-            a = at::vec::fmadd(a, Vec::loadu(mult.data() + i), ra);
-            b = at::vec::fmadd(b, Vec::loadu(mult.data() + i + V), rb);
+            a = at::vec::fmadd(a, Vec::loadu(mult + i), ra);
+            b = at::vec::fmadd(b, Vec::loadu(mult + i + V), rb);
           } else {
             a = a + ra;
             b = b + rb;
           }
-          IO::store2(oc + i, a, b);
+          IO::store2(oc + i, a, b, stream);
         }
         for (; i < n; ++i) {
           acc_t v = acc_t(xc[i]) + acc_t(bc[i]);
@@ -75,19 +74,20 @@ void forward(const T* x, const B* bias, const T* res, T* out,
         }
       }
     }
+    stream_fence(stream);
   });
 }
 
-// kDbias: sum dbias into db (unused otherwise).
+// kDbias: sum dbias into db (unused otherwise). stream: write dx with non-temporal stores.
 template <typename T, bool Active, bool kDbias>
 void backward(const T* dy, T* dx, ColumnPartials<at::opmath_type<T>>& db, const DropoutRule& rule,
-              int64_t rows, int64_t cols) {
+              int64_t rows, int64_t cols, bool stream) {
   using IO = VecIO<T>;
   using acc_t = typename IO::acc_t;
   using Vec = typename IO::Vec;
   constexpr int64_t V = Vec::size();
   at::parallel_for(0, rows, row_grain(cols), [&](int64_t r0, int64_t r1) {
-    std::vector<acc_t> mult(Active ? std::min(cols, kChunk) : 0);
+    alignas(64) acc_t mult[kChunk];  // one chunk's multipliers (Active)
     acc_t* dbp_row = kDbias ? db.row(at::get_thread_num()) : nullptr;
     const int64_t end = r1 * cols;
     for (int64_t r = r0; r < r1; ++r) {
@@ -98,17 +98,17 @@ void backward(const T* dy, T* dx, ColumnPartials<at::opmath_type<T>>& db, const 
         acc_t* dbp = kDbias ? dbp_row + c0 : nullptr;
         if constexpr (Active) {
           prefetch(dyc + n, std::min(kChunk, end - e - n));
-          dropout_multipliers(rule, uint64_t(e), n, mult.data());
+          dropout_multipliers(rule, uint64_t(e), n, mult);
         }
         int64_t i = 0;
         for (; i + IO::kStep <= n; i += IO::kStep) {
           Vec a, b;
           IO::load2(dyc + i, a, b);
           if constexpr (Active) {
-            a = a * Vec::loadu(mult.data() + i);
-            b = b * Vec::loadu(mult.data() + i + V);
+            a = a * Vec::loadu(mult + i);
+            b = b * Vec::loadu(mult + i + V);
           }
-          IO::store2(dxc + i, a, b);
+          IO::store2(dxc + i, a, b, stream);
           if constexpr (kDbias) {
             (Vec::loadu(dbp + i) + a).store(dbp + i);
             (Vec::loadu(dbp + i + V) + b).store(dbp + i + V);
@@ -122,6 +122,7 @@ void backward(const T* dy, T* dx, ColumnPartials<at::opmath_type<T>>& db, const 
         }
       }
     }
+    stream_fence(stream);
   });
 }
 
@@ -145,13 +146,14 @@ std::tuple<Tensor, Tensor> bias_dropout_add_fwd(const Tensor& input, const Tenso
     const auto* xp = x.const_data_ptr<scalar_t>();
     const auto* rp = res.const_data_ptr<scalar_t>();
     auto* op = out.mutable_data_ptr<scalar_t>();
+    const bool stream = stream_output(out);
     with_flag(rule.active, [&](auto active) {
       constexpr bool A = decltype(active)::value;
       if (!std::is_same_v<scalar_t, acc_t> && params_as_16bit(x, cols, {&bias})) {
         const Tensor b16 = bias.contiguous();
-        forward<scalar_t, A>(xp, b16.const_data_ptr<scalar_t>(), rp, op, rule, rows, cols);
+        forward<scalar_t, A>(xp, b16.const_data_ptr<scalar_t>(), rp, op, rule, rows, cols, stream);
       } else {
-        forward<scalar_t, A>(xp, b.const_data_ptr<acc_t>(), rp, op, rule, rows, cols);
+        forward<scalar_t, A>(xp, b.const_data_ptr<acc_t>(), rp, op, rule, rows, cols, stream);
       }
     });
   });
@@ -178,7 +180,7 @@ std::tuple<Tensor, Tensor> bias_dropout_add_bwd(const Tensor& grad_out, const Te
         with_flag(bias_grad, [&](auto sum) {
           backward<scalar_t, decltype(active)::value, decltype(sum)::value>(
               dy.const_data_ptr<scalar_t>(), dx.mutable_data_ptr<scalar_t>(), partial, rule, rows,
-              cols);
+              cols, stream_output(dx));
         });
       });
     }

@@ -80,6 +80,15 @@ Tensor2 bias_dropout_add_bwd(const at::Tensor& grad_out, const at::Tensor& seed,
 // The table the fused ops run (chosen on first use).
 const CpuKernels& kernels();
 
+// Outputs of at least this many bytes are written with non-temporal stores, which go to memory
+// without first reading each line into cache (kernels/cpu/vec.h, VecIO::store2). The default is
+// half the last-level cache: an output that large, with the inputs it was computed from, fills
+// the cache, so its consumer would find little of it there anyway.
+int64_t streaming_store_bytes();
+// Sets that threshold (0: every output streams; INT64_MAX: none does); a negative value restores
+// the default. For tests and benchmarks that compare the two kinds of store.
+void set_streaming_store_bytes(int64_t bytes);
+
 // Makes the fused ops run `isa`'s table from now on ("AVX2", "AVX512", "AVX512_BF16"): for
 // tests and benchmarks that compare them. Throws if this build or this CPU lacks it.
 void use_kernels(const std::string& isa);

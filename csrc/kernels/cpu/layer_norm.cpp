@@ -91,11 +91,11 @@ Welford<at::opmath_type<T>> row_stats(const T* x, int64_t cols) {
 }
 
 // P, the weight's and bias's element type: the accumulate type, or T itself for wide rows
-// (kWideRow).
+// (kWideRow). stream: write y with non-temporal stores (stream_output).
 template <typename T, typename P>
 void forward(const T* x, const P* w, const P* b, T* y,
              at::opmath_type<T>* mean, at::opmath_type<T>* rstd, int64_t rows, int64_t cols,
-             double eps) {
+             double eps, bool stream) {
   using IO = VecIO<T>;
   using acc_t = typename IO::acc_t;
   using Vec = typename IO::Vec;
@@ -118,10 +118,11 @@ void forward(const T* x, const P* w, const P* b, T* y,
         VecIO<P>::load2(b + i, b0, b1);
         a = at::vec::fmadd((a - vmu) * vrs, w0, b0);
         c = at::vec::fmadd((c - vmu) * vrs, w1, b1);
-        IO::store2(yr + i, a, c);
+        IO::store2(yr + i, a, c, stream);
       }
       for (; i < cols; ++i) yr[i] = T((acc_t(xr[i]) - mu) * rs * acc_t(w[i]) + acc_t(b[i]));
     }
+    stream_fence(stream);
   });
 }
 
@@ -185,7 +186,7 @@ void backward_sums(const T* dy, const T* x, const at::opmath_type<T>* w, at::opm
 template <typename T>
 void backward_dx(const T* dy, const T* x, const at::opmath_type<T>* w, T* dx,
                  at::opmath_type<T> mu, at::opmath_type<T> rs, at::opmath_type<T> c1,
-                 at::opmath_type<T> c2, int64_t n) {
+                 at::opmath_type<T> c2, int64_t n, bool stream) {
   using IO = VecIO<T>;
   using acc_t = typename IO::acc_t;
   using Vec = typename IO::Vec;
@@ -193,7 +194,7 @@ void backward_dx(const T* dy, const T* x, const at::opmath_type<T>* w, T* dx,
   int64_t i = 0;
   for (; i + IO::kStep <= n; i += IO::kStep) {
     const BackwardStep<T, Vec> s(dy, x, w, i, vmu, vrs);
-    IO::store2(dx + i, vrs * (s.g0 - vc1 - s.h0 * vc2), vrs * (s.g1 - vc1 - s.h1 * vc2));
+    IO::store2(dx + i, vrs * (s.g0 - vc1 - s.h0 * vc2), vrs * (s.g1 - vc1 - s.h1 * vc2), stream);
   }
   for (; i < n; ++i) {
     acc_t h = (acc_t(x[i]) - mu) * rs, g = acc_t(dy[i]) * w[i];
@@ -212,12 +213,12 @@ void backward_dx(const T* dy, const T* x, const at::opmath_type<T>* w, T* dx,
 constexpr int64_t kBwdChunk = 1024, kBwdTileRows = 8;
 
 // kParamGrads: sum dweight and dbias into dw and db (unused otherwise). dx null: no dx (pass 1
-// then serves the parameter gradients alone).
+// then serves the parameter gradients alone). stream: write dx with non-temporal stores.
 template <typename T, bool kParamGrads>
 void backward(const T* dy, const T* x, const at::opmath_type<T>* mean,
               const at::opmath_type<T>* rstd, const at::opmath_type<T>* w, T* dx,
               ColumnPartials<at::opmath_type<T>>& dw, ColumnPartials<at::opmath_type<T>>& db,
-              int64_t rows, int64_t cols) {
+              int64_t rows, int64_t cols, bool stream) {
   using acc_t = at::opmath_type<T>;
   const int64_t tile_rows = cols <= kBwdChunk ? 1 : kBwdTileRows;
   at::parallel_for(0, rows, row_grain(cols), [&](int64_t r0, int64_t r1) {
@@ -241,10 +242,11 @@ void backward(const T* dy, const T* x, const at::opmath_type<T>* mean,
         for (int64_t r = rb; r < re; ++r) {
           const int64_t o = r * cols + c0;
           backward_dx<T>(dy + o, x + o, w + c0, dx + o, mean[r], rstd[r],
-                         sum_g[r - rb] / acc_t(cols), sum_gx[r - rb] / acc_t(cols), n);
+                         sum_g[r - rb] / acc_t(cols), sum_gx[r - rb] / acc_t(cols), n, stream);
         }
       }
     }
+    stream_fence(stream);
   });
 }
 
@@ -260,6 +262,7 @@ std::tuple<Tensor, Tensor, Tensor> layer_norm_fwd(const Tensor& input, c10::IntA
   Tensor w = param_as_acc(weight, cols, x, 1.0), b = param_as_acc(bias, cols, x, 0.0);
   auto [y, mean, rstd] = layer_norm_outputs(x, static_cast<int64_t>(shape.size()));
   if (x.numel() == 0) return {y, mean, rstd};
+  const bool stream = stream_output(y);
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "layer_norm_fwd", [&] {
     using acc_t = at::opmath_type<scalar_t>;
     const auto* xp = x.const_data_ptr<scalar_t>();
@@ -272,10 +275,10 @@ std::tuple<Tensor, Tensor, Tensor> layer_norm_fwd(const Tensor& input, c10::IntA
         params_as_16bit(x, cols, {weight ? &*weight : nullptr, bias ? &*bias : nullptr})) {
       const Tensor w16 = w.to(x.scalar_type()), b16 = b.to(x.scalar_type());
       forward<scalar_t>(xp, w16.const_data_ptr<scalar_t>(), b16.const_data_ptr<scalar_t>(), yp,
-                        mp, rp, rows, cols, eps);
+                        mp, rp, rows, cols, eps, stream);
     } else {
       forward<scalar_t>(xp, w.const_data_ptr<acc_t>(), b.const_data_ptr<acc_t>(), yp, mp, rp,
-                        rows, cols, eps);
+                        rows, cols, eps, stream);
     }
   });
   return {y, mean, rstd};
@@ -304,7 +307,7 @@ std::tuple<Tensor, Tensor, Tensor> layer_norm_bwd(const Tensor& grad_out, const 
             dy.const_data_ptr<scalar_t>(), x.const_data_ptr<scalar_t>(),
             mean.contiguous().const_data_ptr<acc_t>(), rstd.contiguous().const_data_ptr<acc_t>(),
             w.const_data_ptr<acc_t>(), want.dx ? dx.mutable_data_ptr<scalar_t>() : nullptr, dw,
-            db, rows, cols);
+            db, rows, cols, stream_output(dx));
       });
     }
     if (want.dweight) dw_out = dw.sum(weight->scalar_type()).view(weight->sizes());

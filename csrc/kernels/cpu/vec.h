@@ -14,11 +14,53 @@
 #include <ATen/ops/zeros.h>
 
 #include <algorithm>
+#include <cstdint>
 #include <initializer_list>
 #include <type_traits>
 
+#include "kernels/cpu/kernels.h"
+
 // In the instruction set's own namespace: each copy of the kernels gets its own (kernels.h).
 namespace torchpar::kernels::cpu::CPU_CAPABILITY {
+
+// Non-temporal stores: a plain store first reads its cache line from memory (to own it), so a
+// kernel writing an output bigger than the cache moves each output byte twice; a non-temporal
+// store skips that read and writes whole lines to memory. For outputs whose consumer would not
+// find them in cache anyway (streaming_store_bytes, kernels.h). One thread writing 32 MiB of
+// float32 from a 32 MiB input, this machine: 1.46 -> 1.24 ms, and 12.6 -> 9.4 ms at 256 MiB.
+inline bool stream_output(const at::Tensor& out) {
+  return int64_t(out.nbytes()) >= streaming_store_bytes();
+}
+
+#if defined(CPU_CAPABILITY_AVX512)
+constexpr uintptr_t kStreamAlign = 64;  // the width of a vector register, which a stream needs
+inline void stream_store(void* p, __m512 v) { _mm512_stream_ps(static_cast<float*>(p), v); }
+inline void stream_store(void* p, __m512d v) { _mm512_stream_pd(static_cast<double*>(p), v); }
+inline void stream_store(void* p, __m512i v) { _mm512_stream_si512(static_cast<__m512i*>(p), v); }
+#elif defined(CPU_CAPABILITY_AVX2)
+constexpr uintptr_t kStreamAlign = 32;
+inline void stream_store(void* p, __m256 v) { _mm256_stream_ps(static_cast<float*>(p), v); }
+inline void stream_store(void* p, __m256d v) { _mm256_stream_pd(static_cast<double*>(p), v); }
+inline void stream_store(void* p, __m256i v) { _mm256_stream_si256(static_cast<__m256i*>(p), v); }
+#endif
+
+// Whether p can take a vector register's non-temporal store: this build has them, and p is
+// aligned to the register's width.
+inline bool streams_at(const void* p) {
+#if defined(CPU_CAPABILITY_AVX512) || defined(CPU_CAPABILITY_AVX2)
+  return reinterpret_cast<uintptr_t>(p) % kStreamAlign == 0;
+#else
+  return false;
+#endif
+}
+
+// Non-temporal stores are weakly ordered: a thread that made them fences before it tells
+// another thread (at::parallel_for's join) that its part of the output is written.
+inline void stream_fence(bool streamed) {
+#if defined(CPU_CAPABILITY_AVX512) || defined(CPU_CAPABILITY_AVX2)
+  if (streamed) _mm_sfence();
+#endif
+}
 
 // K float vectors computed in lockstep: every operation is issued for all K before the next
 // one starts. GeLU's float math is a chain of ~30 dependent operations per vector, longer
@@ -141,12 +183,30 @@ struct VecIO {
     }
   }
 
-  static void store2(T* p, const Vec& a, const Vec& b) {
+  // Stores a and b to p[0 .. kStep): with non-temporal stores if `stream` and p is aligned for
+  // them (a row that starts misaligned takes plain stores throughout).
+  static void store2(T* p, const Vec& a, const Vec& b, bool stream = false) {
 #if defined(__AVX512BF16__)
     if constexpr (std::is_same_v<T, c10::BFloat16>) {
       // One instruction rounds 32 floats to bfloat16 (nearest-even, NaN kept), where the
       // integer emulation takes about sixteen.
-      _mm512_storeu_si512(p, __m512i(_mm512_cvtne2ps_pbh(__m512(b), __m512(a))));
+      const __m512i v = __m512i(_mm512_cvtne2ps_pbh(__m512(b), __m512(a)));
+      if (stream && streams_at(p)) {
+        stream_store(p, v);
+      } else {
+        _mm512_storeu_si512(p, v);
+      }
+      return;
+    }
+#endif
+#if defined(CPU_CAPABILITY_AVX512) || defined(CPU_CAPABILITY_AVX2)
+    if (stream && streams_at(p)) {
+      if constexpr (kReduced) {
+        stream_store(p, at::vec::convert_from_float<T>(a, b));
+      } else {
+        stream_store(p, a);
+        stream_store(p + Vec::size(), b);
+      }
       return;
     }
 #endif
@@ -167,9 +227,9 @@ struct VecIO {
     return l;
   }
   template <int K>
-  static void store(T* p, const Lanes<K>& l) {
+  static void store(T* p, const Lanes<K>& l, bool stream = false) {
     static_assert(K % 2 == 0, "store<K> writes pairs of vectors");
-    for (int k = 0; k < K; k += 2) store2(p + k * Vec::size(), l.v[k], l.v[k + 1]);
+    for (int k = 0; k < K; k += 2) store2(p + k * Vec::size(), l.v[k], l.v[k + 1], stream);
   }
 };
 
