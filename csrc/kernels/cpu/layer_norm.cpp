@@ -110,9 +110,15 @@ void forward(const T* x, const P* w, const P* b, T* y,
       rstd[r] = rs;
       // y = (x - mu) * rs * w + b = x * (rs * w) + (b - mu * rs * w)
       const Vec vmu(mu), vrs(rs);
+      // This pass reads the row from L1 and asks nothing of memory, so the hardware
+      // prefetcher, which follows demand misses, idles until the next row's statistics miss.
+      // Asking for the next row here overlaps its read with this row's writes: from DRAM,
+      // 1.02-1.30x (A/B in one process, alternating); two rows ahead was slower than one.
+      const T* next = r + 1 < r1 ? xr + cols : nullptr;
       int64_t i = 0;
       for (; i + IO::kStep <= cols; i += IO::kStep) {
         Vec a, c, w0, w1, b0, b1;
+        if (next) prefetch(next + i, IO::kStep);
         IO::load2(xr + i, a, c);
         VecIO<P>::load2(w + i, w0, w1);
         VecIO<P>::load2(b + i, b0, b1);
@@ -182,17 +188,23 @@ void backward_sums(const T* dy, const T* x, const at::opmath_type<T>* w, at::opm
 }
 
 // Pass 2 over n columns of one row: dx = rstd * (g - c1 - xhat * c2), c1 = mean(g) and
-// c2 = mean(g * xhat) over the whole row.
+// c2 = mean(g * xhat) over the whole row. next (elements, 0: none): where the row that pass 1
+// reads next lies, brought into cache while this pass works from L1 and L2 (as the forward
+// does): 1.05-1.39x from DRAM.
 template <typename T>
 void backward_dx(const T* dy, const T* x, const at::opmath_type<T>* w, T* dx,
                  at::opmath_type<T> mu, at::opmath_type<T> rs, at::opmath_type<T> c1,
-                 at::opmath_type<T> c2, int64_t n, bool stream) {
+                 at::opmath_type<T> c2, int64_t n, bool stream, int64_t next) {
   using IO = VecIO<T>;
   using acc_t = typename IO::acc_t;
   using Vec = typename IO::Vec;
   const Vec vmu(mu), vrs(rs), vc1(c1), vc2(c2);
   int64_t i = 0;
   for (; i + IO::kStep <= n; i += IO::kStep) {
+    if (next != 0) {
+      prefetch(dy + next + i, IO::kStep);
+      prefetch(x + next + i, IO::kStep);
+    }
     const BackwardStep<T, Vec> s(dy, x, w, i, vmu, vrs);
     IO::store2(dx + i, vrs * (s.g0 - vc1 - s.h0 * vc2), vrs * (s.g1 - vc1 - s.h1 * vc2), stream);
   }
@@ -242,7 +254,8 @@ void backward(const T* dy, const T* x, const at::opmath_type<T>* mean,
         for (int64_t r = rb; r < re; ++r) {
           const int64_t o = r * cols + c0;
           backward_dx<T>(dy + o, x + o, w + c0, dx + o, mean[r], rstd[r],
-                         sum_g[r - rb] / acc_t(cols), sum_gx[r - rb] / acc_t(cols), n, stream);
+                         sum_g[r - rb] / acc_t(cols), sum_gx[r - rb] / acc_t(cols), n, stream,
+                         r + tile_rows < r1 ? tile_rows * cols : 0);
         }
       }
     }
