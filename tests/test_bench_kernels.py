@@ -21,6 +21,8 @@ def test_kernels_bench_writes_its_report(tmp_path):
     assert (tmp_path / "kernels.png").stat().st_size > 0
     report = json.loads(out.read_text())
     assert report["copy_gbs"] > 0
+    assert report["copy_gbs"] == max(report["copy_kinds_gbs"].values())
+    assert set(report["copy_kinds_gbs"]) == {"plain", "streaming"}
     rows = report["results"]
     assert len(rows) == 3 * 2 * 2  # ops x dtypes x passes
     for row in rows:

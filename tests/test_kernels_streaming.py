@@ -109,3 +109,22 @@ def test_a_large_output_streams_by_default_and_is_read_back_by_other_threads():
     y = torchpar.nn.functional.bias_gelu(x, b, "tanh")
     assert y.nbytes >= C.streaming_store_bytes()
     torch.testing.assert_close(y, torch.nn.functional.gelu(x + b, approximate="tanh"))
+
+
+@pytest.mark.parametrize("isa", RUNNABLE)
+@pytest.mark.parametrize("n", [0, 1, 7, 1000, 70001])
+def test_the_benchs_streaming_copy_copies(isa, n, kernels):
+    kernels(isa, -1)
+    src = torch.randn(n + 1)[1:].contiguous()  # and a source misaligned against dst
+    dst = torch.empty(n)
+    C.copy_streaming_(dst, src)
+    assert torch.equal(dst, src)
+
+
+def test_the_benchs_streaming_copy_refuses_what_it_cannot_copy():
+    with pytest.raises(RuntimeError, match="contiguous float32 CPU tensors of one size"):
+        C.copy_streaming_(torch.empty(3), torch.empty(4))
+    with pytest.raises(RuntimeError, match="contiguous float32"):
+        C.copy_streaming_(torch.empty(4, dtype=torch.float64), torch.empty(4, dtype=torch.float64))
+    with pytest.raises(RuntimeError, match="contiguous float32"):
+        C.copy_streaming_(torch.empty(4, 4).t(), torch.empty(4, 4))

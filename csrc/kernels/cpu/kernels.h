@@ -41,6 +41,7 @@ struct CpuKernels {
                                   const at::Tensor& residual, double p, bool training);
   Tensor2 (*bias_dropout_add_bwd)(const at::Tensor& grad_out, const at::Tensor& seed, double p,
                                   bool training, bool bias_grad);
+  void (*copy_streaming)(at::Tensor& dst, const at::Tensor& src);
 };
 
 // Each instruction set's table (cpu/table.cpp, compiled per instruction set).
@@ -74,6 +75,7 @@ Tensor2 bias_dropout_add_fwd(const at::Tensor& input, const at::Tensor& bias,
                              const at::Tensor& residual, double p, bool training);
 Tensor2 bias_dropout_add_bwd(const at::Tensor& grad_out, const at::Tensor& seed, double p,
                              bool training, bool bias_grad);
+void copy_streaming(at::Tensor& dst, const at::Tensor& src);
 }  // namespace CPU_CAPABILITY
 #endif
 

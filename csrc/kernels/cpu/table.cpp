@@ -9,6 +9,7 @@ namespace torchpar::kernels::cpu::CPU_CAPABILITY {
 extern const CpuKernels kKernels{
     TORCHPAR_XSTR(CPU_CAPABILITY), &layer_norm_fwd,       &layer_norm_bwd,      &bias_gelu,
     &bias_gelu_bwd,                &bias_dropout_add_fwd, &bias_dropout_add_bwd,
+    &copy_streaming,
 };
 
 }  // namespace torchpar::kernels::cpu::CPU_CAPABILITY
