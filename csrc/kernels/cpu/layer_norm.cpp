@@ -113,7 +113,8 @@ void forward(const T* x, const P* w, const P* b, T* y,
       // This pass reads the row from L1 and asks nothing of memory, so the hardware
       // prefetcher, which follows demand misses, idles until the next row's statistics miss.
       // Asking for the next row here overlaps its read with this row's writes: from DRAM,
-      // 1.02-1.30x (A/B in one process, alternating); two rows ahead was slower than one.
+      // 1.00-1.12x with plain or streaming stores, once 1.30x (A/B in one process,
+      // alternating); two rows ahead was slower than one.
       const T* next = r + 1 < r1 ? xr + cols : nullptr;
       int64_t i = 0;
       for (; i + IO::kStep <= cols; i += IO::kStep) {
@@ -190,7 +191,9 @@ void backward_sums(const T* dy, const T* x, const at::opmath_type<T>* w, at::opm
 // Pass 2 over n columns of one row: dx = rstd * (g - c1 - xhat * c2), c1 = mean(g) and
 // c2 = mean(g * xhat) over the whole row. next (elements, 0: none): where the row that pass 1
 // reads next lies, brought into cache while this pass works from L1 and L2 (as the forward
-// does): 1.05-1.39x from DRAM.
+// does). Tiles of wide rows ask for it: their pass 2 runs over 8 rows without a miss, and the
+// prefetch made the backward 1.02-1.55x faster from DRAM at 2048x4096 (A/B alternating in one
+// process); a lone row of up to 1024 columns does not, where it came out 0.94-1.00x.
 template <typename T>
 void backward_dx(const T* dy, const T* x, const at::opmath_type<T>* w, T* dx,
                  at::opmath_type<T> mu, at::opmath_type<T> rs, at::opmath_type<T> c1,
@@ -255,7 +258,7 @@ void backward(const T* dy, const T* x, const at::opmath_type<T>* mean,
           const int64_t o = r * cols + c0;
           backward_dx<T>(dy + o, x + o, w + c0, dx + o, mean[r], rstd[r],
                          sum_g[r - rb] / acc_t(cols), sum_gx[r - rb] / acc_t(cols), n, stream,
-                         r + tile_rows < r1 ? tile_rows * cols : 0);
+                         tile_rows > 1 && r + tile_rows < r1 ? tile_rows * cols : 0);
         }
       }
     }
