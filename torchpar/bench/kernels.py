@@ -417,7 +417,7 @@ def plot(report, path):
     ax.set_ylabel("achieved GB/s (bytes the op must move / time)")
     where = report["meta"].get("gpu") or f"{report['meta']['threads']} threads"
     ax.set_title(f"torchpar fused kernels, {report['meta']['date']}, {where}")
-    ax.legend(fontsize=8)
+    ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.0, 1.0))  # beside the bars
     fig.tight_layout()
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     fig.savefig(path, dpi=120)
