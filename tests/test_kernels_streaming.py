@@ -3,6 +3,7 @@
 kernels gives the same bits with every output streamed as with none, rows aligned for the
 streaming stores or not."""
 import pathlib
+import platform
 
 import pytest
 import torch
@@ -57,7 +58,9 @@ def _last_level_cache_bytes():
 def test_the_default_threshold_is_half_the_last_level_cache():
     default = C.streaming_store_bytes()
     llc = _last_level_cache_bytes()
-    if llc is not None:
+    if llc is not None and platform.machine() == "x86_64":
+        # cpuinfo reads the caches from the CPU itself on x86, as Linux does; elsewhere it
+        # may take them from a table of CPU models.
         assert default == llc // 2
     assert default > 0
     try:

@@ -5,6 +5,12 @@
 
 #include <cpuinfo.h>
 
+// cpuinfo is torch's own dependency, whose symbols libc10 exports in the torch releases built
+// against here (2.11-2.14). Weak references keep the extension loading into a torch that does
+// not export them: the functions' addresses are then null, and the default cache size serves.
+#pragma weak cpuinfo_initialize
+#pragma weak cpuinfo_get_max_cache_size
+
 #include <atomic>
 #include <string_view>
 #include <utility>
@@ -75,7 +81,8 @@ namespace {
 // cache that a core shares with its neighbours, 32 MiB on this machine's Zen 5, where glibc's
 // sysconf gives the sum over every core complex of the host (384 MiB). 32 MiB when unknown.
 int64_t last_level_cache_bytes() {
-  const uint32_t bytes = cpuinfo_initialize() ? cpuinfo_get_max_cache_size() : 0;
+  const bool have = cpuinfo_initialize != nullptr && cpuinfo_get_max_cache_size != nullptr;
+  const uint32_t bytes = have && cpuinfo_initialize() ? cpuinfo_get_max_cache_size() : 0;
   return bytes > 0 ? int64_t(bytes) : int64_t(32) << 20;
 }
 
