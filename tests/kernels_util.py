@@ -102,3 +102,22 @@ def run_all_ops(shape, dtype, param_dtype=None, params_grad=True):
         y.backward(dy)
         outs.append([y.detach()] + [t.grad for t in (x, r, w, b, bias) if t.grad is not None])
     return outs
+
+
+def cpu_kernel_isas():
+    """The copy of the CPU kernels the fused ops run by default, and every copy (narrowest
+    first) that this build has and this CPU runs."""
+    import torchpar
+
+    C = torchpar._C
+    default, isas = C.cpu_kernels_isa(), []
+    try:
+        for isa in ("AVX2", "AVX512", "AVX512_BF16"):
+            try:
+                C.set_cpu_kernels_isa(isa)
+                isas.append(isa)
+            except RuntimeError:
+                pass
+    finally:
+        C.set_cpu_kernels_isa(default)
+    return default, isas

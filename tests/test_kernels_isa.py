@@ -15,30 +15,12 @@ import torch
 
 import torchpar
 import torchpar.nn as tnn
-from kernels_util import gelu_exact, run_all_ops
+from kernels_util import cpu_kernel_isas, gelu_exact, run_all_ops
 
 pytestmark = pytest.mark.timeout(120)
 F = tnn.functional
 C = torchpar._C
-ISAS = ("AVX2", "AVX512", "AVX512_BF16")
-
-
-def _runnable():
-    default = C.cpu_kernels_isa()
-    isas = []
-    try:
-        for isa in ISAS:
-            try:
-                C.set_cpu_kernels_isa(isa)
-                isas.append(isa)
-            except RuntimeError:
-                pass
-    finally:
-        C.set_cpu_kernels_isa(default)
-    return default, isas
-
-
-DEFAULT, RUNNABLE = _runnable()
+DEFAULT, RUNNABLE = cpu_kernel_isas()
 OTHERS = [isa for isa in RUNNABLE if isa != DEFAULT]
 
 

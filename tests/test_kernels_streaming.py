@@ -9,26 +9,11 @@ import pytest
 import torch
 
 import torchpar
-from kernels_util import run_all_ops
+from kernels_util import cpu_kernel_isas, run_all_ops
 
 pytestmark = pytest.mark.timeout(120)
 C = torchpar._C
-ISAS = ("AVX2", "AVX512", "AVX512_BF16")
-
-
-def _runnable():
-    default, isas = C.cpu_kernels_isa(), []
-    for isa in ISAS:
-        try:
-            C.set_cpu_kernels_isa(isa)
-            isas.append(isa)
-        except RuntimeError:
-            pass
-    C.set_cpu_kernels_isa(default)
-    return default, isas
-
-
-DEFAULT, RUNNABLE = _runnable()
+DEFAULT, RUNNABLE = cpu_kernel_isas()
 
 
 @pytest.fixture
