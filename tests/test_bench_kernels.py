@@ -26,7 +26,8 @@ def test_kernels_bench_writes_its_report(tmp_path):
     rows = report["results"]
     assert len(rows) == 3 * 2 * 2  # ops x dtypes x passes
     for row in rows:
-        for key in ("torchpar_ms", "eager_ms", "gbs", "pct_copy", "compute_gbs", "compute_pct_copy"):
+        for key in ("torchpar_ms", "eager_ms", "gbs", "copy_gbs", "pct_copy", "compute_gbs",
+                    "compute_pct_copy"):
             assert row[key] > 0, (row["op"], row["dtype"], row["pass"], key)
 
 

@@ -5,8 +5,9 @@ For each op, shape and dtype, times the forward and forward+backward of
   eager      the unfused PyTorch composite (for layer_norm: torch's own layer_norm),
   compile    torch.compile of that same composite,
 all in one run, and reports achieved GB/s = bytes the op must move / time, beside the copy
-bandwidth (``dst.copy_(src)``, read + write) measured in the same run: the roofline of a
-memory-bound op (llm.c's way of reporting kernels). ``--device cuda`` runs the same on the
+bandwidth (read + write; the faster of ``dst.copy_(src)`` and a copy with non-temporal stores)
+timed in the same rounds as the op: the roofline of a memory-bound op (llm.c's way of
+reporting kernels). ``--device cuda`` runs the same on the
 GPU (the CUDA build), each call timed with CUDA events.
 """
 import argparse
@@ -179,16 +180,22 @@ def _time(fns, reps, warmup=2, flush=None, device="cpu"):
     return best
 
 
-def copy_bandwidth(nbytes, reps, device="cpu"):
-    """GB/s (bytes read + written) of copies of float32 arrays of ``nbytes``, by kind:
-    "plain", ``dst.copy_(src)``, whose ordinary stores first read each line they write; and on
-    the CPU "streaming", torchpar's copy with the non-temporal stores its kernels write large
-    outputs with (torchpar._C.copy_streaming_), which skips that read. Timed alternately."""
+def copies(nbytes, device="cpu"):
+    """Copies of float32 arrays of ``nbytes``, by kind: "plain", ``dst.copy_(src)``, whose
+    ordinary stores first read each line they write; and on the CPU "streaming", torchpar's
+    copy with the non-temporal stores its kernels write large outputs with
+    (torchpar._C.copy_streaming_), which skips that read."""
     src = torch.empty(nbytes // 4, dtype=torch.float32, device=device).uniform_()
     dst = torch.empty_like(src)
     kinds = {"plain": lambda: dst.copy_(src)}
     if torch.device(device).type == "cpu":
         kinds["streaming"] = lambda: torchpar._C.copy_streaming_(dst, src)
+    return kinds
+
+
+def copy_bandwidth(nbytes, reps, device="cpu"):
+    """GB/s (bytes read + written) of each kind of copy (copies), timed alternately."""
+    kinds = copies(nbytes, device)
     times = _time(list(kinds.values()), reps, device=device)
     return {kind: 2 * nbytes / t / 1e9 for kind, t in zip(kinds, times)}
 
@@ -204,7 +211,11 @@ def _best(*measured):
 DRAM_COPY_BYTES = 256 << 20
 
 
-def measure(op, rows, cols, dtype, reps, use_compile, device="cpu", frozen=False):
+def measure(op, rows, cols, dtype, reps, use_compile, device="cpu", frozen=False, copy_fns=None):
+    """Best times of each peer's forward and forward+backward, {peer: {mode: s}}; with
+    `copy_fns` (copies(DRAM_COPY_BYTES)) the copies too, timed in the same rounds as the ops,
+    {"copy": {kind: s}}: this machine's memory bandwidth changes from second to second, so
+    each op is held against the copy of its own rounds."""
     g = torch.Generator().manual_seed(0)
     x = torch.randn(rows, cols, generator=g).to(device, dtype)
     w = torch.randn(cols, generator=g).to(device, dtype)
@@ -232,6 +243,9 @@ def measure(op, rows, cols, dtype, reps, use_compile, device="cpu", frozen=False
 
         names += [(name, "fwd"), (name, "fwd_bwd")]
         fns += [fwd, fwd_bwd]
+    for kind, fn in (copy_fns or {}).items():
+        names.append(("copy", kind))
+        fns.append(fn)
     out = {}
     for (name, mode), t in zip(names, _time(fns, reps, flush=_CacheFlush(device), device=device)):
         out.setdefault(name, {})[mode] = t
@@ -286,13 +300,16 @@ def run(args):
     # Many short samples: a copy takes milliseconds, so a neighbour's burst spoils few.
     copy_dram = copy_bandwidth(DRAM_COPY_BYTES, max(args.reps, 100), dev)
     copy_op_sized = copy_bandwidth(elem_bytes_max, max(args.reps, 200), dev)
-    copy_gbs = max(copy_dram.values())
+    copy_fns = copies(DRAM_COPY_BYTES, dev)
     results = []
     for op in args.ops:
         for rows, cols in shapes:
             for dname in args.dtypes:
                 dtype = DTYPES[dname]
-                t = measure(op, rows, cols, dtype, args.reps, not args.no_compile, dev, args.frozen)
+                t = measure(op, rows, cols, dtype, args.reps, not args.no_compile, dev, args.frozen,
+                            copy_fns)
+                # The roofline of these rows: the faster kind of copy in the same rounds.
+                copy_kinds = {kind: 2 * DRAM_COPY_BYTES / s / 1e9 for kind, s in t.pop("copy").items()}
                 # The in-cache arithmetic bound is a CPU notion (per core, times the threads).
                 cost = compute_cost(op, cols, dtype, frozen=args.frozen) if on_cpu else None
                 elem = torch.empty((), dtype=dtype).element_size()
@@ -300,7 +317,8 @@ def run(args):
                 fwd_units, bwd_units = TRAFFIC[op]
                 for mode, units in (("fwd", fwd_units), ("fwd_bwd", fwd_units + bwd_units)):
                     row = {"op": op, "shape": f"{rows}x{cols}", "dtype": dname, "pass": mode,
-                           "bytes": units * act}
+                           "bytes": units * act, "copy_gbs": max(copy_kinds.values()),
+                           "copy_kinds_gbs": copy_kinds}
                     for peer, times in t.items():
                         row[f"{peer}_ms"] = times[mode] * 1e3
                     row["gbs"] = row["bytes"] / (row["torchpar_ms"] * 1e-3) / 1e9
@@ -308,22 +326,18 @@ def run(args):
                         ns = cost[0] if mode == "fwd" else cost[0] + cost[1]
                         row["compute_ns_per_elem"] = ns
                         row["compute_gbs"] = units * elem * torch.get_num_threads() / ns
-                    row["pct_copy"] = 100 * row["gbs"] / copy_gbs
+                        row["compute_pct_copy"] = 100 * row["compute_gbs"] / row["copy_gbs"]
+                    row["pct_copy"] = 100 * row["gbs"] / row["copy_gbs"]
                     row["x_eager"] = row["eager_ms"] / row["torchpar_ms"]
                     if "compile_ms" in row:
                         row["x_compile"] = row["compile_ms"] / row["torchpar_ms"]
                     results.append(row)
                 print(f"measured {op} {rows}x{cols} {dname}", file=sys.stderr, flush=True)
-    # Measured again after the ops: a neighbour's burst during one short copy window would
-    # otherwise set the roofline; the better of the two windows is the machine's.
-    # %copy is against the faster kind of copy: the roofline of kernels that may stream.
+    # The copy alone, in a window before the ops and one after (the better of the two): what
+    # memory gave when nothing else of this run ran, printed beside the rows' own copies.
     copy_dram = _best(copy_dram, copy_bandwidth(DRAM_COPY_BYTES, max(args.reps, 100), dev))
     copy_op_sized = _best(copy_op_sized, copy_bandwidth(elem_bytes_max, max(args.reps, 200), dev))
     copy_gbs = max(copy_dram.values())
-    for row in results:
-        row["pct_copy"] = 100 * row["gbs"] / copy_gbs
-        if "compute_gbs" in row:
-            row["compute_pct_copy"] = 100 * row["compute_gbs"] / copy_gbs
     print_header(copy_dram, copy_op_sized, elem_bytes_max, dev, args.frozen)
     for row in results:
         print_row(row)
@@ -348,7 +362,7 @@ def meta(args):
 
 
 HEADER = (f"{'op':<17}{'shape':>10}{'dtype':>9}{'pass':>8}{'torchpar':>10}{'eager':>9}"
-          f"{'compile':>9}{'x eager':>9}{'x comp':>8}{'GB/s':>7}{'%copy':>7}{'ceiling':>9}")
+          f"{'compile':>9}{'x eager':>9}{'x comp':>8}{'GB/s':>7}{'copy':>7}{'%copy':>7}{'ceiling':>9}")
 
 
 def print_header(copy_dram, copy_op_sized, op_bytes, device="cpu", frozen=False):
@@ -359,8 +373,9 @@ def print_header(copy_dram, copy_op_sized, op_bytes, device="cpu", frozen=False)
 
     print(f"copy bandwidth (read+write; plain: dst.copy_(src), streaming: non-temporal stores), "
           f"best of a window before and one after the ops: {kinds(copy_dram)} with "
-          f"{DRAM_COPY_BYTES >> 20} MiB arrays (DRAM; %copy is against the faster), "
-          f"{kinds(copy_op_sized)} with {op_bytes >> 20} MiB arrays (partly in {cache})")
+          f"{DRAM_COPY_BYTES >> 20} MiB arrays (DRAM), {kinds(copy_op_sized)} with "
+          f"{op_bytes >> 20} MiB arrays (partly in {cache}); each row's %copy is against the "
+          f"faster {DRAM_COPY_BYTES >> 20} MiB copy timed in the same rounds as its op (column copy)")
     if device == "cpu":
         print(f"torch's kernels: {torch.backends.cpu.get_cpu_capability()}; torchpar: "
               f"{torchpar._C.cpu_kernels_isa()}; {torch.get_num_threads()} threads; times in ms, "
@@ -381,7 +396,7 @@ def print_row(row):
     ceiling = f"{row['compute_pct_copy']:>9.0f}" if "compute_pct_copy" in row else f"{'-':>9}"
     print(f"{row['op']:<17}{row['shape']:>10}{row['dtype']:>9}{row['pass']:>8}"
           f"{row['torchpar_ms']:>10.2f}{row['eager_ms']:>9.2f}{comp}{row['x_eager']:>9.2f}"
-          f"{xcomp}{row['gbs']:>7.1f}{row['pct_copy']:>7.0f}{ceiling}", flush=True)
+          f"{xcomp}{row['gbs']:>7.1f}{row['copy_gbs']:>7.1f}{row['pct_copy']:>7.0f}{ceiling}", flush=True)
 
 
 def plot(report, path):
@@ -398,8 +413,8 @@ def plot(report, path):
     for k, peer in enumerate(peers):
         gbs = [r["bytes"] / (r[f"{peer}_ms"] * 1e-3) / 1e9 for r in rows]
         ax.bar([i + k * width for i in range(len(rows))], gbs, width, label=peer)
-    # torchpar's compute ceiling over its bar; past the copy line it is drawn at the top.
-    top = 1.05 * report["copy_gbs"]
+    # torchpar's compute ceiling over its bar; far above the copies it is drawn at the top.
+    top = 1.05 * max(r["copy_gbs"] for r in rows)
     xs = [i for i, r in enumerate(rows) if "compute_gbs" in r]
     ceil = {i: rows[i]["compute_gbs"] for i in xs}
     below = [i for i in xs if ceil[i] <= top]
@@ -410,8 +425,12 @@ def plot(report, path):
     if above:
         ax.scatter(above, [top] * len(above), marker="^", s=30, color="k", zorder=3,
                    label="ceiling above the copy")
-    ax.axhline(report["copy_gbs"], color="k", linestyle="--", label="copy bandwidth (the faster kind)")
-    ax.axhline(0.6 * report["copy_gbs"], color="grey", linestyle=":", label="60% of copy")
+    # Each row's copy, timed in the same rounds as its op, and 60 % of it.
+    centers = [i + 0.4 - width / 2 for i in range(len(rows))]
+    ax.hlines([r["copy_gbs"] for r in rows], [c - 0.45 for c in centers], [c + 0.45 for c in centers],
+              color="k", linestyle="--", label="copy in the same rounds (the faster kind)")
+    ax.hlines([0.6 * r["copy_gbs"] for r in rows], [c - 0.45 for c in centers],
+              [c + 0.45 for c in centers], color="grey", linestyle=":", label="60% of that copy")
     ax.set_xticks([i + 0.4 - width / 2 for i in range(len(rows))])
     ax.set_xticklabels(labels, fontsize=6, rotation=90)
     ax.set_ylabel("achieved GB/s (bytes the op must move / time)")
