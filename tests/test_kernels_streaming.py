@@ -56,6 +56,18 @@ def test_the_default_threshold_is_half_the_last_level_cache():
     assert C.streaming_store_bytes() == default
 
 
+def _assert_streaming_changes_no_bit(kernels, isa, shape, dtype, *run_args):
+    """Every output and gradient of run_all_ops with no output streamed, then every one
+    streamed, on `isa`'s kernels: bitwise the same."""
+    kernels(isa, 2**62)
+    plain = run_all_ops(shape, dtype, *run_args)
+    kernels(isa, 0)
+    streamed = run_all_ops(shape, dtype, *run_args)
+    for op_plain, op_streamed in zip(plain, streamed):
+        for p, s in zip(op_plain, op_streamed):
+            assert torch.equal(p, s)
+
+
 # Row widths whose rows all start aligned for a vector store (64, 1024 columns), every other
 # one (520 float32 columns: 2080 bytes), or misaligned ones with tails (37, 1010, 4150).
 SHAPES = [(3, 37), (5, 64), (6, 1024), (8, 520), (4, 1010), (2, 4150), (2, 3, 96)]
@@ -65,13 +77,7 @@ SHAPES = [(3, 37), (5, 64), (6, 1024), (8, 520), (4, 1010), (2, 4150), (2, 3, 96
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.float64], ids=str)
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
 def test_streamed_outputs_are_bitwise_those_of_plain_stores(isa, dtype, shape, kernels):
-    kernels(isa, 2**62)
-    plain = run_all_ops(shape, dtype)
-    kernels(isa, 0)
-    streamed = run_all_ops(shape, dtype)
-    for op_plain, op_streamed in zip(plain, streamed):
-        for p, s in zip(op_plain, op_streamed):
-            assert torch.equal(p, s)
+    _assert_streaming_changes_no_bit(kernels, isa, shape, dtype)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
@@ -79,13 +85,7 @@ def test_streamed_outputs_are_bitwise_those_of_plain_stores(isa, dtype, shape, k
 def test_streaming_with_mixed_precision_or_frozen_parameters(dtype, params_grad, kernels):
     shape = (4, 4150)
     param_dtype = torch.float32 if params_grad else None
-    kernels(DEFAULT, 2**62)
-    plain = run_all_ops(shape, dtype, param_dtype, params_grad)
-    kernels(DEFAULT, 0)
-    streamed = run_all_ops(shape, dtype, param_dtype, params_grad)
-    for op_plain, op_streamed in zip(plain, streamed):
-        for p, s in zip(op_plain, op_streamed):
-            assert torch.equal(p, s)
+    _assert_streaming_changes_no_bit(kernels, DEFAULT, shape, dtype, param_dtype, params_grad)
 
 
 def test_a_large_output_streams_by_default_and_is_read_back_by_other_threads():

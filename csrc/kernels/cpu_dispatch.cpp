@@ -86,15 +86,21 @@ int64_t last_level_cache_bytes() {
   return bytes > 0 ? int64_t(bytes) : int64_t(32) << 20;
 }
 
-const int64_t kDefaultStreamingStoreBytes = last_level_cache_bytes() / 2;
-std::atomic<int64_t> streaming_bytes{kDefaultStreamingStoreBytes};
+// The threshold set by set_streaming_store_bytes; negative: the default, half the last-level
+// cache, read from cpuinfo on first use rather than while the library loads.
+std::atomic<int64_t> streaming_bytes{-1};
 
 }  // namespace
 
-int64_t streaming_store_bytes() { return streaming_bytes.load(std::memory_order_relaxed); }
+int64_t streaming_store_bytes() {
+  const int64_t bytes = streaming_bytes.load(std::memory_order_relaxed);
+  if (bytes >= 0) return bytes;
+  static const int64_t kDefault = last_level_cache_bytes() / 2;
+  return kDefault;
+}
 
 void set_streaming_store_bytes(int64_t bytes) {
-  streaming_bytes.store(bytes < 0 ? kDefaultStreamingStoreBytes : bytes, std::memory_order_relaxed);
+  streaming_bytes.store(bytes < 0 ? -1 : bytes, std::memory_order_relaxed);
 }
 
 namespace {

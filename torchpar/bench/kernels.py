@@ -431,7 +431,7 @@ def plot(report, path):
               color="k", linestyle="--", label="copy in the same rounds (the faster kind)")
     ax.hlines([0.6 * r["copy_gbs"] for r in rows], [c - 0.45 for c in centers],
               [c + 0.45 for c in centers], color="grey", linestyle=":", label="60% of that copy")
-    ax.set_xticks([i + 0.4 - width / 2 for i in range(len(rows))])
+    ax.set_xticks(centers)
     ax.set_xticklabels(labels, fontsize=6, rotation=90)
     ax.set_ylabel("achieved GB/s (bytes the op must move / time)")
     where = report["meta"].get("gpu") or f"{report['meta']['threads']} threads"
