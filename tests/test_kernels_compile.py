@@ -77,3 +77,35 @@ def test_compiled_graphs_call_the_fused_kernels():
     assert {"layer_norm_fwd", "layer_norm_bwd", "bias_gelu", "bias_gelu_bwd",
             "bias_dropout_add_fwd", "bias_dropout_add_bwd"} <= called
     assert "aten.gelu" not in code and "aten.native_layer_norm" not in code
+
+
+class _Block(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.ln = tnn.LayerNorm(16)
+        self.fc = torch.nn.Linear(16, 16, bias=False)
+        self.act = tnn.BiasGeLU(16)
+        self.drop = tnn.BiasDropoutAdd(16, p=0.2)
+
+    def forward(self, x):
+        return self.drop(self.act(self.fc(self.ln(x))), x)
+
+
+@pytest.mark.parametrize("training", [False, True], ids=["eval", "train"])
+def test_export_keeps_the_fused_ops_with_a_dynamic_batch_and_round_trips(training, tmp_path):
+    # torch.export sees the ops whole (their Meta kernels give symbolic shapes), and the saved
+    # program, loaded back, draws the eager dropout mask from the same seed.
+    model = _Block().train(training)
+    batch = torch.export.Dim("batch")
+    program = torch.export.export(model, (torch.randn(4, 16),), dynamic_shapes={"x": {0: batch}})
+    targets = {str(n.target) for n in program.graph.nodes if n.op == "call_function"}
+    assert {"torchpar.layer_norm.default", "torchpar.bias_gelu.default",
+            "torchpar.bias_dropout_add.default"} <= targets
+    torch.export.save(program, tmp_path / "block.pt2")
+    loaded = torch.export.load(tmp_path / "block.pt2")
+    x = torch.randn(7, 16)
+    torch.manual_seed(3)
+    want = model(x)
+    for prog in (program, loaded):
+        torch.manual_seed(3)
+        torch.testing.assert_close(prog.module()(x), want, rtol=0, atol=0)

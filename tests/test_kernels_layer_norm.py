@@ -161,6 +161,19 @@ def test_state_dict_round_trip_with_nn_layernorm(elementwise_affine, bias):
     torch.testing.assert_close(back(x), theirs(x))
 
 
+@pytest.mark.parametrize("elementwise_affine,bias", [(True, True), (True, False), (False, True)])
+def test_module_repr_is_nn_layernorms(elementwise_affine, bias):
+    args = dict(eps=1e-6, elementwise_affine=elementwise_affine, bias=bias)
+    assert repr(tnn.LayerNorm([3, 8], **args)) == repr(torch.nn.LayerNorm([3, 8], **args))
+
+
+def test_functional_takes_every_form_of_normalized_shape():
+    x, w, b = _inputs((4, 2, 8), (8,), torch.float32)
+    want = TF.layer_norm(x, [8], w, b)
+    for shape in (8, [8], (8,), torch.Size([8])):
+        torch.testing.assert_close(F.layer_norm(x, shape, w, b), want)
+
+
 def test_module_takes_nn_layernorm_arguments():
     m = tnn.LayerNorm(16, eps=1e-3, elementwise_affine=True, bias=False, dtype=torch.float64)
     assert m.weight.dtype == torch.float64 and m.bias is None and m.normalized_shape == (16,)

@@ -12,23 +12,24 @@ import torchpar._C  # noqa: F401  (registers torch.ops.torchpar)
 
 __all__ = ["layer_norm", "bias_gelu", "bias_dropout_add"]
 
-_ops = torch.ops.torchpar
 
-
-def layer_norm(input: Tensor, normalized_shape: Union[int, List[int], torch.Size],
+def layer_norm(input: Tensor, normalized_shape: Union[int, List[int]],
                weight: Optional[Tensor] = None, bias: Optional[Tensor] = None,
                eps: float = 1e-5) -> Tensor:
-    """Same contract as :func:`torch.nn.functional.layer_norm`; statistics in float32
-    (float64 for float64 input), saved for the backward."""
+    """Same contract as :func:`torch.nn.functional.layer_norm` (``normalized_shape`` an int
+    or a sequence of ints, a ``torch.Size`` too); statistics in float32 (float64 for float64
+    input), saved for the backward. Scriptable with TorchScript, as torch's is."""
     if isinstance(normalized_shape, int):
-        normalized_shape = [normalized_shape]
-    return _ops.layer_norm(input, list(normalized_shape), weight, bias, float(eps))
+        shape = [normalized_shape]
+    else:
+        shape = list(normalized_shape)
+    return torch.ops.torchpar.layer_norm(input, shape, weight, bias, float(eps))
 
 
 def bias_gelu(input: Tensor, bias: Tensor, approximate: str = "none") -> Tensor:
     """``gelu(input + bias)``; ``bias`` has shape ``[input.shape[-1]]``; ``approximate`` is
     ``"none"`` (erf) or ``"tanh"``, as in :func:`torch.nn.functional.gelu`."""
-    return _ops.bias_gelu(input, bias, approximate)
+    return torch.ops.torchpar.bias_gelu(input, bias, approximate)
 
 
 def bias_dropout_add(input: Tensor, bias: Tensor, residual: Tensor, p: float = 0.1,
@@ -40,4 +41,4 @@ def bias_dropout_add(input: Tensor, bias: Tensor, residual: Tensor, p: float = 0
     Captured in a CUDA graph, the key comes from torch's CUDA generator at replay time, so
     every replay draws a new mask.
     """
-    return _ops.bias_dropout_add(input, bias, residual, float(p), bool(training))
+    return torch.ops.torchpar.bias_dropout_add(input, bias, residual, float(p), bool(training))

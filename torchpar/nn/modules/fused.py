@@ -12,7 +12,8 @@ __all__ = ["LayerNorm", "BiasGeLU", "BiasDropoutAdd"]
 
 class LayerNorm(nn.Module):
     """Drop-in for :class:`torch.nn.LayerNorm`: same arguments, same parameters and
-    ``state_dict`` keys (``weight``, ``bias``), so checkpoints load either way."""
+    ``state_dict`` keys (``weight``, ``bias``), so checkpoints load either way; the same
+    ``repr``; scriptable with TorchScript."""
 
     __constants__ = ["normalized_shape", "eps", "elementwise_affine"]
 
@@ -47,8 +48,8 @@ class LayerNorm(nn.Module):
         return F.layer_norm(input, list(self.normalized_shape), self.weight, self.bias, self.eps)
 
     def extra_repr(self) -> str:
-        return ("{normalized_shape}, eps={eps}, "
-                "elementwise_affine={elementwise_affine}".format(**self.__dict__))
+        return (f"{self.normalized_shape}, eps={self.eps}, "
+                f"elementwise_affine={self.elementwise_affine}, bias={self.bias is not None}")
 
 
 class BiasGeLU(nn.Module):
