@@ -31,3 +31,16 @@ def test_train_ddp_example_keeps_replicas_identical(backend):
         out = _run_example(backend)
     assert out.returncode == 0, out.stdout + out.stderr
     assert "replicas identical after 20 steps" in out.stdout
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_fused_gpt_block_example_trains_as_the_torch_model_does(dtype):
+    # The torch model's checkpoint, its biases moved into the fused ops, trains to the same
+    # losses step for step (no dropout).
+    cmd = [sys.executable, os.path.join(ROOT, "examples", "fused_gpt_block.py"), "--steps", "4",
+           "--width", "64", "--heads", "4", "--seq", "32", "--layers", "2", "--vocab", "256",
+           "--batch", "2", "--dtype", dtype, "--dropout", "0"]
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=100)
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert "losses match" in out.stdout and "median step" in out.stdout

@@ -7,7 +7,6 @@
 #include <ATen/cuda/PhiloxUtils.cuh>
 #include <ATen/ops/empty.h>
 #include <ATen/ops/empty_like.h>
-#include <ATen/ops/zeros.h>
 #include <c10/cuda/CUDAGraphsC10Utils.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <torch/library.h>
@@ -171,7 +170,8 @@ std::tuple<Tensor, Tensor> bias_dropout_add_bwd_cuda(const Tensor& grad_out, con
       constexpr int N = decltype(pack)::value;
       const int threads = 128;
       const dim3 grid = column_tile_grid(rows, cols, threads * N);
-      Tensor part = at::zeros({bias_grad ? int64_t(grid.y) : 0, cols}, dy.options().dtype(acc));
+      Tensor part = column_partials(bias_grad ? int64_t(grid.y) : 0, cols, dy.numel() > 0,
+                                    dy.options().dtype(acc));
       if (dy.numel() > 0) {
         with_flag(rule.active, [&](auto active) {
           with_flag(bias_grad, [&](auto sum) {

@@ -113,7 +113,8 @@ std::tuple<Tensor, Tensor> bias_gelu_bwd_cuda(const Tensor& grad_out, const Tens
       constexpr int N = decltype(pack)::value;
       const int threads = 128;
       const dim3 grid = column_tile_grid(rows, cols, threads * N);
-      Tensor part = at::zeros({bias_grad ? int64_t(grid.y) : 0, cols}, x.options().dtype(acc));
+      Tensor part = column_partials(bias_grad ? int64_t(grid.y) : 0, cols, x.numel() > 0,
+                                    x.options().dtype(acc));
       if (x.numel() > 0) {
         with_gelu_approx(approx, [&](auto a) {
           with_flag(bias_grad, [&](auto sum) {

@@ -5,6 +5,7 @@
 #include <ATen/OpMathType.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/cuda/CUDAContext.h>
+#include <ATen/ops/empty.h>
 #include <ATen/ops/zeros.h>
 #include <c10/cuda/CUDAException.h>
 
@@ -129,6 +130,15 @@ inline void sum_partials(const at::Tensor& partial, at::Tensor& out) {
         partial.const_data_ptr<acc_t>(), parts, cols, out.mutable_data_ptr<T>());
   }
   C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
+// The [parts, cols] partials of a column-tile kernel, which writes every (part, column) once,
+// a chunk past the last row included (as zeros): left uninitialised, saving a memset launch per
+// backward. Zeros only when the kernel will not run (no rows), so that sum_partials reads
+// zeros.
+inline at::Tensor column_partials(int64_t parts, int64_t cols, bool kernel_runs,
+                                  const at::TensorOptions& options) {
+  return kernel_runs ? at::empty({parts, cols}, options) : at::zeros({parts, cols}, options);
 }
 
 // Grid for kernels that walk a [rows, cols] matrix by column tiles (x) and row chunks (y):

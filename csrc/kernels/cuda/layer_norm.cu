@@ -5,7 +5,6 @@
 #include <ATen/Dispatch.h>
 #include <ATen/ops/empty.h>
 #include <ATen/ops/empty_like.h>
-#include <ATen/ops/zeros.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/util/accumulate.h>
 #include <torch/library.h>
@@ -188,8 +187,8 @@ std::tuple<Tensor, Tensor, Tensor> layer_norm_bwd_cuda(const Tensor& grad_out, c
     if (!want.params()) return;
     const int threads = 128;
     const dim3 grid = column_tile_grid(rows, cols, threads);
-    Tensor dw_part = at::zeros({int64_t(grid.y), cols}, x.options().dtype(acc));
-    Tensor db_part = at::zeros({int64_t(grid.y), cols}, x.options().dtype(acc));
+    Tensor dw_part = column_partials(grid.y, cols, x.numel() > 0, x.options().dtype(acc));
+    Tensor db_part = column_partials(grid.y, cols, x.numel() > 0, x.options().dtype(acc));
     if (x.numel() > 0) {
       dwdb_kernel<scalar_t><<<grid, threads, 0, stream>>>(
           dy.const_data_ptr<scalar_t>(), x.const_data_ptr<scalar_t>(), mean.const_data_ptr<acc_t>(),
