@@ -1,9 +1,11 @@
-"""The examples run as users run them: under torchrun."""
+"""The examples run as users run them (the DDP one under torchrun)."""
+import importlib.util
 import os
 import subprocess
 import sys
 
 import pytest
+import torch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -44,3 +46,23 @@ def test_fused_gpt_block_example_trains_as_the_torch_model_does(dtype):
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=100)
     assert out.returncode == 0, out.stdout + out.stderr
     assert "losses match" in out.stdout and "median step" in out.stdout
+
+
+def test_fused_gpt_block_example_catches_a_misplaced_bias():
+    # Every bias has shape [width], so a wrong mapping loads without complaint: the example's
+    # logits check must refuse it.
+    spec = importlib.util.spec_from_file_location("fused_gpt_block", os.path.join(ROOT, "examples", "fused_gpt_block.py"))
+    example = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(example)
+    torch.manual_seed(0)
+    reference = example.GPT(example.TorchBlock, 64, 32, 4, 2, 16, 0.0)
+    fused = example.GPT(example.FusedBlock, 64, 32, 4, 2, 16, 0.0)
+    state = example.fused_state_dict(reference.state_dict())
+    idx = torch.randint(64, (2, 16))
+    fused.load_state_dict(state)
+    example.check_port(reference, fused, idx)  # the right mapping passes
+    state["blocks.1.mlp_out.bias"], state["blocks.1.attn_out.bias"] = (state["blocks.1.attn_out.bias"],
+                                                                       state["blocks.1.mlp_out.bias"])
+    fused.load_state_dict(state)
+    with pytest.raises(SystemExit, match="logits differ"):
+        example.check_port(reference, fused, idx)

@@ -76,6 +76,26 @@ def test_matches_float64_reference(op, dtype, shape, contiguous):
     _check(op, shape, dtype, contiguous=contiguous)
 
 
+# Rows enough for many row chunks per column tile in the backwards' partial sums: chunks that
+# end mid-way, and (2140 rows of <= 128 columns on a 132-SM GPU: 66 chunks of 33) empty
+# trailing ones, which must still write their zeros.
+MANY_ROWS = [(2140, 33), (4097, 8), (1000, 3000)]
+
+
+@pytest.mark.parametrize("shape", MANY_ROWS, ids=str)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("op", ["layer_norm", "bias_gelu", "bias_dropout_add"])
+def test_parameter_gradients_over_many_row_chunks_from_a_dirty_allocator(op, dtype, shape):
+    # The partials are not zeroed before their kernel writes them: hand the caching allocator
+    # back NaN-filled blocks first, of its small pool (up to 1 MiB, where the partials of
+    # these shapes come from) and its large one, so an entry left unwritten would show.
+    junk = [torch.full((1 << 18,), math.nan, device="cuda") for _ in range(32)]
+    junk.append(torch.full((16 << 20,), math.nan, device="cuda"))
+    torch.cuda.synchronize()
+    del junk
+    _check(op, shape, dtype)
+
+
 @pytest.mark.parametrize("shape", [(64, 1000), (3, 2100), (5, 12289)], ids=str)
 def test_bias_gelu_tanh(shape):
     for dtype in DTYPES:

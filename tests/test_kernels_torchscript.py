@@ -39,11 +39,35 @@ def test_scripted_layer_norm_module_matches_eager_with_gradients(kwargs):
         torch.testing.assert_close(got, want, rtol=0, atol=0)
 
 
-def test_scripted_functions_take_an_int_or_a_list_shape():
+def _normalize_by_tuples(x: torch.Tensor) -> torch.Tensor:
+    return F.layer_norm(F.layer_norm(x, (3, 8)), (8,))
+
+
+class _Model(torch.nn.Module):
+    """A model holding the module (built from a torch.Size) beside a functional call with a
+    tuple attribute: what scripting a model that used torch's LayerNorm looks like."""
+
+    def __init__(self):
+        super().__init__()
+        self.norm = tnn.LayerNorm(torch.Size([3, 8]))
+        self.shape = (8,)
+
+    def forward(self, x):
+        return F.layer_norm(self.norm(x), self.shape)
+
+
+def test_scripted_callers_pass_lists_tuples_and_sizes_as_with_torchs_layer_norm():
+    x = _x(2, 3, 8)
     layer_norm = torch.jit.script(F.layer_norm)
-    x = _x(4, 8)
-    torch.testing.assert_close(layer_norm(x, 8), F.layer_norm(x, [8]), rtol=0, atol=0)
     torch.testing.assert_close(layer_norm(x, [8]), F.layer_norm(x, 8), rtol=0, atol=0)
+    by_tuples = torch.jit.script(_normalize_by_tuples)
+    torch.testing.assert_close(by_tuples(x), _normalize_by_tuples(x), rtol=0, atol=0)
+    model = _Model()
+    torch.testing.assert_close(torch.jit.script(model)(x), model(x), rtol=0, atol=0)
+
+
+def test_scripted_bias_gelu_function_matches_eager():
+    x = _x(4, 8)
     bias_gelu = torch.jit.script(F.bias_gelu)
     torch.testing.assert_close(bias_gelu(x, _x(8, seed=1), "tanh"), F.bias_gelu(x, _x(8, seed=1), "tanh"),
                                rtol=0, atol=0)
@@ -65,6 +89,5 @@ def test_scripted_bias_dropout_add_draws_the_eager_mask_and_is_identity_in_eval(
     want = eager(x, r)
     torch.manual_seed(7)
     torch.testing.assert_close(scripted(x, r), want, rtol=0, atol=0)
-    eager.eval()
-    scripted = torch.jit.script(eager)
+    scripted.eval()  # switching the scripted module, as users do
     torch.testing.assert_close(scripted(x, r), x + r, rtol=0, atol=0)

@@ -3,7 +3,7 @@
 Each is one pass over memory in C++ (CPU) or CUDA, with its backward in C++; all three
 trace under ``torch.compile`` without a graph break. See ``csrc/kernels/``.
 """
-from typing import List, Optional, Union
+from typing import List, Optional
 
 import torch
 from torch import Tensor
@@ -13,12 +13,13 @@ import torchpar._C  # noqa: F401  (registers torch.ops.torchpar)
 __all__ = ["layer_norm", "bias_gelu", "bias_dropout_add"]
 
 
-def layer_norm(input: Tensor, normalized_shape: Union[int, List[int]],
+def layer_norm(input: Tensor, normalized_shape: List[int],
                weight: Optional[Tensor] = None, bias: Optional[Tensor] = None,
                eps: float = 1e-5) -> Tensor:
-    """Same contract as :func:`torch.nn.functional.layer_norm` (``normalized_shape`` an int
-    or a sequence of ints, a ``torch.Size`` too); statistics in float32 (float64 for float64
-    input), saved for the backward. Scriptable with TorchScript, as torch's is."""
+    """Same contract as :func:`torch.nn.functional.layer_norm`: ``normalized_shape`` a list,
+    tuple or ``torch.Size`` of ints (in eager mode an int too); statistics in float32
+    (float64 for float64 input), saved for the backward. Scripts with TorchScript as torch's
+    does, its annotation the same (``List[int]``, which takes tuples in scripted code)."""
     if isinstance(normalized_shape, int):
         shape = [normalized_shape]
     else:

@@ -134,8 +134,8 @@ inline void sum_partials(const at::Tensor& partial, at::Tensor& out) {
 
 // The [parts, cols] partials of a column-tile kernel, which writes every (part, column) once,
 // a chunk past the last row included (as zeros): left uninitialised, saving a memset launch per
-// backward. Zeros only when the kernel will not run (no rows), so that sum_partials reads
-// zeros.
+// backward. Zeros only when the kernel will not run (no rows or no columns), so that
+// sum_partials reads zeros.
 inline at::Tensor column_partials(int64_t parts, int64_t cols, bool kernel_runs,
                                   const at::TensorOptions& options) {
   return kernel_runs ? at::empty({parts, cols}, options) : at::zeros({parts, cols}, options);
