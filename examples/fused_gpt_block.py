@@ -110,7 +110,8 @@ def check_port(reference, fused, idx):
     would load without complaint: this is what catches it."""
     with torch.no_grad():
         want, got = reference.eval()(idx), fused.eval()(idx)
-    reference.train(), fused.train()
+    reference.train()
+    fused.train()
     worst = ((got - want).abs().max() / want.abs().max()).item()
     if worst > 1e-5:
         raise SystemExit(f"the ported model's logits differ: {worst:.1e} relative")

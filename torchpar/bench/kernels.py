@@ -193,11 +193,16 @@ def copies(nbytes, device="cpu"):
     return kinds
 
 
+def _copy_rate(nbytes, seconds):
+    """GB/s of a copy of ``nbytes`` taking ``seconds``: bytes read + written."""
+    return 2 * nbytes / seconds / 1e9
+
+
 def copy_bandwidth(nbytes, reps, device="cpu"):
-    """GB/s (bytes read + written) of each kind of copy (copies), timed alternately."""
+    """GB/s of each kind of copy (copies), timed alternately."""
     kinds = copies(nbytes, device)
     times = _time(list(kinds.values()), reps, device=device)
-    return {kind: 2 * nbytes / t / 1e9 for kind, t in zip(kinds, times)}
+    return {kind: _copy_rate(nbytes, t) for kind, t in zip(kinds, times)}
 
 
 def _best(*measured):
@@ -309,7 +314,7 @@ def run(args):
                 t = measure(op, rows, cols, dtype, args.reps, not args.no_compile, dev, args.frozen,
                             copy_fns)
                 # The roofline of these rows: the faster kind of copy in the same rounds.
-                copy_kinds = {kind: 2 * DRAM_COPY_BYTES / s / 1e9 for kind, s in t.pop("copy").items()}
+                copy_kinds = {kind: _copy_rate(DRAM_COPY_BYTES, s) for kind, s in t.pop("copy").items()}
                 # The in-cache arithmetic bound is a CPU notion (per core, times the threads).
                 cost = compute_cost(op, cols, dtype, frozen=args.frozen) if on_cpu else None
                 elem = torch.empty((), dtype=dtype).element_size()
