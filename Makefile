@@ -45,7 +45,8 @@ test-py: build
 # Needs Debian's libgtest-dev, installed here when missing; without it (no root, no
 # network) these tests are skipped with a note and the Python suite still runs.
 TORCH_DIR = $(VENV)/lib/python3.11/site-packages/torch
-CPP_SOURCES := $(wildcard csrc/transport/*.cpp csrc/transport/shm/*.cpp csrc/collectives/*.cpp)
+CPP_SOURCES := $(wildcard csrc/transport/*.cpp csrc/transport/shm/*.cpp csrc/transport/tcp/*.cpp \
+	csrc/collectives/*.cpp csrc/collectives/p2p/*.cpp)
 build/cpp-tests: $(VENV)/.deps $(CPP_SOURCES) $(wildcard csrc/*/*.h csrc/*/*/*.h) tests/cpp/test_transport.cpp
 	@mkdir -p build
 	c++ -O2 -std=c++20 -mavx2 -mfma -mf16c -DCPU_CAPABILITY_AVX2 -DCPU_CAPABILITY=AVX2 -Wno-unknown-pragmas \

@@ -9,6 +9,7 @@
 #include "collectives/collectives.h"
 #include "common/error.h"
 #include "transport/host.h"
+#include "transport/tcp/tcp_transport.h"
 
 namespace torchpar {
 
@@ -32,17 +33,34 @@ class StoreRendezvous final : public Rendezvous {
   c10::intrusive_ptr<c10d::Store> store_;
 };
 
-// Ranks on other hosts would need the TCP transport; say so instead of failing obscurely.
-void check_single_host(Rendezvous& rv, int rank, int size) {
-  std::string mine = host_identity();
+// Shared memory when every rank of the group runs on this host (host identities are
+// exchanged through the store, never guessed from the environment); TCP otherwise, or when
+// TORCHPAR_TRANSPORT=tcp asks for it.
+std::unique_ptr<Transport> connect(Rendezvous& rv, int rank, int size, const Config& config,
+                                   std::chrono::milliseconds timeout) {
+  TORCH_CHECK(config.transport == "auto" || config.transport == "shm" || config.transport == "tcp",
+              "torchpar: TORCHPAR_TRANSPORT must be auto, shm or tcp, not '", config.transport, "'");
+  const std::string mine = host_identity();
   rv.set("torchpar/host/" + std::to_string(rank), mine);
-  for (int r = 0; r < size; ++r) {
-    std::string theirs = r == rank ? mine : rv.get("torchpar/host/" + std::to_string(r));
-    TORCH_CHECK(theirs == mine, "torchpar: rank ", r, " runs on another host (", theirs.substr(0, theirs.find('|')),
-                ") than rank ", rank, " (", mine.substr(0, mine.find('|')),
-                "); this version of torchpar connects ranks through shared memory only, "
-                "so every rank of a group must run on the same host");
+  int elsewhere = -1;
+  std::string theirs;
+  for (int r = 0; r < size && elsewhere < 0; ++r) {
+    theirs = r == rank ? mine : rv.get("torchpar/host/" + std::to_string(r));
+    if (theirs != mine) elsewhere = r;
   }
+  TORCH_CHECK(elsewhere < 0 || config.transport != "shm", "torchpar: TORCHPAR_TRANSPORT=shm, but rank ",
+              elsewhere, " runs on another host (", theirs.substr(0, theirs.find('|')), ") than rank ", rank,
+              " (", mine.substr(0, mine.find('|')), ")");
+  // Every rank must pick the same: the host identities above are the same on every rank,
+  // and the setting is checked against rank 0's.
+  rv.set("torchpar/transport/" + std::to_string(rank), config.transport);
+  const std::string first = rank == 0 ? config.transport : rv.get("torchpar/transport/0");
+  TORCH_CHECK(first == config.transport, "torchpar: TORCHPAR_TRANSPORT differs between rank 0 (", first,
+              ") and rank ", rank, " (", config.transport, "); every rank must use the same");
+  if (elsewhere < 0 && config.transport != "tcp") {
+    return std::make_unique<shm::ShmTransport>(rank, size, rv, config, timeout);
+  }
+  return std::make_unique<tcp::TcpTransport>(rank, size, rv, config, timeout);
 }
 
 // The message of a stored exception (c10 errors without their C++ backtrace).
@@ -101,9 +119,8 @@ ProcessGroupTorchpar::ProcessGroupTorchpar(const c10::intrusive_ptr<c10d::Store>
                                            std::string group_name)
     : c10d::Backend(rank, size), group_name_(std::move(group_name)), timeout_(timeout) {
   StoreRendezvous rv(store);
-  check_single_host(rv, rank, size);
   try {
-    transport_ = std::make_unique<shm::ShmTransport>(rank, size, rv, config_, timeout);
+    transport_ = connect(rv, rank, size, config_, timeout);
   } catch (const Error& e) {
     C10_THROW_ERROR(DistBackendError, std::string("torchpar: setting up group '") + group_name_ +
                                           "' failed on rank " + std::to_string(rank) + ": " + e.what());
@@ -194,7 +211,7 @@ void ProcessGroupTorchpar::execute(Queued& item, bool caller_blocks) {
   }
   std::exception_ptr error;
   try {
-    Comm comm{transport_->arena(), config_, Clock::now() + item.timeout, seq, caller_blocks};
+    Comm comm{transport_->arena(), transport_->p2p(), config_, Clock::now() + item.timeout, seq, caller_blocks};
     item.task(comm);
   } catch (...) {
     bool fatal = false;

@@ -45,8 +45,14 @@ class ProcessGroupTorchpar : public c10d::Backend {
   void shutdown() override;
   void abort() override;
 
-  // Name of the group's shared-memory segment (already unlinked; for tests and logs).
-  std::string segment_name() const { return transport_->segment_name(); }
+  // "shm" or "tcp".
+  std::string transport_name() const { return transport_->name(); }
+  // Name of the group's shared-memory segment (already unlinked; for tests and logs), or ""
+  // over TCP.
+  std::string segment_name() const {
+    auto* shm = dynamic_cast<shm::ShmTransport*>(transport_.get());
+    return shm ? shm->segment_name() : "";
+  }
 
   c10::intrusive_ptr<c10d::Work> broadcast(std::vector<at::Tensor>& tensors,
                                            const c10d::BroadcastOptions& opts) override;
@@ -124,7 +130,7 @@ class ProcessGroupTorchpar : public c10d::Backend {
   const std::string group_name_;
   std::chrono::milliseconds timeout_;
   Config config_;
-  std::unique_ptr<shm::ShmTransport> transport_;
+  std::unique_ptr<Transport> transport_;
 
   std::mutex mu_;
   std::condition_variable cv_;

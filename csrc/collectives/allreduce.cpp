@@ -13,12 +13,12 @@ namespace {
 // the same order).
 void allreduce_oneshot(Comm& c, const Segments& data, size_t count, c10::ScalarType dtype, ReduceOp op) {
   const size_t es = element_size(dtype);
-  data.gather(c.arena.slot(c.rank()), 0, count * es, false);
+  data.gather(c.arena().slot(c.rank()), 0, count * es, false);
   c.arrive_and_wait();
   c.check_descriptors();
   std::vector<const void*> srcs(c.size());
   data.for_each(0, count * es, [&](char* in, size_t at, size_t bytes) {
-    for (int r = 0; r < c.size(); ++r) srcs[r] = r == c.rank() ? in : c.arena.slot(r) + at;
+    for (int r = 0; r < c.size(); ++r) srcs[r] = r == c.rank() ? in : c.arena().slot(r) + at;
     reduce(dtype, op, in, srcs.data(), c.size(), bytes / es, c.size());
   });
   c.arrive();
@@ -31,9 +31,10 @@ void allreduce(Comm& c, const Segments& data, size_t count, c10::ScalarType dtyp
   TP_CHECK_USAGE(data.bytes() == bytes, "all_reduce of ", count, " elements given ", data.bytes(),
                  " bytes of buffers");
   check_supported(op, dtype);
+  if (!c.shared) return p2p::allreduce(c, data, count, dtype, op);
   c.begin(op_desc(OpKind::kAllreduce, dtype, count, 0, static_cast<int>(op)));
   if (count == 0 || (bytes <= static_cast<size_t>(c.config.oneshot_max_bytes) &&
-                     bytes <= c.arena.slot_bytes())) {
+                     bytes <= c.arena().slot_bytes())) {
     allreduce_oneshot(c, data, count, dtype, op);
   } else {
     reduce_in_chunks(c, data, count, dtype, op, /*root=*/-1);

@@ -27,16 +27,16 @@ struct Splits {
 Splits exchange(Comm& c, const void* const* sends, const size_t* send_counts, const size_t* recv_counts,
                 size_t es) {
   const int w = c.size();
-  auto* mine = reinterpret_cast<SlotHeader*>(c.arena.slot(c.rank()));
+  auto* mine = reinterpret_cast<SlotHeader*>(c.arena().slot(c.rank()));
   size_t total = 0;
   for (int r = 0; r < w; ++r) {
     mine->counts[r] = send_counts[r];
     mine->counts[w + r] = recv_counts[r];
     total += send_counts[r] * es;
   }
-  mine->staged = header_bytes(w) + total <= c.arena.slot_bytes();
+  mine->staged = header_bytes(w) + total <= c.arena().slot_bytes();
   if (mine->staged) {
-    char* at = c.arena.slot(c.rank()) + header_bytes(w);
+    char* at = c.arena().slot(c.rank()) + header_bytes(w);
     for (int r = 0; r < w; ++r) {
       stream_copy(at, sends[r], send_counts[r] * es);
       at += send_counts[r] * es;
@@ -47,11 +47,11 @@ Splits exchange(Comm& c, const void* const* sends, const size_t* send_counts, co
   Splits s{std::vector<std::vector<uint64_t>>(w)};
   std::string disagreement;
   for (int q = 0; q < w && disagreement.empty(); ++q) {
-    auto* theirs = reinterpret_cast<const SlotHeader*>(c.arena.slot(q));
+    auto* theirs = reinterpret_cast<const SlotHeader*>(c.arena().slot(q));
     s.send[q].assign(theirs->counts, theirs->counts + w);
     s.all_staged = s.all_staged && theirs->staged;
     for (int r = 0; r < w; ++r) {
-      uint64_t expects = reinterpret_cast<const SlotHeader*>(c.arena.slot(r))->counts[w + q];
+      uint64_t expects = reinterpret_cast<const SlotHeader*>(c.arena().slot(r))->counts[w + q];
       if (theirs->counts[r] != expects) {
         disagreement = detail::message(__FILE__, __LINE__, "all_to_all split sizes disagree: rank ", q,
                                        " sends ", theirs->counts[r], " elements to rank ", r,
@@ -75,6 +75,7 @@ Splits exchange(Comm& c, const void* const* sends, const size_t* send_counts, co
 // segment out of every slot; as many rounds as the largest pair needs.
 void alltoall(Comm& c, const void* const* sends, const size_t* send_counts, void* const* recvs,
               const size_t* recv_counts, c10::ScalarType dtype) {
+  if (!c.shared) return p2p::alltoall(c, sends, send_counts, recvs, recv_counts, dtype);
   c.begin(op_desc(OpKind::kAlltoall, dtype, 0));
   const int w = c.size();
   const int me = c.rank();
@@ -85,14 +86,14 @@ void alltoall(Comm& c, const void* const* sends, const size_t* send_counts, void
     for (int q = 0; q < w; ++q) {
       uint64_t before = 0;
       for (int r = 0; r < me; ++r) before += s.send[q][r];
-      std::memcpy(recvs[q], c.arena.slot(q) + header_bytes(w) + before * es, recv_counts[q] * es);
+      std::memcpy(recvs[q], c.arena().slot(q) + header_bytes(w) + before * es, recv_counts[q] * es);
     }
     c.arrive();
     return;
   }
   c.arrive();  // done with the counts
   std::memmove(recvs[me], sends[me], send_counts[me] * es);
-  const size_t seg = std::max<size_t>(1, c.arena.slot_bytes() / w / es);
+  const size_t seg = std::max<size_t>(1, c.arena().slot_bytes() / w / es);
   uint64_t largest = 0;
   for (int q = 0; q < w; ++q) {
     for (int r = 0; r < w; ++r) {
@@ -106,14 +107,14 @@ void alltoall(Comm& c, const void* const* sends, const size_t* send_counts, void
     c.wait_slot_free();
     for (int r = 0; r < w; ++r) {
       if (r != me) {
-        stream_copy(c.arena.slot(me) + r * seg * es, static_cast<const char*>(sends[r]) + k * seg * es,
+        stream_copy(c.arena().slot(me) + r * seg * es, static_cast<const char*>(sends[r]) + k * seg * es,
                     piece(send_counts[r], k) * es);
       }
     }
     c.arrive_and_wait();
     for (int q = 0; q < w; ++q) {
       if (q != me) {
-        std::memcpy(static_cast<char*>(recvs[q]) + k * seg * es, c.arena.slot(q) + me * seg * es,
+        std::memcpy(static_cast<char*>(recvs[q]) + k * seg * es, c.arena().slot(q) + me * seg * es,
                     piece(recv_counts[q], k) * es);
       }
     }

@@ -11,19 +11,20 @@ namespace torchpar::collectives {
 // of two copies instead of their sum. Each chunk takes two steps on every rank:
 // "staged" (the root wrote it) and "read" (a receiver copied it out).
 void broadcast(Comm& c, void* data, size_t count, c10::ScalarType dtype, int root) {
+  if (!c.shared) return p2p::broadcast(c, data, count, dtype, root);
   c.begin(op_desc(OpKind::kBroadcast, dtype, count, root));
   const size_t es = element_size(dtype);
-  const size_t half = c.arena.slot_bytes() / 2;
+  const size_t half = c.arena().slot_bytes() / 2;
   const size_t chunk = std::max<size_t>(1, half / es);
   const bool is_root = c.rank() == root;
   char* bytes = static_cast<char*>(data);
   size_t off = 0;
   for (size_t k = 0; k == 0 || off < count; ++k) {
     const size_t n = std::min(chunk, count - off);
-    char* staging = c.arena.slot(root) + (k % 2) * half;
+    char* staging = c.arena().slot(root) + (k % 2) * half;
     if (is_root) {
       // Half k%2 last held chunk k-2: wait until every receiver has read it.
-      if (k >= 2) c.arena.wait_all(c.arena.step() - 2, c.deadline, c.busy_wait);
+      if (k >= 2) c.arena().wait_all(c.arena().step() - 2, c.deadline, c.busy_wait);
       stream_copy(staging, bytes + off * es, n * es);
     }
     if (k == 0) {

@@ -1,4 +1,5 @@
-// The collective algorithms, written once over Comm (arena + point-to-point engine).
+// The collective algorithms, written once over Comm: through the shared arena when the
+// group has one, over point-to-point messages (p2p/) when it does not.
 //
 // Buffers are raw, contiguous, of `dtype`; counts are in elements. The backend layer
 // turns tensors into these (contiguous copies, complex as real pairs, PREMUL_SUM as a
@@ -11,6 +12,7 @@
 #include <cstddef>
 
 #include "collectives/comm.h"
+#include "collectives/p2p/p2p.h"
 #include "collectives/reduce_op.h"
 #include "collectives/segments.h"
 

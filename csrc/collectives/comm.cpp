@@ -35,11 +35,11 @@ shm::OpDesc op_desc(OpKind kind, c10::ScalarType dtype, uint64_t count, int root
   return d;
 }
 
-void Comm::wait_slot_free() { arena.wait_all(arena.step(), deadline, busy_wait); }
+void Comm::wait_slot_free() { arena().wait_all(arena().step(), deadline, busy_wait); }
 
 void Comm::begin(const shm::OpDesc& desc) {
   wait_slot_free();
-  arena.desc(rank()) = desc;
+  arena().desc(rank()) = desc;
 }
 
 namespace {
@@ -64,21 +64,22 @@ std::string describe(const shm::OpDesc& d) {
 
 }  // namespace
 
-void Comm::check_descriptors() {
-  int odd = -1;
-  for (int r = 0; r < size(); ++r) {
-    if (arena.desc(r) != arena.desc(0)) {
-      odd = r;
-      break;
-    }
-  }
-  if (odd < 0) return;
+std::string mismatch(const std::vector<shm::OpDesc>& descs, uint64_t seq) {
+  bool same = std::all_of(descs.begin(), descs.end(), [&](const shm::OpDesc& d) { return d == descs[0]; });
+  if (same) return "";
   std::ostringstream os;
   os << "collective mismatch across ranks (collective #" << seq << " of this group): ";
-  for (int r = 0; r < size(); ++r) {
-    os << (r ? "; " : "") << "rank " << r << " called " << describe(arena.desc(r));
+  for (size_t r = 0; r < descs.size(); ++r) {
+    os << (r ? "; " : "") << "rank " << r << " called " << describe(descs[r]);
   }
-  std::string message = os.str();
+  return os.str();
+}
+
+void Comm::check_descriptors() {
+  std::vector<shm::OpDesc> descs(size());
+  for (int r = 0; r < size(); ++r) descs[r] = arena().desc(r);
+  std::string message = mismatch(descs, seq);
+  if (message.empty()) return;
   arrive();  // tell peers we are done reading the descriptors before anyone rewrites them
   throw UsageError(message);
 }

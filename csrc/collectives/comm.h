@@ -1,14 +1,18 @@
-// What a collective algorithm runs over: the group's arena (direct access to every
-// rank's slot, generation-counter barriers) and the deadline of the operation.
-// Algorithms never touch segments, rings or sockets.
+// What a collective algorithm runs over: the group's point-to-point engine, the arena
+// when the ranks share memory (direct access to every rank's slot, generation-counter
+// barriers), and the deadline of the operation. Algorithms never touch segments, rings or
+// sockets.
 #pragma once
 
 #include <c10/core/ScalarType.h>
 
 #include <cstddef>
 #include <cstdint>
+#include <string>
+#include <vector>
 
 #include "common/env.h"
+#include "transport/p2p_engine.h"
 #include "transport/shm/arena.h"
 
 namespace torchpar::collectives {
@@ -22,7 +26,8 @@ enum class OpKind : uint32_t {
 const char* name(OpKind kind);
 
 struct Comm {
-  shm::Arena& arena;
+  shm::Arena* shared;  // null: no shared memory (ranks on several hosts); see p2p/
+  P2PEngine& p2p;
   const Config& config;
   Clock::time_point deadline;
   uint64_t seq;  // this collective's number in the group (named in error messages)
@@ -30,23 +35,28 @@ struct Comm {
   // wrong when it runs asynchronously beside the caller's computation, whose CPU it steals.
   bool busy_wait = true;
 
-  int rank() const { return arena.rank(); }
-  int size() const { return arena.size(); }
+  int rank() const { return p2p.rank(); }
+  int size() const { return p2p.size(); }
+  shm::Arena& arena() const { return *shared; }
 
   // Waits until every peer has finished reading this rank's slot, then publishes `desc`.
   void begin(const shm::OpDesc& desc);
   // Waits until every peer has finished reading this rank's slot.
   void wait_slot_free();
   // arrive(): publish the next step. arrive_and_wait(): ... and wait for every peer to reach it.
-  uint32_t arrive() { return arena.arrive(); }
-  void arrive_and_wait() { arena.wait_all(arena.arrive(), deadline, busy_wait); }
-  void wait_for(int peer) { arena.wait_peer(peer, arena.step(), deadline, busy_wait); }
+  uint32_t arrive() { return arena().arrive(); }
+  void arrive_and_wait() { arena().wait_all(arena().arrive(), deadline, busy_wait); }
+  void wait_for(int peer) { arena().wait_peer(peer, arena().step(), deadline, busy_wait); }
   // After the first arrive_and_wait of a collective: checks that every rank published the
   // same descriptor. On a mismatch every rank throws the same error, in step.
   void check_descriptors();
 };
 
 size_t element_size(c10::ScalarType dtype);
+
+// "" when every rank published the same descriptor (descs[r] is rank r's); otherwise the
+// message every rank throws, naming what each rank called.
+std::string mismatch(const std::vector<shm::OpDesc>& descs, uint64_t seq);
 
 // The descriptor of a collective call, as every rank publishes it before moving data.
 shm::OpDesc op_desc(OpKind kind, c10::ScalarType dtype, uint64_t count, int root = 0, int reduce_op = 0);

@@ -16,7 +16,7 @@ namespace torchpar::collectives {
 void reduce_in_chunks(Comm& c, const Segments& data, size_t count, c10::ScalarType dtype, ReduceOp op,
                       int root) {
   const size_t es = element_size(dtype);
-  const size_t chunk = c.arena.slot_bytes() / es;
+  const size_t chunk = c.arena().slot_bytes() / es;
   const int me = c.rank();
   const bool receives = root < 0 || me == root;
   std::vector<const void*> srcs(c.size());
@@ -27,15 +27,15 @@ void reduce_in_chunks(Comm& c, const Segments& data, size_t count, c10::ScalarTy
     if (off > 0) c.wait_slot_free();
     for (int r = 0; r < c.size(); ++r) {
       Piece p = piece_of(n, c.size(), r);
-      if (r != me) data.gather(c.arena.slot(me) + p.begin * es, base + p.begin * es, p.size() * es, true);
+      if (r != me) data.gather(c.arena().slot(me) + p.begin * es, base + p.begin * es, p.size() * es, true);
     }
     c.arrive_and_wait();
     if (off == 0) c.check_descriptors();
 
     Piece mine = piece_of(n, c.size(), me);
-    char* my_piece = c.arena.slot(me) + mine.begin * es;
+    char* my_piece = c.arena().slot(me) + mine.begin * es;
     data.for_each(base + mine.begin * es, mine.size() * es, [&](char* in, size_t at, size_t bytes) {
-      for (int r = 0; r < c.size(); ++r) srcs[r] = r == me ? in : c.arena.slot(r) + mine.begin * es + at;
+      for (int r = 0; r < c.size(); ++r) srcs[r] = r == me ? in : c.arena().slot(r) + mine.begin * es + at;
       // Receivers reduce straight into the output; the others into their slot (input untouched).
       reduce(dtype, op, receives ? in : my_piece + at, srcs.data(), c.size(), bytes / es, c.size());
     });
@@ -45,7 +45,7 @@ void reduce_in_chunks(Comm& c, const Segments& data, size_t count, c10::ScalarTy
       c.arrive_and_wait();
       for (int r = 0; r < c.size(); ++r) {
         Piece p = piece_of(n, c.size(), r);
-        if (r != me) data.scatter(base + p.begin * es, c.arena.slot(r) + p.begin * es, p.size() * es);
+        if (r != me) data.scatter(base + p.begin * es, c.arena().slot(r) + p.begin * es, p.size() * es);
       }
     } else {
       c.arrive();
@@ -57,6 +57,7 @@ void reduce_in_chunks(Comm& c, const Segments& data, size_t count, c10::ScalarTy
 
 void reduce(Comm& c, void* data, size_t count, c10::ScalarType dtype, ReduceOp op, int root) {
   check_supported(op, dtype);
+  if (!c.shared) return p2p::reduce(c, data, count, dtype, op, root);
   c.begin(op_desc(OpKind::kReduce, dtype, count, root, static_cast<int>(op)));
   reduce_in_chunks(c, Segments(data, count * element_size(dtype)), count, dtype, op, root);
 }

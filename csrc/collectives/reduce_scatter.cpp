@@ -12,9 +12,10 @@ namespace torchpar::collectives {
 void reduce_scatter(Comm& c, const void* const* ins, void* out, size_t count, c10::ScalarType dtype,
                     ReduceOp op) {
   check_supported(op, dtype);
+  if (!c.shared) return p2p::reduce_scatter(c, ins, out, count, dtype, op);
   c.begin(op_desc(OpKind::kReduceScatter, dtype, count, 0, static_cast<int>(op)));
   const size_t es = element_size(dtype);
-  const size_t chunk = std::max<size_t>(1, c.arena.slot_bytes() / (es * c.size()));
+  const size_t chunk = std::max<size_t>(1, c.arena().slot_bytes() / (es * c.size()));
   const int me = c.rank();
   std::vector<const void*> srcs(c.size());
   size_t off = 0;
@@ -23,13 +24,13 @@ void reduce_scatter(Comm& c, const void* const* ins, void* out, size_t count, c1
     if (off > 0) c.wait_slot_free();
     for (int r = 0; r < c.size(); ++r) {
       if (r != me) {
-        stream_copy(c.arena.slot(me) + r * chunk * es, static_cast<const char*>(ins[r]) + off * es, n * es);
+        stream_copy(c.arena().slot(me) + r * chunk * es, static_cast<const char*>(ins[r]) + off * es, n * es);
       }
     }
     c.arrive_and_wait();
     if (off == 0) c.check_descriptors();
     for (int q = 0; q < c.size(); ++q) {
-      srcs[q] = q == me ? static_cast<const char*>(ins[me]) + off * es : c.arena.slot(q) + me * chunk * es;
+      srcs[q] = q == me ? static_cast<const char*>(ins[me]) + off * es : c.arena().slot(q) + me * chunk * es;
     }
     reduce(dtype, op, static_cast<char*>(out) + off * es, srcs.data(), c.size(), n, c.size());
     c.arrive();

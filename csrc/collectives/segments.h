@@ -26,6 +26,8 @@ class Segments {
     total_ += bytes;
   }
   size_t bytes() const { return total_; }
+  // The one buffer, when there is exactly one piece; null otherwise.
+  char* contiguous() const { return ptrs_.size() == 1 ? ptrs_[0] : nullptr; }
 
   // Calls f(ptr, at, n) for the pieces of [begin, begin + bytes): ptr is where logical byte
   // begin + at lives, and n bytes from there are contiguous.

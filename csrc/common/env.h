@@ -19,6 +19,11 @@ inline int64_t env_int(const char* name, int64_t fallback) {
   return parsed;
 }
 
+inline std::string env_str(const char* name, const char* fallback) {
+  const char* v = std::getenv(name);
+  return v == nullptr || *v == '\0' ? std::string(fallback) : std::string(v);
+}
+
 // Whether `name` is set in the environment (a user's choice overrides our heuristics).
 inline bool env_set(const char* name) {
   const char* v = std::getenv(name);
@@ -39,6 +44,15 @@ struct Config {
   int64_t yield_us = env_int("TORCHPAR_YIELD_US", 2000);
   // Largest all-reduce (bytes) that uses the one-shot algorithm.
   int64_t oneshot_max_bytes = env_int("TORCHPAR_ONESHOT_MAX_BYTES", 64 << 10);
+  // "auto": shared memory when every rank of the group is on one host, TCP otherwise;
+  // "tcp" forces sockets between every pair (as if each rank were on its own host).
+  std::string transport = env_str("TORCHPAR_TRANSPORT", "auto");
+  // The network interface whose IPv4 addresses ranks on other hosts connect to (default:
+  // every non-loopback interface, tried in turn).
+  std::string socket_ifname = env_str("TORCHPAR_SOCKET_IFNAME", "");
+  // Point-to-point collectives move large buffers in pieces of this many bytes per peer,
+  // so reducing one piece overlaps receiving the next.
+  int64_t p2p_chunk_bytes = env_int("TORCHPAR_P2P_CHUNK_BYTES", 1 << 20);
 };
 
 }  // namespace torchpar

@@ -15,5 +15,6 @@ TORCHPAR_PYBIND(backend) {
            }),
            py::arg("store"), py::arg("rank"), py::arg("size"), py::arg("timeout"), py::arg("group_name"),
            py::call_guard<py::gil_scoped_release>())
-      .def_property_readonly("segment_name", &torchpar::ProcessGroupTorchpar::segment_name);
+      .def_property_readonly("segment_name", &torchpar::ProcessGroupTorchpar::segment_name)
+      .def_property_readonly("transport", &torchpar::ProcessGroupTorchpar::transport_name);
 }

@@ -35,6 +35,9 @@ class P2PEngine {
   P2PEngine(const P2PEngine&) = delete;
   P2PEngine& operator=(const P2PEngine&) = delete;
 
+  int rank() const { return rank_; }
+  int size() const { return size_; }
+
   std::shared_ptr<Request> isend(int peer, uint64_t tag, const void* data, size_t bytes,
                                  Clock::time_point deadline);
   // `peer` = -1 receives from any source; Request::source() then tells which.

@@ -72,7 +72,7 @@ void run_ranks(int world, const std::function<void(int, shm::ShmTransport&)>& fn
 
 collectives::Comm comm(shm::ShmTransport& t, uint64_t seq, int timeout_ms = 10000) {
   static Config config = small_config();
-  return collectives::Comm{t.arena(), config,
+  return collectives::Comm{t.arena(), t.p2p(), config,
                            Clock::now() + std::chrono::milliseconds(timeout_ms), seq};
 }
 

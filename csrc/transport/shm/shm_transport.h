@@ -10,6 +10,7 @@
 #include "transport/link.h"
 #include "transport/p2p_engine.h"
 #include "transport/rendezvous.h"
+#include "transport/transport.h"
 #include "transport/shm/arena.h"
 #include "transport/shm/monitor.h"
 #include "transport/shm/ring.h"
@@ -17,7 +18,7 @@
 
 namespace torchpar::shm {
 
-class ShmTransport final : public Link {
+class ShmTransport final : public Transport {
  public:
   // Collective over the group: every rank constructs its transport with the same
   // rendezvous; returns once all ranks have mapped the segment (and it is unlinked).
@@ -27,13 +28,13 @@ class ShmTransport final : public Link {
 
   int rank() const { return rank_; }
   int size() const { return size_; }
-  Arena& arena() { return arena_; }
-  P2PEngine& p2p() { return *p2p_; }
+  const char* name() const override { return "shm"; }
+  Arena* arena() override { return &arena_; }
+  P2PEngine& p2p() override { return *p2p_; }
   const Monitor& monitor() const { return monitor_; }
   const std::string& segment_name() const { return segment_.name(); }
 
-  // Marks the group failed for every rank (first reason wins) and fails pending requests.
-  void abort(const std::string& reason);
+  void abort(const std::string& reason) override;
 
   // Link
   size_t write_some(int peer, const void* data, size_t n) override;

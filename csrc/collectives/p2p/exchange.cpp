@@ -1,0 +1,79 @@
+#include "collectives/p2p/exchange.h"
+
+#include <algorithm>
+
+#include "common/error.h"
+
+namespace torchpar::collectives::p2p {
+
+Exchange::~Exchange() {
+  bool pending = std::any_of(posted_.begin(), posted_.end(), [](const Handle& h) { return !h->done(); });
+  if (!pending) return;
+  c_.p2p.fail(std::make_exception_ptr(
+      Error("[torchpar] collective #" + std::to_string(c_.seq) + " was abandoned part-way after an error")));
+  for (auto& h : posted_) {
+    while (!h->wait_for(std::chrono::milliseconds(1000))) {
+    }
+  }
+}
+
+uint64_t Exchange::tag(Phase phase, uint32_t index) const {
+  TP_CHECK(index < (1u << 20), "a collective over point-to-point needs more than 2^20 chunks; raise "
+           "TORCHPAR_P2P_CHUNK_BYTES");
+  return (uint64_t{1} << 63) | ((c_.seq & 0xffffffffu) << 24) | (static_cast<uint64_t>(phase) << 20) | index;
+}
+
+Exchange::Handle Exchange::send(int peer, Phase phase, uint32_t index, const void* data, size_t bytes) {
+  posted_.push_back(c_.p2p.isend(peer, tag(phase, index), data, bytes, c_.deadline));
+  return posted_.back();
+}
+
+Exchange::Handle Exchange::recv(int peer, Phase phase, uint32_t index, void* data, size_t bytes) {
+  posted_.push_back(c_.p2p.irecv(peer, tag(phase, index), data, bytes, c_.deadline));
+  return posted_.back();
+}
+
+void Exchange::wait(const Handle& h) {
+  try {
+    h->wait();
+  } catch (...) {
+    abandon(std::current_exception());
+  }
+}
+
+void Exchange::wait_all() {
+  for (auto& h : posted_) wait(h);
+  posted_.clear();
+}
+
+void Exchange::abandon(std::exception_ptr error) {
+  c_.p2p.fail(error);
+  for (auto& h : posted_) {
+    while (!h->wait_for(std::chrono::milliseconds(1000))) {
+    }
+  }
+  posted_.clear();
+  std::rethrow_exception(error);
+}
+
+void agree(Comm& c, const shm::OpDesc& desc) {
+  std::vector<shm::OpDesc> descs(c.size());
+  descs[c.rank()] = desc;
+  Exchange ex(c);
+  for (int q = 0; q < c.size(); ++q) {
+    if (q != c.rank()) ex.recv(q, Phase::kAgree, 0, &descs[q], sizeof(shm::OpDesc));
+  }
+  for (int q = 0; q < c.size(); ++q) {
+    if (q != c.rank()) ex.send(q, Phase::kAgree, 0, &descs[c.rank()], sizeof(shm::OpDesc));
+  }
+  ex.wait_all();
+  std::string message = mismatch(descs, c.seq);
+  if (!message.empty()) throw UsageError(message);
+}
+
+size_t chunk_elements(const Comm& c, c10::ScalarType dtype) {
+  size_t n = static_cast<size_t>(std::max<int64_t>(c.config.p2p_chunk_bytes, 64)) / element_size(dtype);
+  return std::max<size_t>(16, n / 16 * 16);
+}
+
+}  // namespace torchpar::collectives::p2p

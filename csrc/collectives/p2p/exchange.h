@@ -1,0 +1,59 @@
+// The point-to-point requests of one collective, posted to the group's engine and waited
+// for together. Tags come from the collective's sequence number, so a collective's
+// messages never match another's or a user's (user tags have bit 63 clear).
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <exception>
+#include <memory>
+#include <vector>
+
+#include "collectives/comm.h"
+#include "transport/request.h"
+
+namespace torchpar::collectives::p2p {
+
+// Steps of a collective, so that messages of different steps never match each other.
+enum class Phase : uint32_t { kAgree = 0, kCounts, kScatter, kGather, kTree, kDirect };
+
+class Exchange {
+ public:
+  explicit Exchange(Comm& c) : c_(c) {}
+  // If the collective ends early (an exception), the buffers the pending requests name are
+  // about to go away: the engine is failed and every request waited for first.
+  ~Exchange();
+  Exchange(const Exchange&) = delete;
+  Exchange& operator=(const Exchange&) = delete;
+
+  using Handle = std::shared_ptr<Request>;
+  // `index` tells apart the messages of one phase between the same pair (chunk numbers).
+  Handle send(int peer, Phase phase, uint32_t index, const void* data, size_t bytes);
+  Handle recv(int peer, Phase phase, uint32_t index, void* data, size_t bytes);
+
+  // Waits for one request; on an error the whole collective is given up (see above).
+  void wait(const Handle& h);
+  // Waits for every request posted so far.
+  void wait_all();
+
+ private:
+  uint64_t tag(Phase phase, uint32_t index) const;
+  // Fails the engine with `error`, waits for every request, and rethrows `error`.
+  [[noreturn]] void abandon(std::exception_ptr error);
+
+  Comm& c_;
+  std::vector<Handle> posted_;
+};
+
+// Every rank sends its descriptor to every other; returns once all have arrived and agree,
+// or throws the same UsageError on every rank. It is also a barrier.
+void agree(Comm& c, const shm::OpDesc& desc);
+
+// The piece [begin, end) of a region of `n` elements that chunk k covers, chunks being
+// `chunk` elements long; the number of chunks (none for an empty region).
+inline size_t chunks_of(size_t n, size_t chunk) { return (n + chunk - 1) / chunk; }
+
+// Elements per chunk for `dtype`: TORCHPAR_P2P_CHUNK_BYTES, in whole vectors.
+size_t chunk_elements(const Comm& c, c10::ScalarType dtype);
+
+}  // namespace torchpar::collectives::p2p

@@ -1,0 +1,132 @@
+// The collectives that move data without reducing it, over point-to-point messages:
+// broadcast down a binomial tree (chunked, so a rank forwards chunk k while chunk k+1
+// arrives); all_gather, gather, scatter and all_to_all straight between each pair.
+#include <cstring>
+#include <string>
+#include <vector>
+
+#include "collectives/p2p/exchange.h"
+#include "collectives/p2p/p2p.h"
+#include "common/error.h"
+
+namespace torchpar::collectives::p2p {
+
+void broadcast(Comm& c, void* data, size_t count, c10::ScalarType dtype, int root) {
+  agree(c, op_desc(OpKind::kBroadcast, dtype, count, root));
+  const int w = c.size();
+  const int rel = (c.rank() - root + w) % w;  // rank counted from the root
+  // Relative rank rel receives from rel minus its lowest set bit, and sends to rel + m for
+  // each power of two m below that bit (largest subtree first).
+  int parent = -1, bit = 1;
+  for (; bit < w; bit <<= 1) {
+    if (rel & bit) {
+      parent = (rel - bit + root) % w;
+      break;
+    }
+  }
+  std::vector<int> children;
+  for (int m = bit >> 1; m > 0; m >>= 1) {
+    if (rel + m < w) children.push_back((rel + m + root) % w);
+  }
+  char* bytes = static_cast<char*>(data);
+  const size_t total = count * element_size(dtype), chunk = chunk_elements(c, dtype) * element_size(dtype);
+  Exchange ex(c);
+  std::vector<Exchange::Handle> arrivals;
+  for (size_t k = 0; parent >= 0 && k < chunks_of(total, chunk); ++k) {
+    arrivals.push_back(ex.recv(parent, Phase::kTree, k, bytes + k * chunk, std::min(chunk, total - k * chunk)));
+  }
+  for (size_t k = 0; k < chunks_of(total, chunk); ++k) {
+    if (parent >= 0) ex.wait(arrivals[k]);
+    for (int child : children) ex.send(child, Phase::kTree, k, bytes + k * chunk, std::min(chunk, total - k * chunk));
+  }
+  ex.wait_all();
+}
+
+void allgather(Comm& c, const void* in, void* const* outs, size_t count, c10::ScalarType dtype) {
+  agree(c, op_desc(OpKind::kAllgather, dtype, count));
+  const size_t bytes = count * element_size(dtype);
+  Exchange ex(c);
+  for (int q = 0; q < c.size(); ++q) {
+    if (q != c.rank()) ex.recv(q, Phase::kDirect, 0, outs[q], bytes);
+  }
+  for (int q = 0; q < c.size(); ++q) {
+    if (q != c.rank()) ex.send(q, Phase::kDirect, 0, in, bytes);
+  }
+  if (bytes) std::memmove(outs[c.rank()], in, bytes);  // `in` may be a view of outs[rank]
+  ex.wait_all();
+}
+
+void gather(Comm& c, const void* in, void* const* outs, size_t count, c10::ScalarType dtype, int root) {
+  agree(c, op_desc(OpKind::kGather, dtype, count, root));
+  const size_t bytes = count * element_size(dtype);
+  Exchange ex(c);
+  if (c.rank() != root) {
+    ex.send(root, Phase::kDirect, 0, in, bytes);
+  } else {
+    for (int q = 0; q < c.size(); ++q) {
+      if (q != root) ex.recv(q, Phase::kDirect, 0, outs[q], bytes);
+    }
+    if (bytes) std::memmove(outs[root], in, bytes);
+  }
+  ex.wait_all();
+}
+
+void scatter(Comm& c, const void* const* ins, void* out, size_t count, c10::ScalarType dtype, int root) {
+  agree(c, op_desc(OpKind::kScatter, dtype, count, root));
+  const size_t bytes = count * element_size(dtype);
+  Exchange ex(c);
+  if (c.rank() != root) {
+    ex.recv(root, Phase::kDirect, 0, out, bytes);
+  } else {
+    for (int q = 0; q < c.size(); ++q) {
+      if (q != root) ex.send(q, Phase::kDirect, 0, ins[q], bytes);
+    }
+    if (bytes) std::memmove(out, ins[root], bytes);
+  }
+  ex.wait_all();
+}
+
+void alltoall(Comm& c, const void* const* sends, const size_t* send_counts, void* const* recvs,
+              const size_t* recv_counts, c10::ScalarType dtype) {
+  agree(c, op_desc(OpKind::kAlltoall, dtype, 0));
+  const int w = c.size(), me = c.rank();
+  const size_t es = element_size(dtype);
+  // Every rank's counts go to every rank first, so splits that do not pair up are the same
+  // error everywhere rather than a failed receive on one rank.
+  std::vector<uint64_t> counts(2 * static_cast<size_t>(w) * w);  // rank q's at [2wq, 2w(q+1))
+  for (int r = 0; r < w; ++r) {
+    counts[2 * w * me + r] = send_counts[r];
+    counts[2 * w * me + w + r] = recv_counts[r];
+  }
+  {
+    Exchange ex(c);
+    const size_t row = 2 * static_cast<size_t>(w) * sizeof(uint64_t);
+    for (int q = 0; q < w; ++q) {
+      if (q != me) ex.recv(q, Phase::kCounts, 0, &counts[2 * w * q], row);
+    }
+    for (int q = 0; q < w; ++q) {
+      if (q != me) ex.send(q, Phase::kCounts, 0, &counts[2 * w * me], row);
+    }
+    ex.wait_all();
+  }
+  for (int q = 0; q < w; ++q) {
+    for (int r = 0; r < w; ++r) {
+      const uint64_t sends_to = counts[2 * w * q + r], expects = counts[2 * w * r + w + q];
+      TP_CHECK_USAGE(sends_to == expects, "all_to_all split sizes disagree: rank ", q, " sends ", sends_to,
+                     " elements to rank ", r, ", which expects ", expects, " from it (collective #", c.seq, ")");
+    }
+  }
+  Exchange ex(c);
+  for (int q = 0; q < w; ++q) {
+    if (q != me) ex.recv(q, Phase::kDirect, 0, recvs[q], recv_counts[q] * es);
+  }
+  for (int q = 0; q < w; ++q) {
+    if (q != me) ex.send(q, Phase::kDirect, 0, sends[q], send_counts[q] * es);
+  }
+  if (send_counts[me]) std::memmove(recvs[me], sends[me], send_counts[me] * es);
+  ex.wait_all();
+}
+
+void barrier(Comm& c) { agree(c, op_desc(OpKind::kBarrier, c10::ScalarType::Byte, 0)); }
+
+}  // namespace torchpar::collectives::p2p

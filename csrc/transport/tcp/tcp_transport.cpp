@@ -1,0 +1,224 @@
+#include "transport/tcp/tcp_transport.h"
+
+#include <poll.h>
+#include <sys/eventfd.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
+#include <random>
+#include <sstream>
+
+#include "common/error.h"
+#include "transport/host.h"
+
+namespace torchpar::tcp {
+namespace {
+
+constexpr uint64_t kHelloMagic = 0x7470617274637031ULL;  // "tpartcp1"
+
+// The first bytes on every connection: who is calling, and for which group.
+struct Hello {
+  uint64_t magic;
+  uint64_t token;  // rank 0's random number for this group: a stray connection is refused
+  int32_t rank;
+  int32_t size;
+};
+
+// What each rank publishes: "port|host identity|addr,addr,..."
+struct Contact {
+  uint16_t port = 0;
+  std::string host;
+  std::vector<std::string> addresses;
+
+  std::string encode() const {
+    std::string out = std::to_string(port) + "|" + host + "|";
+    for (size_t i = 0; i < addresses.size(); ++i) out += (i ? "," : "") + addresses[i];
+    return out;
+  }
+  static Contact decode(const std::string& text) {
+    // The host identity itself contains '|': the port is before the first, the addresses
+    // after the last.
+    Contact c;
+    size_t first = text.find('|'), last = text.rfind('|');
+    TP_CHECK(first != std::string::npos && last > first, "malformed TCP contact '", text, "'");
+    c.port = static_cast<uint16_t>(std::stoul(text.substr(0, first)));
+    c.host = text.substr(first + 1, last - first - 1);
+    std::istringstream list(text.substr(last + 1));
+    for (std::string a; std::getline(list, a, ',');) {
+      if (!a.empty()) c.addresses.push_back(a);
+    }
+    return c;
+  }
+};
+
+}  // namespace
+
+TcpTransport::TcpTransport(int rank, int size, Rendezvous& rendezvous, const Config& config,
+                           std::chrono::milliseconds timeout)
+    : rank_(rank), size_(size), sockets_(size), want_write_(size, 0), broken_(size), lost_(size) {
+  for (auto& b : broken_) b.store(false);
+  wakeup_ = Fd(::eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC));
+  TP_CHECK_ERRNO(wakeup_.get() >= 0, "eventfd");
+  connect_all(rendezvous, config, timeout);
+  // poll() is the wait: spinning or yielding would only burn the CPU on recv() calls.
+  p2p_ = std::make_unique<P2PEngine>(rank_, size_, *this, std::chrono::microseconds(0),
+                                     std::chrono::microseconds(0));
+}
+
+TcpTransport::~TcpTransport() {
+  if (p2p_) p2p_->stop();
+}
+
+void TcpTransport::connect_all(Rendezvous& rendezvous, const Config& config,
+                               std::chrono::milliseconds timeout) {
+  const auto deadline = Clock::now() + timeout;
+  uint16_t port = 0;
+  Fd listener = listen_any(size_, &port);
+  uint64_t token = 0;
+  if (rank_ == 0) {
+    std::random_device rd;
+    token = (static_cast<uint64_t>(rd()) << 32) | rd();
+    rendezvous.set("torchpar/tcp/token", std::to_string(token));
+  } else {
+    token = std::stoull(rendezvous.get("torchpar/tcp/token"));
+  }
+  Contact mine{port, host_identity(), local_addresses(config.socket_ifname)};
+  rendezvous.set("torchpar/tcp/" + std::to_string(rank_), mine.encode());
+
+  // The higher rank of each pair calls the lower one: connect to every lower rank (their
+  // listeners queue us), then accept every higher one.
+  for (int peer = 0; peer < rank_; ++peer) {
+    Contact theirs = Contact::decode(rendezvous.get("torchpar/tcp/" + std::to_string(peer)));
+    std::vector<std::string> candidates = theirs.addresses;
+    if (theirs.host == mine.host) candidates.insert(candidates.begin(), "127.0.0.1");
+    TP_CHECK(!candidates.empty(), "rank ", peer, " (host ", theirs.host.substr(0, theirs.host.find('|')),
+             ") published no IPv4 address to connect to; set TORCHPAR_SOCKET_IFNAME on it");
+    std::string errors;
+    for (const auto& address : candidates) {
+      try {
+        // Give each address a share of the time, so a dead one cannot use it all.
+        auto until = std::min(deadline, Clock::now() + std::chrono::seconds(10));
+        Fd fd = connect_to(address, theirs.port, until);
+        Hello hello{kHelloMagic, token, rank_, size_};
+        send_all(fd.get(), &hello, sizeof(hello), deadline);
+        sockets_[peer] = std::move(fd);
+        break;
+      } catch (const Error& e) {
+        errors += std::string("; ") + e.what();
+      }
+    }
+    TP_CHECK(sockets_[peer].get() >= 0, "rank ", rank_, " could not reach rank ", peer, " at port ",
+             theirs.port, " of any of its addresses", errors,
+             " (TORCHPAR_SOCKET_IFNAME picks the interface a rank publishes)");
+  }
+  for (int pending = size_ - 1 - rank_; pending > 0;) {
+    Fd fd;
+    try {
+      fd = accept_until(listener.get(), deadline);
+    } catch (const TimeoutError&) {
+      std::string missing;
+      for (int r = rank_ + 1; r < size_; ++r) {
+        if (sockets_[r].get() < 0) missing += (missing.empty() ? "" : ", ") + std::to_string(r);
+      }
+      TP_THROW_TIMEOUT("timed out setting up TCP connections: rank(s) ", missing, " never connected to rank ",
+                       rank_);
+    }
+    Hello hello{};
+    try {
+      recv_all(fd.get(), &hello, sizeof(hello), std::min(deadline, Clock::now() + std::chrono::seconds(10)));
+    } catch (const Error&) {
+      continue;  // not one of ours
+    }
+    if (hello.magic != kHelloMagic || hello.token != token || hello.size != size_ || hello.rank <= rank_ ||
+        hello.rank >= size_ || sockets_[hello.rank].get() >= 0) {
+      continue;
+    }
+    sockets_[hello.rank] = std::move(fd);
+    --pending;
+  }
+  for (int peer = 0; peer < size_; ++peer) {
+    if (peer != rank_) tune_connected(sockets_[peer].get());
+  }
+}
+
+void TcpTransport::lost(int peer, const std::string& why) {
+  broken_[peer].store(true, std::memory_order_release);
+  std::lock_guard<std::mutex> lock(mu_);
+  if (lost_[peer].empty()) lost_[peer] = why;
+}
+
+size_t TcpTransport::write_some(int peer, const void* data, size_t n) {
+  if (n == 0 || broken_[peer].load(std::memory_order_acquire)) return 0;
+  ssize_t k = ::send(sockets_[peer].get(), data, n, MSG_NOSIGNAL | MSG_DONTWAIT);
+  if (k < 0) {
+    if (errno == EAGAIN || errno == EWOULDBLOCK || errno == EINTR) {
+      want_write_[peer] = 1;
+      return 0;
+    }
+    lost(peer, std::string("sending failed: ") + std::strerror(errno));
+    return 0;
+  }
+  want_write_[peer] = static_cast<size_t>(k) < n;
+  return static_cast<size_t>(k);
+}
+
+size_t TcpTransport::read_some(int peer, void* data, size_t n) {
+  if (n == 0 || broken_[peer].load(std::memory_order_acquire)) return 0;
+  ssize_t k = ::recv(sockets_[peer].get(), data, n, MSG_DONTWAIT);
+  if (k > 0) return static_cast<size_t>(k);
+  if (k == 0) {
+    lost(peer, "it closed the connection (it exited, crashed or gave up on the group)");
+  } else if (errno != EAGAIN && errno != EWOULDBLOCK && errno != EINTR) {
+    lost(peer, std::string("receiving failed: ") + std::strerror(errno));
+  }
+  return 0;
+}
+
+void TcpTransport::notify(int peer) {
+  // Bytes in a socket wake the peer by themselves; only posts on this rank need a bell.
+  if (peer != rank_) return;
+  activity_.fetch_add(1, std::memory_order_acq_rel);
+  uint64_t one = 1;
+  [[maybe_unused]] ssize_t k = ::write(wakeup_.get(), &one, sizeof(one));
+}
+
+void TcpTransport::sleep_until_activity(uint32_t seen, std::chrono::microseconds max_sleep) {
+  if (activity() != seen) return;
+  std::vector<pollfd> fds;
+  fds.reserve(size_);
+  fds.push_back(pollfd{wakeup_.get(), POLLIN, 0});
+  for (int peer = 0; peer < size_; ++peer) {
+    if (peer == rank_ || broken_[peer].load(std::memory_order_acquire)) continue;
+    short events = POLLIN;
+    if (want_write_[peer]) events |= POLLOUT;
+    fds.push_back(pollfd{sockets_[peer].get(), events, 0});
+  }
+  int ms = static_cast<int>(std::max<int64_t>(1, max_sleep.count() / 1000));
+  if (::poll(fds.data(), fds.size(), ms) > 0 && (fds[0].revents & POLLIN)) {
+    uint64_t drained;
+    [[maybe_unused]] ssize_t k = ::read(wakeup_.get(), &drained, sizeof(drained));
+  }
+}
+
+void TcpTransport::check_peer(int peer) {
+  std::lock_guard<std::mutex> lock(mu_);
+  if (!aborted_.empty()) throw Error(aborted_);
+  if (!lost_[peer].empty()) {
+    throw Error(detail::message(__FILE__, __LINE__, "lost the TCP connection to rank ", peer, ": ",
+                                lost_[peer]));
+  }
+}
+
+void TcpTransport::abort(const std::string& reason) {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (aborted_.empty()) aborted_ = reason;
+  }
+  if (p2p_) p2p_->fail(std::make_exception_ptr(Error(reason)));
+  // Peers blocked on this rank see the connection end now rather than at their timeout.
+  for (int peer = 0; peer < size_; ++peer) {
+    if (peer != rank_) ::shutdown(sockets_[peer].get(), SHUT_RDWR);
+  }
+}
+
+}  // namespace torchpar::tcp

@@ -1,0 +1,65 @@
+// TCP transport for a group whose ranks do not all share a host: one connection per pair
+// of ranks, non-blocking, driven by the point-to-point engine; the engine sleeps in poll()
+// on every socket plus an eventfd that local posts ring.
+//
+// Set-up goes through the rendezvous: each rank listens on a kernel-chosen port and
+// publishes it with its host identity and IPv4 addresses; the higher rank of each pair
+// connects (over loopback when both share a host) and introduces itself.
+#pragma once
+
+#include <atomic>
+#include <chrono>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <vector>
+
+#include "common/env.h"
+#include "transport/rendezvous.h"
+#include "transport/tcp/socket.h"
+#include "transport/transport.h"
+
+namespace torchpar::tcp {
+
+class TcpTransport final : public Transport {
+ public:
+  // Collective over the group: returns once this rank is connected to every peer.
+  TcpTransport(int rank, int size, Rendezvous& rendezvous, const Config& config,
+               std::chrono::milliseconds timeout);
+  ~TcpTransport() override;
+
+  const char* name() const override { return "tcp"; }
+  P2PEngine& p2p() override { return *p2p_; }
+  // Also shuts every connection down, so peers waiting on this rank fail at once.
+  void abort(const std::string& reason) override;
+
+  // Link
+  size_t write_some(int peer, const void* data, size_t n) override;
+  size_t read_some(int peer, void* data, size_t n) override;
+  void notify(int peer) override;
+  uint32_t activity() const override { return activity_.load(std::memory_order_acquire); }
+  void sleep_until_activity(uint32_t seen, std::chrono::microseconds max_sleep) override;
+  void check_peer(int peer) override;
+
+ private:
+  void connect_all(Rendezvous& rendezvous, const Config& config, std::chrono::milliseconds timeout);
+  // Records why the connection to `peer` broke (first reason wins); the engine hears of it
+  // through check_peer.
+  void lost(int peer, const std::string& why);
+
+  const int rank_;
+  const int size_;
+  std::vector<Fd> sockets_;           // [peer]
+  std::vector<char> want_write_;      // [peer], progress thread only: the socket was full
+  std::vector<std::atomic<bool>> broken_;  // [peer]: stop polling it
+  Fd wakeup_;                          // eventfd: notify(rank_) from posting threads
+  std::atomic<uint32_t> activity_{0};
+
+  std::mutex mu_;
+  std::vector<std::string> lost_;  // [peer]: why its connection broke, "" while healthy
+  std::string aborted_;
+
+  std::unique_ptr<P2PEngine> p2p_;
+};
+
+}  // namespace torchpar::tcp

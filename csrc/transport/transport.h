@@ -1,0 +1,28 @@
+// What the backend holds for a group: a Link to every peer (driven by the point-to-point
+// engine), plus, where the ranks share memory, the collective arena.
+#pragma once
+
+#include <string>
+
+#include "transport/link.h"
+#include "transport/p2p_engine.h"
+
+namespace torchpar {
+
+namespace shm {
+class Arena;
+}
+
+class Transport : public Link {
+ public:
+  // "shm" or "tcp" (logs, tests, the Python API).
+  virtual const char* name() const = 0;
+  virtual P2PEngine& p2p() = 0;
+  // The shared arena, or null when the ranks cannot map each other's memory (collectives
+  // then run their point-to-point algorithms).
+  virtual shm::Arena* arena() { return nullptr; }
+  // Marks the group failed for every rank (first reason wins) and fails pending requests.
+  virtual void abort(const std::string& reason) = 0;
+};
+
+}  // namespace torchpar
