@@ -28,12 +28,23 @@ class RankContext:
 
 
 # Small internal buffers, so that modest test tensors already cross every chunk, slot and
-# ring boundary (the defaults are megabytes).
+# ring boundary, on either transport (the defaults are megabytes).
 SMALL_BUFFERS = {
     "TORCHPAR_SHM_SLOT_BYTES": "64K",
     "TORCHPAR_SHM_RING_BYTES": "16K",
     "TORCHPAR_ONESHOT_MAX_BYTES": "16K",
+    "TORCHPAR_P2P_CHUNK_BYTES": "8K",
 }
+
+
+# Every multi-process suite runs on both transports; "tcp" puts sockets between ranks of one
+# host, as between hosts.
+TRANSPORTS = ["shm", "tcp"]
+
+
+def transport_env(transport, env=None):
+    """``env`` plus the setting that picks ``transport``."""
+    return {**(env or {}), "TORCHPAR_TRANSPORT": transport}
 
 
 def _worker(rank, world_size, init_file, backend, conn, pg_timeout, env):
@@ -150,17 +161,18 @@ def close_pools():
     _pools.clear()
 
 
-def spawn(fn, world_size, *args, timeout=DEFAULT_TIMEOUT):
+def spawn(fn, world_size, *args, timeout=DEFAULT_TIMEOUT, env=None):
     """Run ``fn(rank, world_size, init_file, *args)`` in fresh processes (no process group
-    is created for it), for tests of initialisation, teardown and failures. Returns each
-    rank's result, or raises with the tracebacks of the ranks that failed."""
+    is created for it), for tests of initialisation, teardown and failures, with ``env``
+    set in them. Returns each rank's result, or raises with the tracebacks of the ranks
+    that failed."""
     ctx = mp.get_context("spawn")
     with tempfile.TemporaryDirectory(prefix="torchpar-spawn-") as tmp:
         init_file = os.path.join(tmp, "init")
         conns, procs = [], []
         for rank in range(world_size):
             parent, child = ctx.Pipe()
-            p = ctx.Process(target=_spawned, args=(fn, rank, world_size, init_file, args, child),
+            p = ctx.Process(target=_spawned, args=(fn, rank, world_size, init_file, args, child, env),
                             daemon=True)
             p.start()
             child.close()
@@ -190,7 +202,8 @@ def spawn(fn, world_size, *args, timeout=DEFAULT_TIMEOUT):
         return results
 
 
-def _spawned(fn, rank, world_size, init_file, args, conn):
+def _spawned(fn, rank, world_size, init_file, args, conn, env):
+    os.environ.update(env or {})
     try:
         conn.send(("ok", fn(rank, world_size, init_file, *args)))
     except BaseException:  # noqa: BLE001

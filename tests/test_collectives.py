@@ -9,15 +9,15 @@ import torch.distributed as dist
 
 from collective_cases import (DTYPES, OPS, SIZES, assert_equal, gloo_agrees, make_input, op_applies,
                               reduce_op, reference, strided)
-from harness import SMALL_BUFFERS, get_pool
+from harness import SMALL_BUFFERS, TRANSPORTS, get_pool, transport_env
 
-pytestmark = pytest.mark.timeout(300)
+pytestmark = [pytest.mark.timeout(300), pytest.mark.parametrize("transport", TRANSPORTS)]
 
 WORLD_SIZES = [1, 2, 3, 4]
 
 
-def pool(world_size):
-    return get_pool(world_size, env=SMALL_BUFFERS)
+def pool(world_size, transport):
+    return get_pool(world_size, env=transport_env(transport, SMALL_BUFFERS))
 
 
 def ids(dtypes):
@@ -238,56 +238,56 @@ def _barrier_and_order(ctx):
 
 @pytest.mark.parametrize("world_size", WORLD_SIZES)
 @pytest.mark.parametrize("dtype", DTYPES, ids=ids(DTYPES))
-def test_all_reduce_matches_reference_for_every_op_and_size(world_size, dtype):
-    pool(world_size).run(_all_reduce, dtype)
+def test_all_reduce_matches_reference_for_every_op_and_size(world_size, dtype, transport):
+    pool(world_size, transport).run(_all_reduce, dtype)
 
 
 @pytest.mark.parametrize("world_size", [2, 3])
 @pytest.mark.parametrize("dtype", DTYPES, ids=ids(DTYPES))
-def test_all_reduce_matches_gloo(world_size, dtype):
-    pool(world_size).run(_all_reduce_vs_gloo, dtype)
+def test_all_reduce_matches_gloo(world_size, dtype, transport):
+    pool(world_size, transport).run(_all_reduce_vs_gloo, dtype)
 
 
 @pytest.mark.parametrize("world_size", WORLD_SIZES)
 @pytest.mark.parametrize("dtype", DTYPES, ids=ids(DTYPES))
-def test_broadcast_from_every_root(world_size, dtype):
-    pool(world_size).run(_broadcast, dtype)
+def test_broadcast_from_every_root(world_size, dtype, transport):
+    pool(world_size, transport).run(_broadcast, dtype)
 
 
 @pytest.mark.parametrize("world_size", WORLD_SIZES)
 @pytest.mark.parametrize("dtype", DTYPES, ids=ids(DTYPES))
-def test_reduce_writes_only_the_root(world_size, dtype):
-    pool(world_size).run(_reduce, dtype)
+def test_reduce_writes_only_the_root(world_size, dtype, transport):
+    pool(world_size, transport).run(_reduce, dtype)
 
 
 @pytest.mark.parametrize("world_size", WORLD_SIZES)
 @pytest.mark.parametrize("dtype", DTYPES, ids=ids(DTYPES))
-def test_all_gather_list_and_into_tensor(world_size, dtype):
-    pool(world_size).run(_all_gather, dtype)
+def test_all_gather_list_and_into_tensor(world_size, dtype, transport):
+    pool(world_size, transport).run(_all_gather, dtype)
 
 
 @pytest.mark.parametrize("world_size", WORLD_SIZES)
 @pytest.mark.parametrize("dtype", DTYPES, ids=ids(DTYPES))
-def test_reduce_scatter_list_and_tensor(world_size, dtype):
-    pool(world_size).run(_reduce_scatter, dtype)
+def test_reduce_scatter_list_and_tensor(world_size, dtype, transport):
+    pool(world_size, transport).run(_reduce_scatter, dtype)
 
 
 @pytest.mark.parametrize("world_size", WORLD_SIZES)
 @pytest.mark.parametrize("dtype", DTYPES, ids=ids(DTYPES))
-def test_gather_and_scatter(world_size, dtype):
-    pool(world_size).run(_gather_scatter, dtype)
+def test_gather_and_scatter(world_size, dtype, transport):
+    pool(world_size, transport).run(_gather_scatter, dtype)
 
 
 @pytest.mark.parametrize("world_size", WORLD_SIZES)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.int64, torch.bool], ids=ids([torch.float32, torch.bfloat16, torch.int64, torch.bool]))
 @pytest.mark.parametrize("scale", [0, 1, 2000], ids=["tiny", "small", "past-slot"])
-def test_all_to_all_with_uneven_splits(world_size, dtype, scale):
-    pool(world_size).run(_all_to_all, dtype, scale)
+def test_all_to_all_with_uneven_splits(world_size, dtype, scale, transport):
+    pool(world_size, transport).run(_all_to_all, dtype, scale)
 
 
 @pytest.mark.parametrize("world_size", [1, 2, 4])
-def test_coalesced_variants(world_size):
-    pool(world_size).run(_coalesced)
+def test_coalesced_variants(world_size, transport):
+    pool(world_size, transport).run(_coalesced)
 
 
 def _coalesced_in_place(ctx, dtype, op):
@@ -322,15 +322,15 @@ def _coalesced_in_place(ctx, dtype, op):
 @pytest.mark.parametrize("world_size", [2, 3, 4])
 @pytest.mark.parametrize("dtype,op", [(torch.float32, "SUM"), (torch.bfloat16, "SUM"), (torch.int64, "MAX"),
                                       (torch.float64, "AVG")], ids=["f32-sum", "bf16-sum", "i64-max", "f64-avg"])
-def test_coalesced_all_reduce_in_place(world_size, dtype, op):
-    pool(world_size).run(_coalesced_in_place, dtype, op)
+def test_coalesced_all_reduce_in_place(world_size, dtype, op, transport):
+    pool(world_size, transport).run(_coalesced_in_place, dtype, op)
 
 
 @pytest.mark.parametrize("world_size", [2, 3])
-def test_complex_through_real_view(world_size):
-    pool(world_size).run(_complex)
+def test_complex_through_real_view(world_size, transport):
+    pool(world_size, transport).run(_complex)
 
 
 @pytest.mark.parametrize("world_size", [2, 4])
-def test_many_collectives_stay_in_step(world_size):
-    pool(world_size).run(_barrier_and_order)
+def test_many_collectives_stay_in_step(world_size, transport):
+    pool(world_size, transport).run(_barrier_and_order)

@@ -13,22 +13,27 @@ import torch.distributed as dist
 from torch import nn
 
 import torchpar
-from harness import get_pool
+from harness import get_pool, transport_env
 from torchpar import _C
 from torchpar.parallel import DistributedDataParallel as DDP
 
 BACKENDS = ["torchpar", "gloo"]
+# The core equivalence tests also run with the torchpar backend over its TCP transport.
+TCP = "torchpar-over-tcp"
 WORLD_SIZES = [2, 4]
 
 
 def _pool(backend, world_size):
     if backend == "torchpar" and not hasattr(torchpar._C, "ProcessGroupTorchpar"):
         pytest.skip("the torchpar backend is not built in this tree yet (no _C.ProcessGroupTorchpar)")
+    if backend == TCP:
+        return get_pool(world_size, "torchpar", env=transport_env("tcp"))
     return get_pool(world_size, backend)
 
 
 multi_rank = pytest.mark.parametrize("world_size", WORLD_SIZES)
 on_backends = pytest.mark.parametrize("backend", BACKENDS)
+on_backends_and_tcp = pytest.mark.parametrize("backend", BACKENDS + [TCP])
 
 
 # ---- models and data, identical on every rank (seeded) ----
@@ -120,7 +125,7 @@ def _train_vs_single_process(ctx, bucket_cap_mb, as_view, steps=4):
 
 
 # bucket_cap_mb 0: one parameter per bucket; 0.0002 MiB (~52 floats): three; 25: one.
-@on_backends
+@on_backends_and_tcp
 @multi_rank
 @pytest.mark.parametrize("bucket_cap_mb,expected_buckets", [(0, 8), (0.0002, 3), (25, 1)])
 @pytest.mark.parametrize("as_view", [False, True], ids=["copy", "bucket_view"])
@@ -151,7 +156,7 @@ def _train_vs_torch_ddp(ctx):
     theirs.load_state_dict(ours.state_dict())
 
 
-@on_backends
+@on_backends_and_tcp
 @multi_rank
 def test_matches_torch_ddp_step_for_step(backend, world_size):
     _pool(backend, world_size).run(_train_vs_torch_ddp)

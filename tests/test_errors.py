@@ -8,13 +8,13 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from harness import SMALL_BUFFERS, get_pool, spawn
+from harness import SMALL_BUFFERS, TRANSPORTS, get_pool, transport_env, spawn
 
-pytestmark = pytest.mark.timeout(120)
+pytestmark = [pytest.mark.timeout(120), pytest.mark.parametrize("transport", TRANSPORTS)]
 
 
-def pool(world_size):
-    return get_pool(world_size, env=SMALL_BUFFERS)
+def pool(world_size, transport):
+    return get_pool(world_size, env=transport_env(transport, SMALL_BUFFERS))
 
 
 def torchpar_segments():
@@ -116,31 +116,31 @@ def _bad_arguments(ctx):
 
 
 @pytest.mark.parametrize("world_size", [2, 3])
-def test_element_count_mismatch_raises_on_every_rank(world_size):
-    pool(world_size).run(_count_mismatch)
+def test_element_count_mismatch_raises_on_every_rank(world_size, transport):
+    pool(world_size, transport).run(_count_mismatch)
 
 
 @pytest.mark.parametrize("world_size", [2, 4])
-def test_dtype_mismatch_raises_on_every_rank(world_size):
-    pool(world_size).run(_dtype_mismatch)
+def test_dtype_mismatch_raises_on_every_rank(world_size, transport):
+    pool(world_size, transport).run(_dtype_mismatch)
 
 
-def test_different_collectives_raise_on_every_rank():
-    pool(2).run(_op_mismatch)
+def test_different_collectives_raise_on_every_rank(transport):
+    pool(2, transport).run(_op_mismatch)
 
 
 @pytest.mark.parametrize("world_size", [2, 3])
-def test_all_to_all_split_disagreement_raises_on_every_rank(world_size):
-    pool(world_size).run(_split_mismatch)
+def test_all_to_all_split_disagreement_raises_on_every_rank(world_size, transport):
+    pool(world_size, transport).run(_split_mismatch)
 
 
-def test_recv_of_the_wrong_size_raises():
-    pool(2).run(_recv_size_mismatch)
+def test_recv_of_the_wrong_size_raises(transport):
+    pool(2, transport).run(_recv_size_mismatch)
 
 
 @pytest.mark.parametrize("world_size", [2])
-def test_bad_arguments_raise_at_the_call(world_size):
-    pool(world_size).run(_bad_arguments)
+def test_bad_arguments_raise_at_the_call(world_size, transport):
+    pool(world_size, transport).run(_bad_arguments)
 
 
 # ---------------------------------------------------------------- failures (fresh processes)
@@ -247,37 +247,37 @@ def _ddp_peer_stops_training(rank, world_size, init_file):
 
 
 @pytest.mark.parametrize("as_view", [False, True], ids=["copy", "bucket_view"])
-def test_ddp_backward_fails_clearly_when_a_peer_dies(as_view):
-    results = spawn(_ddp_peer_dies, 3, as_view, timeout=60)
+def test_ddp_backward_fails_clearly_when_a_peer_dies(as_view, transport):
+    results = spawn(_ddp_peer_dies, 3, as_view, timeout=60, env=transport_env(transport))
     assert results[0] is True and results[2] is True and results[1] == "died"
     assert torchpar_segments() == []
 
 
-def test_ddp_backward_times_out_when_a_peer_stops_training():
+def test_ddp_backward_times_out_when_a_peer_stops_training(transport):
     before = torchpar_segments()
-    assert spawn(_ddp_peer_stops_training, 2, timeout=60) == [True, True]
+    assert spawn(_ddp_peer_stops_training, 2, timeout=60, env=transport_env(transport)) == [True, True]
     assert torchpar_segments() == before
 
 
-def test_peer_that_never_arrives_times_out_on_every_rank():
+def test_peer_that_never_arrives_times_out_on_every_rank(transport):
     before = torchpar_segments()
-    assert spawn(_peer_never_arrives, 3, timeout=60) == [True] * 3
+    assert spawn(_peer_never_arrives, 3, timeout=60, env=transport_env(transport)) == [True] * 3
     assert torchpar_segments() == before
 
 
-def test_dead_peer_fails_the_collective_quickly():
-    results = spawn(_peer_dies, 3, timeout=60)
+def test_dead_peer_fails_the_collective_quickly(transport):
+    results = spawn(_peer_dies, 3, timeout=60, env=transport_env(transport))
     assert results[0] is True and results[2] is True and results[1] == "died"
     assert torchpar_segments() == []
 
 
-def test_dead_peer_fails_a_pending_recv():
-    results = spawn(_peer_dies_during_recv, 2, timeout=60)
+def test_dead_peer_fails_a_pending_recv(transport):
+    results = spawn(_peer_dies_during_recv, 2, timeout=60, env=transport_env(transport))
     assert results[0] is True
 
 
-def test_recv_without_a_sender_times_out():
-    assert spawn(_p2p_timeout, 2, timeout=60) == [True, True]
+def test_recv_without_a_sender_times_out(transport):
+    assert spawn(_p2p_timeout, 2, timeout=60, env=transport_env(transport)) == [True, True]
 
 
 def _failure_stays_in_its_group(rank, world_size, init_file):
@@ -309,9 +309,9 @@ def _destroy_with_async_work_pending(rank, world_size, init_file):
     return True
 
 
-def test_a_failed_group_leaves_other_groups_usable():
-    assert spawn(_failure_stays_in_its_group, 3, timeout=60) == [True] * 3
+def test_a_failed_group_leaves_other_groups_usable(transport):
+    assert spawn(_failure_stays_in_its_group, 3, timeout=60, env=transport_env(transport)) == [True] * 3
 
 
-def test_destroy_with_pending_work_does_not_hang():
-    assert spawn(_destroy_with_async_work_pending, 2, timeout=60) == [True, True]
+def test_destroy_with_pending_work_does_not_hang(transport):
+    assert spawn(_destroy_with_async_work_pending, 2, timeout=60, env=transport_env(transport)) == [True, True]

@@ -1,4 +1,5 @@
-"""Initialisation the standard ways, sub-groups, teardown, and shared-memory hygiene."""
+"""Initialisation the standard ways, the choice of transport, sub-groups, teardown, and
+shared-memory hygiene."""
 import os
 import socket
 from datetime import timedelta
@@ -7,7 +8,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from harness import spawn
+from harness import TRANSPORTS, spawn, transport_env
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -72,8 +73,9 @@ def _sub_groups(rank, world_size, init_file):
     return True
 
 
-def test_sub_groups_are_independent():
-    assert spawn(_sub_groups, 4) == [True] * 4
+@pytest.mark.parametrize("transport", TRANSPORTS)
+def test_sub_groups_are_independent(transport):
+    assert spawn(_sub_groups, 4, env=transport_env(transport)) == [True] * 4
 
 
 def _reinit(rank, world_size, init_file):
@@ -83,17 +85,61 @@ def _reinit(rank, world_size, init_file):
                                 world_size=world_size)
         check_group()
         backend = dist.group.WORLD._get_backend(torch.device("cpu"))
-        # The segment is unlinked as soon as every rank has mapped it.
-        assert not os.path.exists("/dev/shm" + backend.segment_name)
+        # The segment is unlinked as soon as every rank has mapped it (none over TCP).
+        assert not backend.segment_name or not os.path.exists("/dev/shm" + backend.segment_name)
         dist.destroy_process_group()
     return True
 
 
-def test_destroy_then_init_again_leaves_nothing_in_dev_shm():
+@pytest.mark.parametrize("transport", TRANSPORTS)
+def test_destroy_then_init_again_leaves_nothing_in_dev_shm(transport):
     before = sorted(os.listdir("/dev/shm"))
-    assert spawn(_reinit, 3) == [True] * 3
+    assert spawn(_reinit, 3, env=transport_env(transport)) == [True] * 3
     assert [n for n in os.listdir("/dev/shm") if n.startswith("torchpar-")] == \
         [n for n in before if n.startswith("torchpar-")]
+
+
+def _transport_in_use(rank, world_size, init_file):
+    import torchpar  # noqa: F401
+    dist.init_process_group("torchpar", init_method=f"file://{init_file}", rank=rank, world_size=world_size)
+    backend = dist.group.WORLD._get_backend(torch.device("cpu"))
+    check_group()
+    pair = dist.new_group([0, 1])  # sub-groups pick theirs the same way
+    check_group(pair)
+    used = backend.transport, pair._get_backend(torch.device("cpu")).transport
+    dist.destroy_process_group()
+    return used
+
+
+@pytest.mark.parametrize("setting,expected", [("auto", "shm"), ("shm", "shm"), ("tcp", "tcp")])
+def test_ranks_on_one_host_share_memory_unless_tcp_is_asked_for(setting, expected):
+    assert spawn(_transport_in_use, 2, env={"TORCHPAR_TRANSPORT": setting}) == [(expected, expected)] * 2
+
+
+def _init_expecting_error(rank, world_size, init_file, *words):
+    import torchpar  # noqa: F401
+    try:
+        dist.init_process_group("torchpar", init_method=f"file://{init_file}", rank=rank, world_size=world_size,
+                                timeout=timedelta(seconds=20))
+    except Exception as e:  # noqa: BLE001 - the message is what is checked
+        for w in words:
+            assert w in str(e), f"error message lacks {w!r}: {e}"
+        return True
+    raise AssertionError("init_process_group succeeded")
+
+
+def test_unknown_transport_setting_is_a_clear_error():
+    assert spawn(_init_expecting_error, 1, "TORCHPAR_TRANSPORT", "auto, shm or tcp",
+                 env={"TORCHPAR_TRANSPORT": "udp"}) == [True]
+
+
+def _init_with_own_transport(rank, world_size, init_file):
+    os.environ["TORCHPAR_TRANSPORT"] = ["shm", "tcp"][rank]
+    return _init_expecting_error(rank, world_size, init_file, "TORCHPAR_TRANSPORT differs")
+
+
+def test_ranks_asking_for_different_transports_is_a_clear_error():
+    assert spawn(_init_with_own_transport, 2) == [True, True]
 
 
 def _world_of_one(rank, world_size, init_file):

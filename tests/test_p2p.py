@@ -6,16 +6,16 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from harness import SMALL_BUFFERS, get_pool
+from harness import SMALL_BUFFERS, TRANSPORTS, get_pool, transport_env
 
-pytestmark = pytest.mark.timeout(120)
+pytestmark = [pytest.mark.timeout(120), pytest.mark.parametrize("transport", TRANSPORTS)]
 
 # Far larger than the test pools' 16 KiB rings.
 BIG = 100_003
 
 
-def pool(world_size):
-    return get_pool(world_size, env=SMALL_BUFFERS)
+def pool(world_size, transport):
+    return get_pool(world_size, env=transport_env(transport, SMALL_BUFFERS))
 
 
 def payload(src, dst, n, tag=0):
@@ -189,50 +189,50 @@ def _non_contiguous_and_dtypes(ctx):
 
 @pytest.mark.parametrize("world_size", [2, 3, 4])
 @pytest.mark.parametrize("n", [0, 1, BIG], ids=["empty", "one", "larger-than-ring"])
-def test_ring_exchange(world_size, n):
-    pool(world_size).run(_ring, n)
+def test_ring_exchange(world_size, n, transport):
+    pool(world_size, transport).run(_ring, n)
 
 
 @pytest.mark.parametrize("world_size", [2, 4])
 @pytest.mark.parametrize("n", [7, BIG], ids=["small", "larger-than-ring"])
-def test_every_pair_posted_before_waiting(world_size, n):
-    pool(world_size).run(_all_pairs_posted_first, n)
+def test_every_pair_posted_before_waiting(world_size, n, transport):
+    pool(world_size, transport).run(_all_pairs_posted_first, n)
 
 
 @pytest.mark.parametrize("world_size", [2, 3, 4])
-def test_batch_isend_irecv(world_size):
-    pool(world_size).run(_batch_isend_irecv, BIG)
+def test_batch_isend_irecv(world_size, transport):
+    pool(world_size, transport).run(_batch_isend_irecv, BIG)
 
 
 @pytest.mark.parametrize("world_size", [2, 4])
-def test_one_f_one_b_exchanges(world_size):
-    pool(world_size).run(_one_f_one_b_exchange, BIG, 4)
+def test_one_f_one_b_exchanges(world_size, transport):
+    pool(world_size, transport).run(_one_f_one_b_exchange, BIG, 4)
 
 
-def test_tags_match_whatever_the_receive_order():
-    pool(2).run(_tags_match_out_of_order)
+def test_tags_match_whatever_the_receive_order(transport):
+    pool(2, transport).run(_tags_match_out_of_order)
 
 
-def test_messages_with_one_tag_arrive_in_order():
-    pool(2).run(_same_tag_keeps_order)
+def test_messages_with_one_tag_arrive_in_order(transport):
+    pool(2, transport).run(_same_tag_keeps_order)
 
 
 @pytest.mark.parametrize("world_size", [2, 4])
-def test_receive_from_any_source_reports_the_sender(world_size):
-    pool(world_size).run(_any_source)
+def test_receive_from_any_source_reports_the_sender(world_size, transport):
+    pool(world_size, transport).run(_any_source)
 
 
 @pytest.mark.parametrize("world_size", [2, 3])
-def test_async_operations_return_before_the_peer_arrives(world_size):
-    pool(world_size).run(_async_returns_before_peer_arrives)
+def test_async_operations_return_before_the_peer_arrives(world_size, transport):
+    pool(world_size, transport).run(_async_returns_before_peer_arrives)
 
 
-def test_collectives_do_not_queue_behind_receives():
-    pool(3).run(_collective_does_not_wait_for_p2p)
+def test_collectives_do_not_queue_behind_receives(transport):
+    pool(3, transport).run(_collective_does_not_wait_for_p2p)
 
 
-def test_send_recv_non_contiguous_and_every_dtype():
-    pool(2).run(_non_contiguous_and_dtypes)
+def test_send_recv_non_contiguous_and_every_dtype(transport):
+    pool(2, transport).run(_non_contiguous_and_dtypes)
 
 
 def _object_collectives(ctx):
@@ -266,9 +266,9 @@ def _failed_async_work_reports_its_exception(ctx):
 
 
 @pytest.mark.parametrize("world_size", [2, 3])
-def test_object_collectives(world_size):
-    pool(world_size).run(_object_collectives)
+def test_object_collectives(world_size, transport):
+    pool(world_size, transport).run(_object_collectives)
 
 
-def test_failed_async_work_reports_its_exception():
-    pool(2).run(_failed_async_work_reports_its_exception)
+def test_failed_async_work_reports_its_exception(transport):
+    pool(2, transport).run(_failed_async_work_reports_its_exception)

@@ -28,6 +28,14 @@ class StoreRendezvous final : public Rendezvous {
     auto v = store_->get(key);
     return std::string(v.begin(), v.end());
   }
+  void set_once(const std::string& key, const std::string& value) override {
+    store_->compareSet(key, {}, std::vector<uint8_t>(value.begin(), value.end()));
+  }
+  bool try_get(const std::string& key, std::string* value) override {
+    if (!store_->check({key})) return false;
+    *value = get(key);
+    return true;
+  }
 
  private:
   c10::intrusive_ptr<c10d::Store> store_;
@@ -52,11 +60,14 @@ std::unique_ptr<Transport> connect(Rendezvous& rv, int rank, int size, const Con
               elsewhere, " runs on another host (", theirs.substr(0, theirs.find('|')), ") than rank ", rank,
               " (", mine.substr(0, mine.find('|')), ")");
   // Every rank must pick the same: the host identities above are the same on every rank,
-  // and the setting is checked against rank 0's.
+  // and every rank checks every rank's setting, so all of them refuse a mixed group.
   rv.set("torchpar/transport/" + std::to_string(rank), config.transport);
   const std::string first = rank == 0 ? config.transport : rv.get("torchpar/transport/0");
-  TORCH_CHECK(first == config.transport, "torchpar: TORCHPAR_TRANSPORT differs between rank 0 (", first,
-              ") and rank ", rank, " (", config.transport, "); every rank must use the same");
+  for (int r = 1; r < size; ++r) {
+    const std::string other = r == rank ? config.transport : rv.get("torchpar/transport/" + std::to_string(r));
+    TORCH_CHECK(other == first, "torchpar: TORCHPAR_TRANSPORT differs between rank 0 (", first, ") and rank ", r,
+                " (", other, "); every rank must use the same");
+  }
   if (elsewhere < 0 && config.transport != "tcp") {
     return std::make_unique<shm::ShmTransport>(rank, size, rv, config, timeout);
   }
@@ -118,9 +129,9 @@ ProcessGroupTorchpar::ProcessGroupTorchpar(const c10::intrusive_ptr<c10d::Store>
                                            int size, std::chrono::milliseconds timeout,
                                            std::string group_name)
     : c10d::Backend(rank, size), group_name_(std::move(group_name)), timeout_(timeout) {
-  StoreRendezvous rv(store);
+  rendezvous_ = std::make_unique<StoreRendezvous>(store);
   try {
-    transport_ = connect(rv, rank, size, config_, timeout);
+    transport_ = connect(*rendezvous_, rank, size, config_, timeout);
   } catch (const Error& e) {
     C10_THROW_ERROR(DistBackendError, std::string("torchpar: setting up group '") + group_name_ +
                                           "' failed on rank " + std::to_string(rank) + ": " + e.what());

@@ -27,6 +27,7 @@
 #include "backend/work.h"
 #include "collectives/comm.h"
 #include "common/env.h"
+#include "transport/rendezvous.h"
 #include "transport/shm/shm_transport.h"
 
 namespace torchpar {
@@ -130,6 +131,7 @@ class ProcessGroupTorchpar : public c10d::Backend {
   const std::string group_name_;
   std::chrono::milliseconds timeout_;
   Config config_;
+  std::unique_ptr<Rendezvous> rendezvous_;  // the TCP transport reports aborts through it
   std::unique_ptr<Transport> transport_;
 
   std::mutex mu_;

@@ -12,6 +12,10 @@ class Rendezvous {
   virtual void set(const std::string& key, const std::string& value) = 0;
   // Blocks until `key` is set (bounded by the store's own timeout).
   virtual std::string get(const std::string& key) = 0;
+  // Sets `key` unless some rank has set it already (the first value stays).
+  virtual void set_once(const std::string& key, const std::string& value) = 0;
+  // The value of `key` if it is set, without waiting.
+  virtual bool try_get(const std::string& key, std::string* value) = 0;
 };
 
 }  // namespace torchpar

@@ -15,6 +15,7 @@
 #include "collectives/collectives.h"
 #include "common/error.h"
 #include "transport/shm/shm_transport.h"
+#include "transport/tcp/tcp_transport.h"
 
 namespace torchpar {
 namespace {
@@ -32,6 +33,18 @@ class MemoryRendezvous : public Rendezvous {
     cv_.wait(lock, [&] { return kv_.count(key) > 0; });
     return kv_[key];
   }
+  void set_once(const std::string& key, const std::string& value) override {
+    std::lock_guard<std::mutex> lock(mu_);
+    kv_.emplace(key, value);
+    cv_.notify_all();
+  }
+  bool try_get(const std::string& key, std::string* value) override {
+    std::lock_guard<std::mutex> lock(mu_);
+    auto it = kv_.find(key);
+    if (it == kv_.end()) return false;
+    *value = it->second;
+    return true;
+  }
 
  private:
   std::mutex mu_;
@@ -44,14 +57,17 @@ Config small_config() {
   c.slot_bytes = 64 << 10;
   c.ring_bytes = 8 << 10;
   c.oneshot_max_bytes = 16 << 10;
+  c.p2p_chunk_bytes = 4 << 10;
   c.spin_us = 5;
   c.yield_us = 50;
   return c;
 }
 
-// Runs fn(rank, transport) on `world` threads, each with its own transport of one group.
-void run_ranks(int world, const std::function<void(int, shm::ShmTransport&)>& fn,
-               std::chrono::milliseconds timeout = std::chrono::milliseconds(10000)) {
+// Runs fn(rank, transport) on `world` threads, each with its own transport ("shm" or
+// "tcp") of one group.
+void run_ranks(int world, const std::function<void(int, Transport&)>& fn,
+               std::chrono::milliseconds timeout = std::chrono::milliseconds(10000),
+               const std::string& kind = "shm") {
   MemoryRendezvous rv;
   Config config = small_config();
   std::vector<std::thread> threads;
@@ -59,8 +75,13 @@ void run_ranks(int world, const std::function<void(int, shm::ShmTransport&)>& fn
   for (int r = 0; r < world; ++r) {
     threads.emplace_back([&, r] {
       try {
-        shm::ShmTransport t(r, world, rv, config, timeout);
-        fn(r, t);
+        std::unique_ptr<Transport> t;
+        if (kind == "tcp") {
+          t = std::make_unique<tcp::TcpTransport>(r, world, rv, config, timeout);
+        } else {
+          t = std::make_unique<shm::ShmTransport>(r, world, rv, config, timeout);
+        }
+        fn(r, *t);
       } catch (const std::exception& e) {
         failures[r] = e.what();
       }
@@ -70,7 +91,7 @@ void run_ranks(int world, const std::function<void(int, shm::ShmTransport&)>& fn
   for (int r = 0; r < world; ++r) EXPECT_EQ(failures[r], "") << "rank " << r;
 }
 
-collectives::Comm comm(shm::ShmTransport& t, uint64_t seq, int timeout_ms = 10000) {
+collectives::Comm comm(Transport& t, uint64_t seq, int timeout_ms = 10000) {
   static Config config = small_config();
   return collectives::Comm{t.arena(), t.p2p(), config,
                            Clock::now() + std::chrono::milliseconds(timeout_ms), seq};
@@ -96,12 +117,19 @@ TEST(Ring, StreamsFarMoreThanItsCapacityInRandomPieces) {
   EXPECT_EQ(sent, got);
 }
 
-class Groups : public ::testing::TestWithParam<int> {};
+// (transport, world size)
+class Groups : public ::testing::TestWithParam<std::tuple<std::string, int>> {
+ protected:
+  int world() const { return std::get<1>(GetParam()); }
+  void run(const std::function<void(int, Transport&)>& fn) {
+    run_ranks(world(), fn, std::chrono::milliseconds(10000), std::get<0>(GetParam()));
+  }
+};
 
 TEST_P(Groups, RingExchangeLargerThanThePipes) {
-  const int world = GetParam();
+  const int world = this->world();
   if (world == 1) GTEST_SKIP() << "no peer to exchange with";
-  run_ranks(world, [&](int rank, shm::ShmTransport& t) {
+  run([&](int rank, Transport& t) {
     const size_t n = 100'003;
     std::vector<float> out(n), in(n);
     std::iota(out.begin(), out.end(), static_cast<float>(rank * 1000));
@@ -116,8 +144,8 @@ TEST_P(Groups, RingExchangeLargerThanThePipes) {
 }
 
 TEST_P(Groups, AllreduceOneShotAndChunked) {
-  const int world = GetParam();
-  run_ranks(world, [&](int rank, shm::ShmTransport& t) {
+  const int world = this->world();
+  run([&](int rank, Transport& t) {
     uint64_t seq = 0;
     for (size_t n : {size_t{0}, size_t{1}, size_t{7}, size_t{3000}, size_t{100'001}}) {
       std::vector<float> v(n, static_cast<float>(rank + 1));
@@ -129,9 +157,9 @@ TEST_P(Groups, AllreduceOneShotAndChunked) {
 }
 
 TEST_P(Groups, MismatchedCountsFailEveryRankAndLeaveTheGroupUsable) {
-  const int world = GetParam();
+  const int world = this->world();
   if (world == 1) GTEST_SKIP() << "one rank cannot disagree with itself";
-  run_ranks(world, [&](int rank, shm::ShmTransport& t) {
+  run([&](int rank, Transport& t) {
     std::vector<double> v(10 + rank, 1.0);
     auto c = comm(t, 0);
     EXPECT_THROW(collectives::allreduce(c, v.data(), v.size(), c10::ScalarType::Double,
@@ -143,10 +171,11 @@ TEST_P(Groups, MismatchedCountsFailEveryRankAndLeaveTheGroupUsable) {
   });
 }
 
-INSTANTIATE_TEST_SUITE_P(WorldSizes, Groups, ::testing::Values(1, 2, 3, 4));
+INSTANTIATE_TEST_SUITE_P(TransportsAndWorldSizes, Groups,
+                         ::testing::Combine(::testing::Values("shm", "tcp"), ::testing::Values(1, 2, 3, 4)));
 
 TEST(P2P, TagsMatchWhateverTheReceiveOrder) {
-  run_ranks(2, [&](int rank, shm::ShmTransport& t) {
+  run_ranks(2, [&](int rank, Transport& t) {
     auto deadline = Clock::now() + std::chrono::seconds(10);
     if (rank == 0) {
       for (int tag = 1; tag <= 3; ++tag) t.p2p().isend(1, tag, &tag, sizeof(tag), deadline)->wait();
@@ -161,7 +190,7 @@ TEST(P2P, TagsMatchWhateverTheReceiveOrder) {
 }
 
 TEST(Collectives, AbsentPeerTimesOut) {
-  run_ranks(2, [&](int rank, shm::ShmTransport& t) {
+  run_ranks(2, [&](int rank, Transport& t) {
     if (rank == 1) return;  // never joins the collective
     float x = 1;
     auto c = comm(t, 0, 300);

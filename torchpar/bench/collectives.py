@@ -1,6 +1,7 @@
 """Collective benchmark: torchpar beside gloo, same ranks, same run.
 
     python -m torchpar.bench collectives [--world-sizes 2,4] [--max-bytes 64M] [--json F] [--plot F]
+    python -m torchpar.bench collectives --transport tcp      (torchpar over sockets, as between hosts)
     torchrun --nproc_per_node=2 -m torchpar.bench collectives     (uses torchrun's ranks)
 
 For each collective and message size it reports the median time per call (batches of
@@ -8,7 +9,8 @@ back-to-back calls after a barrier, each batch at its slowest rank), algbw = byt
 (nccl-tests' definitions: all_reduce x 2(n-1)/n; all_gather, reduce_scatter and
 all_to_all x (n-1)/n; broadcast x 1), for torchpar and gloo, and the speed-up of torchpar.
 A single-core copy bandwidth measured in the same run is printed beside busbw: the
-shared-memory transport is bounded by memory bandwidth.
+shared-memory transport is bounded by memory bandwidth. With ``--transport tcp`` torchpar
+runs over its TCP transport (loopback between ranks of this host), as gloo always does.
 """
 import argparse
 import os
@@ -126,8 +128,10 @@ def run_rank(args):
             if rank == 0 and args.progress:
                 print(f"  ws={world} {op:24s} {human_bytes(size):>8s}  torchpar {row['torchpar']*1e6:10.1f} us"
                       f"  gloo {row['gloo']*1e6:10.1f} us  x{row['gloo']/row['torchpar']:.1f}", flush=True)
+    transport = groups["torchpar"]._get_backend(torch.device("cpu")).transport
     for r in results:
         r["copy_GBps"] = copy_bw.get(r["bytes"], 0) / 1e9
+        r["transport"] = transport
     return results if rank == 0 else None
 
 
@@ -167,7 +171,9 @@ def report(results, args):
         rows.append([r["op"], r["world_size"], human_bytes(r["bytes"]), f"{r['torchpar'] * 1e6:.1f}",
                      f"{r['gloo'] * 1e6:.1f}", f"{r['speedup']:.1f}x", f"{tp_bw:.2f}", f"{gl_bw:.2f}",
                      f"{r['copy_GBps']:.1f}" if r["copy_GBps"] else ""])
-    print_table("torchpar vs gloo (fp32, CPU; median per-call time, slowest rank)", headers, rows)
+    transport = results[0]["transport"] if results else "?"
+    print_table(f"torchpar ({transport} transport) vs gloo (fp32, CPU; median per-call time, slowest rank)",
+                headers, rows)
     slower = [r for r in results if r["speedup"] < 1.0]
     print(f"\nslower than gloo: {len(slower)} of {len(results)} points"
           + "".join(f"\n  {r['op']} ws={r['world_size']} {human_bytes(r['bytes'])}: {r['speedup']:.2f}x" for r in slower))
@@ -244,6 +250,8 @@ def main(argv=None):
     p.add_argument("--ops", default=",".join(OPS), type=lambda s: s.split(","))
     p.add_argument("--budget", default=0.3, type=float, help="seconds per measurement point and backend")
     p.add_argument("--batches", default=30, type=int, help="most timed batches per point")
+    p.add_argument("--transport", choices=["auto", "shm", "tcp"], default=None,
+                   help="torchpar's transport (TORCHPAR_TRANSPORT; default auto: shared memory on one host)")
     p.add_argument("--json", help="write results as JSON here")
     p.add_argument("--plot", help="write a PNG of busbw against size here")
     p.add_argument("--markdown", help="write a compact Markdown table (as in the README) here")
@@ -253,6 +261,8 @@ def main(argv=None):
         if op not in OPS:
             p.error(f"unknown op {op}; choose from {', '.join(OPS)}")
 
+    if args.transport:
+        os.environ["TORCHPAR_TRANSPORT"] = args.transport  # read by every rank's group
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:  # under torchrun
         import torchpar  # noqa: F401
         dist.init_process_group("torchpar", timeout=timedelta(seconds=600))

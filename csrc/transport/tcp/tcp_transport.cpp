@@ -14,6 +14,7 @@
 namespace torchpar::tcp {
 namespace {
 
+const char* kAbortKey = "torchpar/tcp/abort";
 constexpr uint64_t kHelloMagic = 0x7470617274637031ULL;  // "tpartcp1"
 
 // The first bytes on every connection: who is calling, and for which group.
@@ -51,11 +52,22 @@ struct Contact {
   }
 };
 
+// Why a connection ended: `err` 0 for an orderly close (end of stream).
+std::string hung_up(int err) {
+  // A process that exits closes its sockets: an orderly close, or a reset when it left
+  // unread data behind. Either way the peer is gone.
+  if (err == 0 || err == ECONNRESET || err == EPIPE) {
+    return std::string("it has exited or closed the connection") + (err ? " (" + std::string(std::strerror(err)) + ")" : "") +
+           "; the group cannot continue";
+  }
+  return std::string("the connection failed: ") + std::strerror(err);
+}
+
 }  // namespace
 
 TcpTransport::TcpTransport(int rank, int size, Rendezvous& rendezvous, const Config& config,
                            std::chrono::milliseconds timeout)
-    : rank_(rank), size_(size), sockets_(size), want_write_(size, 0), broken_(size), lost_(size) {
+    : rank_(rank), size_(size), rendezvous_(rendezvous), sockets_(size), want_write_(size, 0), broken_(size), lost_(size) {
   for (auto& b : broken_) b.store(false);
   wakeup_ = Fd(::eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC));
   TP_CHECK_ERRNO(wakeup_.get() >= 0, "eventfd");
@@ -155,7 +167,7 @@ size_t TcpTransport::write_some(int peer, const void* data, size_t n) {
       want_write_[peer] = 1;
       return 0;
     }
-    lost(peer, std::string("sending failed: ") + std::strerror(errno));
+    lost(peer, hung_up(errno));
     return 0;
   }
   want_write_[peer] = static_cast<size_t>(k) < n;
@@ -167,9 +179,9 @@ size_t TcpTransport::read_some(int peer, void* data, size_t n) {
   ssize_t k = ::recv(sockets_[peer].get(), data, n, MSG_DONTWAIT);
   if (k > 0) return static_cast<size_t>(k);
   if (k == 0) {
-    lost(peer, "it closed the connection (it exited, crashed or gave up on the group)");
+    lost(peer, hung_up(0));
   } else if (errno != EAGAIN && errno != EWOULDBLOCK && errno != EINTR) {
-    lost(peer, std::string("receiving failed: ") + std::strerror(errno));
+    lost(peer, hung_up(errno));
   }
   return 0;
 }
@@ -201,18 +213,31 @@ void TcpTransport::sleep_until_activity(uint32_t seen, std::chrono::microseconds
 }
 
 void TcpTransport::check_peer(int peer) {
-  std::lock_guard<std::mutex> lock(mu_);
-  if (!aborted_.empty()) throw Error(aborted_);
-  if (!lost_[peer].empty()) {
-    throw Error(detail::message(__FILE__, __LINE__, "lost the TCP connection to rank ", peer, ": ",
-                                lost_[peer]));
+  std::string lost;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (!aborted_.empty()) throw Error(aborted_);
+    lost = lost_[peer];
   }
+  if (lost.empty()) return;
+  // A rank that gives up on the group says why before it hangs up.
+  std::string why;
+  if (rendezvous_.try_get(kAbortKey, &why)) {
+    size_t bar = why.find('|');
+    throw Error("the group was aborted by rank " + why.substr(0, bar) + ": " + why.substr(bar + 1));
+  }
+  throw Error(detail::message(__FILE__, __LINE__, "lost the TCP connection to rank ", peer, ": ", lost));
 }
 
 void TcpTransport::abort(const std::string& reason) {
   {
     std::lock_guard<std::mutex> lock(mu_);
     if (aborted_.empty()) aborted_ = reason;
+  }
+  try {
+    rendezvous_.set_once(kAbortKey, std::to_string(rank_) + "|" + reason);
+  } catch (const std::exception&) {
+    // The store may be gone (the job is ending); peers then see the connection end.
   }
   if (p2p_) p2p_->fail(std::make_exception_ptr(Error(reason)));
   // Peers blocked on this rank see the connection end now rather than at their timeout.

@@ -30,7 +30,8 @@ class TcpTransport final : public Transport {
 
   const char* name() const override { return "tcp"; }
   P2PEngine& p2p() override { return *p2p_; }
-  // Also shuts every connection down, so peers waiting on this rank fail at once.
+  // Publishes `reason` in the rendezvous (peers read it when their connection to this rank
+  // ends) and shuts every connection down, so peers waiting on this rank fail at once.
   void abort(const std::string& reason) override;
 
   // Link
@@ -49,6 +50,7 @@ class TcpTransport final : public Transport {
 
   const int rank_;
   const int size_;
+  Rendezvous& rendezvous_;  // outlives the transport (the backend holds both)
   std::vector<Fd> sockets_;           // [peer]
   std::vector<char> want_write_;      // [peer], progress thread only: the socket was full
   std::vector<std::atomic<bool>> broken_;  // [peer]: stop polling it
