@@ -161,6 +161,13 @@ def _all_to_all(ctx, dtype, scale):
     dist.all_to_all_single(even_out, even_in, group=ctx.pg)
     exp = torch.cat([make_input(q, 4 * w, dtype)[4 * ctx.rank:4 * ctx.rank + 4] for q in range(w)])
     assert_equal(even_out, exp, "all_to_all_single even")
+    # In place: the output is the input, so a peer's data lands where ours is still to go out.
+    n = (4 + 100 * scale) * w  # up to megabytes: past what a socket buffers
+    both = make_input(ctx.rank, n, dtype)
+    dist.all_to_all_single(both, both, group=ctx.pg)
+    k = n // w
+    exp = torch.cat([make_input(q, n, dtype)[k * ctx.rank:k * ctx.rank + k] for q in range(w)])
+    assert_equal(both, exp, "all_to_all_single in place")
     return True
 
 

@@ -180,6 +180,10 @@ def _peer_dies(rank, world_size, init_file):
     start = time.monotonic()
     expect_error(lambda: [dist.all_reduce(t) for _ in range(4)], "rank 1", "exited")
     assert time.monotonic() - start < 15, "a dead peer must be noticed long before the 60 s timeout"
+    # A failed group's threads sleep until it is destroyed (none polls the dead connection).
+    cpu = time.process_time()
+    time.sleep(1.0)
+    assert time.process_time() - cpu < 0.5, "a failed group keeps a CPU busy"
     dist.destroy_process_group()
     return True
 

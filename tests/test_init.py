@@ -142,6 +142,16 @@ def test_ranks_asking_for_different_transports_is_a_clear_error():
     assert spawn(_init_with_own_transport, 2) == [True, True]
 
 
+def _init_with_own_chunk(rank, world_size, init_file):
+    os.environ["TORCHPAR_P2P_CHUNK_BYTES"] = ["64K", "1M"][rank]
+    return _init_expecting_error(rank, world_size, init_file, "TORCHPAR_P2P_CHUNK_BYTES differs", "rank 1 (1048576)")
+
+
+def test_ranks_with_different_wire_settings_is_a_clear_error():
+    """Settings that decide what each rank sends must agree (they would go out of step)."""
+    assert spawn(_init_with_own_chunk, 2, env={"TORCHPAR_TRANSPORT": "tcp"}) == [True, True]
+
+
 def _world_of_one(rank, world_size, init_file):
     import torchpar  # noqa: F401
     dist.init_process_group("torchpar", init_method=f"file://{init_file}", rank=0, world_size=1)

@@ -41,15 +41,35 @@ class StoreRendezvous final : public Rendezvous {
   c10::intrusive_ptr<c10d::Store> store_;
 };
 
+// Every rank must use the same value of a setting that decides what goes on the wire. Each
+// rank checks every rank's, so all of them refuse a mixed group with the same message.
+void check_same_everywhere(Rendezvous& rv, int rank, int size, const std::string& name, const std::string& mine) {
+  const std::string first = rank == 0 ? mine : rv.get("torchpar/setting/" + name + "/0");
+  for (int r = 1; r < size; ++r) {
+    const std::string other = r == rank ? mine : rv.get("torchpar/setting/" + name + "/" + std::to_string(r));
+    TORCH_CHECK(other == first, "torchpar: ", name, " differs between rank 0 (", first, ") and rank ", r, " (",
+                other, "); every rank must use the same");
+  }
+}
+
 // Shared memory when every rank of the group runs on this host (host identities are
 // exchanged through the store, never guessed from the environment); TCP otherwise, or when
 // TORCHPAR_TRANSPORT=tcp asks for it.
 std::unique_ptr<Transport> connect(Rendezvous& rv, int rank, int size, const Config& config,
                                    std::chrono::milliseconds timeout) {
+  // Everything is published before anything is checked, so that a rank refusing the group
+  // never leaves the others waiting for its keys.
+  const std::string mine = host_identity();
+  const std::pair<std::string, std::string> settings[] = {
+      {"TORCHPAR_TRANSPORT", config.transport},
+      {"TORCHPAR_ONESHOT_MAX_BYTES", std::to_string(config.oneshot_max_bytes)},
+      {"TORCHPAR_P2P_CHUNK_BYTES", std::to_string(config.p2p_chunk_bytes)}};
+  rv.set("torchpar/host/" + std::to_string(rank), mine);
+  for (const auto& [name, value] : settings) rv.set("torchpar/setting/" + name + "/" + std::to_string(rank), value);
+
   TORCH_CHECK(config.transport == "auto" || config.transport == "shm" || config.transport == "tcp",
               "torchpar: TORCHPAR_TRANSPORT must be auto, shm or tcp, not '", config.transport, "'");
-  const std::string mine = host_identity();
-  rv.set("torchpar/host/" + std::to_string(rank), mine);
+  for (const auto& [name, value] : settings) check_same_everywhere(rv, rank, size, name, value);
   int elsewhere = -1;
   std::string theirs;
   for (int r = 0; r < size && elsewhere < 0; ++r) {
@@ -59,15 +79,6 @@ std::unique_ptr<Transport> connect(Rendezvous& rv, int rank, int size, const Con
   TORCH_CHECK(elsewhere < 0 || config.transport != "shm", "torchpar: TORCHPAR_TRANSPORT=shm, but rank ",
               elsewhere, " runs on another host (", theirs.substr(0, theirs.find('|')), ") than rank ", rank,
               " (", mine.substr(0, mine.find('|')), ")");
-  // Every rank must pick the same: the host identities above are the same on every rank,
-  // and every rank checks every rank's setting, so all of them refuse a mixed group.
-  rv.set("torchpar/transport/" + std::to_string(rank), config.transport);
-  const std::string first = rank == 0 ? config.transport : rv.get("torchpar/transport/0");
-  for (int r = 1; r < size; ++r) {
-    const std::string other = r == rank ? config.transport : rv.get("torchpar/transport/" + std::to_string(r));
-    TORCH_CHECK(other == first, "torchpar: TORCHPAR_TRANSPORT differs between rank 0 (", first, ") and rank ", r,
-                " (", other, "); every rank must use the same");
-  }
   if (elsewhere < 0 && config.transport != "tcp") {
     return std::make_unique<shm::ShmTransport>(rank, size, rv, config, timeout);
   }
@@ -222,7 +233,8 @@ void ProcessGroupTorchpar::execute(Queued& item, bool caller_blocks) {
   }
   std::exception_ptr error;
   try {
-    Comm comm{transport_->arena(), transport_->p2p(), config_, Clock::now() + item.timeout, seq, caller_blocks};
+    Comm comm{transport_->arena(), transport_->p2p(), config_, Clock::now() + item.timeout, seq, caller_blocks,
+              &scratch_};
     item.task(comm);
   } catch (...) {
     bool fatal = false;

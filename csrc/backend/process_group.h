@@ -140,6 +140,7 @@ class ProcessGroupTorchpar : public c10d::Backend {
   bool stopping_ = false;
   bool busy_ = false;  // a collective is running (on the worker or inline)
   uint64_t next_seq_ = 0;           // only the thread running a collective (busy_) touches it
+  std::vector<char> scratch_;       // the same; staging of the point-to-point collectives
   std::exception_ptr group_error_;  // first fatal error; guarded by mu_
   std::thread worker_;
 

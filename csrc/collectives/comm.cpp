@@ -35,6 +35,16 @@ shm::OpDesc op_desc(OpKind kind, c10::ScalarType dtype, uint64_t count, int root
   return d;
 }
 
+char* Comm::staging(size_t bytes) {
+  TP_CHECK(scratch != nullptr, "this collective needs staging memory and the group provides none");
+  if (scratch->size() < bytes) {
+    scratch->clear();  // nothing to copy over
+    scratch->shrink_to_fit();
+    scratch->resize(bytes);
+  }
+  return scratch->data();
+}
+
 void Comm::wait_slot_free() { arena().wait_all(arena().step(), deadline, busy_wait); }
 
 void Comm::begin(const shm::OpDesc& desc) {

@@ -34,10 +34,15 @@ struct Comm {
   // Busy-wait (spin, then yield) for peers: right when the caller blocks on the result;
   // wrong when it runs asynchronously beside the caller's computation, whose CPU it steals.
   bool busy_wait = true;
+  // Staging memory of the point-to-point algorithms, kept by the group between collectives:
+  // allocating and faulting in tens of MiB on every call costs more than moving them.
+  std::vector<char>* scratch = nullptr;
 
   int rank() const { return p2p.rank(); }
   int size() const { return p2p.size(); }
   shm::Arena& arena() const { return *shared; }
+  // The first `bytes` of *scratch (grown when needed; its contents are not kept).
+  char* staging(size_t bytes);
 
   // Waits until every peer has finished reading this rank's slot, then publishes `desc`.
   void begin(const shm::OpDesc& desc);

@@ -38,6 +38,10 @@ P2PEngine::~P2PEngine() { stop(); }
 
 void P2PEngine::stop() {
   if (stop_.exchange(true)) return;
+  {
+    std::lock_guard<std::mutex> lock(mu_);  // a sleeper between its check and its wait sees it
+  }
+  stopped_.notify_all();
   link_.notify(rank_);
   if (thread_.joinable()) thread_.join();
   auto error = std::make_exception_ptr(Error("[torchpar] the process group was destroyed"));
@@ -164,6 +168,11 @@ void P2PEngine::run() {
     bool progressed = false;
     if (auto failed = failure()) {
       fail_in_flight(failed);
+      // Nothing moves on a failed group (the pipes may hold partial messages, never read
+      // again, and a socket with unread bytes would wake every poll): sleep until stop().
+      std::unique_lock<std::mutex> lock(mu_);
+      stopped_.wait_for(lock, kIdleSleep, [&] { return stop_.load(std::memory_order_acquire); });
+      continue;
     } else {
       for (int peer = 0; peer < size_; ++peer) {
         if (peer == rank_) continue;
@@ -393,6 +402,10 @@ void P2PEngine::check_deadlines_and_peers() {
       link_.check_peer(peer);
     } catch (const Error&) {
       fail(std::current_exception());
+      return;
+    } catch (const std::exception& e) {  // a transport's own failure must not end the thread
+      fail(std::make_exception_ptr(Error(detail::message(__FILE__, __LINE__, "checking on rank ", peer,
+                                                         " failed: ", e.what()))));
       return;
     }
   }

@@ -11,6 +11,7 @@
 #pragma once
 
 #include <atomic>
+#include <condition_variable>
 #include <cstdint>
 #include <deque>
 #include <exception>
@@ -104,6 +105,7 @@ class P2PEngine {
   std::vector<char> scratch_;  // progress thread only
 
   std::atomic<bool> stop_{false};
+  std::condition_variable stopped_;  // with mu_: where the thread waits once the group failed
   std::thread thread_;
 };
 

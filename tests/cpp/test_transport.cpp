@@ -93,8 +93,9 @@ void run_ranks(int world, const std::function<void(int, Transport&)>& fn,
 
 collectives::Comm comm(Transport& t, uint64_t seq, int timeout_ms = 10000) {
   static Config config = small_config();
+  thread_local std::vector<char> scratch;  // one per rank (thread), as the backend keeps one per group
   return collectives::Comm{t.arena(), t.p2p(), config,
-                           Clock::now() + std::chrono::milliseconds(timeout_ms), seq};
+                           Clock::now() + std::chrono::milliseconds(timeout_ms), seq, true, &scratch};
 }
 
 TEST(Ring, StreamsFarMoreThanItsCapacityInRandomPieces) {

@@ -9,6 +9,9 @@ Spawns ``--world-size`` ranks per backend and, in the same ranks, times one trai
 - ``compute_only``  forward + backward + step with no communication (a lower bound)
 - ``comm_only``     the all-reduces alone (what overlap can hide)
 
+``--backends`` takes torchpar, gloo, nccl, and ``torchpar-tcp``: the torchpar backend over
+its TCP transport (sockets between the ranks, as between hosts; gloo's situation).
+
 Modes run in interleaved rounds so that drift in machine load hits all of them alike;
 the table shows the median step time and the ratios against torchpar's DDP.
 """
@@ -76,8 +79,14 @@ def _steps(model, pg, args):
     }
 
 
+# Benchmark names that are a backend plus a setting.
+VARIANTS = {"torchpar-tcp": ("torchpar", {"TORCHPAR_TRANSPORT": "tcp"})}
+
+
 def _rank(rank, backend, init_file, args, queue):
     torch.set_num_threads(args.threads)
+    backend, env = VARIANTS.get(backend, (backend, {}))
+    os.environ.update(env)
     import torchpar  # noqa: F401  (registers the torchpar backend)
 
     dist.init_process_group(backend, init_method=f"file://{init_file}", rank=rank,
@@ -132,6 +141,7 @@ def _run_backend(backend, args):
 
 def _available(backend):
     import torchpar
+    backend = VARIANTS.get(backend, (backend, {}))[0]
     if backend == "torchpar":
         return hasattr(torchpar._C, "ProcessGroupTorchpar")
     return dist.is_backend_available(backend)
@@ -142,15 +152,15 @@ def _print_table(results, meta, stat):
           f"({meta['params'] / 1e6:.1f}M params, {meta['params'] * 4 / 2**20:.0f} MiB of fp32 gradients), "
           f"batch {meta['batch']} per rank, {meta['threads']} thread(s) per rank, "
           f"{stat} of {meta['samples']} steps (ms)")
-    head = f"{'backend':<10}" + "".join(f"{m:>14}" for m in MODES) + f"{'torch/ours':>12}{'naive/ours':>12}"
+    head = f"{'backend':<14}" + "".join(f"{m:>14}" for m in MODES) + f"{'torch/ours':>12}{'naive/ours':>12}"
     print(head)
     print("-" * len(head))
     for backend, r in results.items():
         r = r and r[stat]
         if r is None:
-            print(f"{backend:<10}  (backend not available in this build: skipped)")
+            print(f"{backend:<14}  (backend not available in this build: skipped)")
             continue
-        row = f"{backend:<10}" + "".join(f"{r[m]:>14.1f}" for m in MODES)
+        row = f"{backend:<14}" + "".join(f"{r[m]:>14.1f}" for m in MODES)
         row += f"{r['torch_ddp'] / r['torchpar_ddp']:>11.2f}x{r['no_overlap'] / r['torchpar_ddp']:>11.2f}x"
         print(row)
     print("torch/ours > 1: torchpar DDP faster than torch DDP; naive/ours: speed-up over "

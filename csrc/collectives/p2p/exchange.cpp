@@ -47,6 +47,14 @@ void Exchange::wait_all() {
 }
 
 void Exchange::abandon(std::exception_ptr error) {
+  // Past agree(), every rank expects the same messages; one that does not fit (a receive
+  // of the wrong size) means the ranks are out of step: the group cannot go on.
+  try {
+    std::rethrow_exception(error);
+  } catch (const UsageError& e) {
+    error = std::make_exception_ptr(Error(e.what()));
+  } catch (...) {
+  }
   c_.p2p.fail(error);
   for (auto& h : posted_) {
     while (!h->wait_for(std::chrono::milliseconds(1000))) {
@@ -71,9 +79,11 @@ void agree(Comm& c, const shm::OpDesc& desc) {
   if (!message.empty()) throw UsageError(message);
 }
 
-size_t chunk_elements(const Comm& c, c10::ScalarType dtype) {
+size_t chunk_elements(const Comm& c, c10::ScalarType dtype, size_t count) {
   size_t n = static_cast<size_t>(std::max<int64_t>(c.config.p2p_chunk_bytes, 64)) / element_size(dtype);
-  return std::max<size_t>(16, n / 16 * 16);
+  // Chunk numbers live in 20 bits of the tag: a huge buffer gets longer chunks instead.
+  n = std::max(n, (count >> 19) + 1);
+  return std::max<size_t>(16, (n + 15) / 16 * 16);
 }
 
 }  // namespace torchpar::collectives::p2p

@@ -49,11 +49,11 @@ class Exchange {
 // or throws the same UsageError on every rank. It is also a barrier.
 void agree(Comm& c, const shm::OpDesc& desc);
 
-// The piece [begin, end) of a region of `n` elements that chunk k covers, chunks being
-// `chunk` elements long; the number of chunks (none for an empty region).
+// The number of chunks of `chunk` elements in a region of `n` (none for an empty region).
 inline size_t chunks_of(size_t n, size_t chunk) { return (n + chunk - 1) / chunk; }
 
-// Elements per chunk for `dtype`: TORCHPAR_P2P_CHUNK_BYTES, in whole vectors.
-size_t chunk_elements(const Comm& c, c10::ScalarType dtype);
+// Elements per chunk of a collective over `count` elements of `dtype`:
+// TORCHPAR_P2P_CHUNK_BYTES in whole vectors (longer if `count` needs more than 2^19 chunks).
+size_t chunk_elements(const Comm& c, c10::ScalarType dtype, size_t count);
 
 }  // namespace torchpar::collectives::p2p

@@ -10,6 +10,24 @@
 #include "common/error.h"
 
 namespace torchpar::collectives::p2p {
+namespace {
+
+// Whether any receive buffer shares memory with any send buffer.
+bool overlaps(const void* const* sends, const size_t* send_counts, void* const* recvs,
+              const size_t* recv_counts, int w, size_t es) {
+  for (int q = 0; q < w; ++q) {
+    auto* r = static_cast<const char*>(recvs[q]);
+    for (int s = 0; s < w; ++s) {
+      auto* d = static_cast<const char*>(sends[s]);
+      if (recv_counts[q] && send_counts[s] && r < d + send_counts[s] * es && d < r + recv_counts[q] * es) {
+        return true;
+      }
+    }
+  }
+  return false;
+}
+
+}  // namespace
 
 void broadcast(Comm& c, void* data, size_t count, c10::ScalarType dtype, int root) {
   agree(c, op_desc(OpKind::kBroadcast, dtype, count, root));
@@ -29,7 +47,7 @@ void broadcast(Comm& c, void* data, size_t count, c10::ScalarType dtype, int roo
     if (rel + m < w) children.push_back((rel + m + root) % w);
   }
   char* bytes = static_cast<char*>(data);
-  const size_t total = count * element_size(dtype), chunk = chunk_elements(c, dtype) * element_size(dtype);
+  const size_t total = count * element_size(dtype), chunk = chunk_elements(c, dtype, count) * element_size(dtype);
   Exchange ex(c);
   std::vector<Exchange::Handle> arrivals;
   for (size_t k = 0; parent >= 0 && k < chunks_of(total, chunk); ++k) {
@@ -52,7 +70,7 @@ void allgather(Comm& c, const void* in, void* const* outs, size_t count, c10::Sc
   for (int q = 0; q < c.size(); ++q) {
     if (q != c.rank()) ex.send(q, Phase::kDirect, 0, in, bytes);
   }
-  if (bytes) std::memmove(outs[c.rank()], in, bytes);  // `in` may be a view of outs[rank]
+  if (bytes && outs[c.rank()] != in) std::memmove(outs[c.rank()], in, bytes);
   ex.wait_all();
 }
 
@@ -66,7 +84,7 @@ void gather(Comm& c, const void* in, void* const* outs, size_t count, c10::Scala
     for (int q = 0; q < c.size(); ++q) {
       if (q != root) ex.recv(q, Phase::kDirect, 0, outs[q], bytes);
     }
-    if (bytes) std::memmove(outs[root], in, bytes);
+    if (bytes && outs[root] != in) std::memmove(outs[root], in, bytes);
   }
   ex.wait_all();
 }
@@ -81,7 +99,7 @@ void scatter(Comm& c, const void* const* ins, void* out, size_t count, c10::Scal
     for (int q = 0; q < c.size(); ++q) {
       if (q != root) ex.send(q, Phase::kDirect, 0, ins[q], bytes);
     }
-    if (bytes) std::memmove(out, ins[root], bytes);
+    if (bytes && out != ins[root]) std::memmove(out, ins[root], bytes);
   }
   ex.wait_all();
 }
@@ -116,14 +134,27 @@ void alltoall(Comm& c, const void* const* sends, const size_t* send_counts, void
                      " elements to rank ", r, ", which expects ", expects, " from it (collective #", c.seq, ")");
     }
   }
+  // In place (outputs over inputs), a peer's data could land on ours before ours has gone
+  // out: send from a copy then.
+  std::vector<const void*> from(sends, sends + w);
+  if (overlaps(sends, send_counts, recvs, recv_counts, w, es)) {
+    size_t total = 0;
+    for (int r = 0; r < w; ++r) total += send_counts[r] * es;
+    char* copy = c.staging(total);  // (the group's staging memory is never a user buffer)
+    for (int r = 0; r < w; ++r) {
+      std::memcpy(copy, sends[r], send_counts[r] * es);
+      from[r] = copy;
+      copy += send_counts[r] * es;
+    }
+  }
   Exchange ex(c);
   for (int q = 0; q < w; ++q) {
     if (q != me) ex.recv(q, Phase::kDirect, 0, recvs[q], recv_counts[q] * es);
   }
   for (int q = 0; q < w; ++q) {
-    if (q != me) ex.send(q, Phase::kDirect, 0, sends[q], send_counts[q] * es);
+    if (q != me) ex.send(q, Phase::kDirect, 0, from[q], send_counts[q] * es);
   }
-  if (send_counts[me]) std::memmove(recvs[me], sends[me], send_counts[me] * es);
+  if (send_counts[me] && recvs[me] != from[me]) std::memmove(recvs[me], from[me], send_counts[me] * es);
   ex.wait_all();
 }
 

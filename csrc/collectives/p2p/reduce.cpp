@@ -13,16 +13,16 @@ namespace torchpar::collectives::p2p {
 namespace {
 
 // Sends every peer q its `send_counts[q]` elements at `sends[q]` and receives every peer's
-// contribution to this rank's `n` elements; as each chunk k is in from every peer, reduces
-// the W contributions (this rank's from `own`) into `dst` and calls done(k, begin, len).
+// contribution to this rank's `n` elements into `incoming` (W−1 times n elements); as each
+// chunk k is in from every peer, reduces the W contributions (this rank's from `own`) into
+// `dst` and calls done(k, begin, len).
 template <typename Done>
 void reduce_incoming(Comm& c, Exchange& ex, const std::vector<const char*>& sends,
-                     const std::vector<size_t>& send_counts, const char* own, char* dst, size_t n,
-                     c10::ScalarType dtype, ReduceOp op, Done&& done) {
+                     const std::vector<size_t>& send_counts, const char* own, char* incoming, char* dst,
+                     size_t n, size_t chunk, c10::ScalarType dtype, ReduceOp op, Done&& done) {
   const int w = c.size(), me = c.rank();
-  const size_t es = element_size(dtype), chunk = chunk_elements(c, dtype);
-  std::vector<char> incoming(static_cast<size_t>(w - 1) * n * es);
-  auto from = [&](int q) { return incoming.data() + static_cast<size_t>(q - (q > me)) * n * es; };
+  const size_t es = element_size(dtype);
+  auto from = [&](int q) { return incoming + static_cast<size_t>(q - (q > me)) * n * es; };
 
   std::vector<std::vector<Exchange::Handle>> arrivals(chunks_of(n, chunk));
   for (size_t k = 0; k < arrivals.size(); ++k) {
@@ -63,8 +63,8 @@ void reduce_to(Comm& c, char* data, size_t count, c10::ScalarType dtype, ReduceO
 
   // Small: one step. Every rank sends its whole buffer to every receiver.
   if (bytes <= static_cast<size_t>(c.config.oneshot_max_bytes)) {
-    std::vector<char> incoming(receives ? static_cast<size_t>(w - 1) * bytes : 0);
-    auto from = [&](int q) { return incoming.data() + static_cast<size_t>(q - (q > me)) * bytes; };
+    char* incoming = receives ? c.staging(static_cast<size_t>(w - 1) * bytes) : nullptr;
+    auto from = [&](int q) { return incoming + static_cast<size_t>(q - (q > me)) * bytes; };
     if (receives) {
       for (int q = 0; q < w; ++q) {
         if (q != me) ex.recv(q, Phase::kDirect, 0, from(q), bytes);
@@ -81,7 +81,7 @@ void reduce_to(Comm& c, char* data, size_t count, c10::ScalarType dtype, ReduceO
     return;
   }
 
-  const size_t chunk = chunk_elements(c, dtype);
+  const size_t chunk = chunk_elements(c, dtype, count);
   const Piece mine = piece_of(count, w, me);
   std::vector<const char*> sends(w);
   std::vector<size_t> send_counts(w, 0);
@@ -90,8 +90,10 @@ void reduce_to(Comm& c, char* data, size_t count, c10::ScalarType dtype, ReduceO
     sends[q] = data + p.begin * es;
     if (q != me) send_counts[q] = p.size();
   }
-  std::vector<char> result(receives ? 0 : mine.size() * es);
-  char* dst = receives ? data + mine.begin * es : result.data();
+  // Peers' contributions, then (on a rank that does not receive the result, whose data
+  // must stay unchanged) the reduced piece.
+  char* incoming = c.staging((w - 1 + (receives ? 0 : 1)) * mine.size() * es);
+  char* dst = receives ? data + mine.begin * es : incoming + (w - 1) * mine.size() * es;
   // The reduced pieces' receives are posted now. Rank q's reduced chunk k lands where our
   // chunk k of piece q was; q can only reduce it once our copy of it has reached q, so by
   // then we have finished sending it.
@@ -105,7 +107,7 @@ void reduce_to(Comm& c, char* data, size_t count, c10::ScalarType dtype, ReduceO
       }
     }
   }
-  reduce_incoming(c, ex, sends, send_counts, data + mine.begin * es, dst, mine.size(), dtype, op,
+  reduce_incoming(c, ex, sends, send_counts, data + mine.begin * es, incoming, dst, mine.size(), chunk, dtype, op,
                   [&](size_t k, size_t begin, size_t len) {
                     for (int q = 0; q < w; ++q) {
                       if (wants(q)) ex.send(q, Phase::kGather, k, dst + begin * es, len * es);
@@ -144,7 +146,9 @@ void reduce_scatter(Comm& c, const void* const* ins, void* out, size_t count, c1
   for (int q = 0; q < w; ++q) sends[q] = static_cast<const char*>(ins[q]);
   send_counts[me] = 0;
   Exchange ex(c);
-  reduce_incoming(c, ex, sends, send_counts, sends[me], static_cast<char*>(out), count, dtype, op,
+  char* incoming = c.staging(static_cast<size_t>(w - 1) * count * element_size(dtype));
+  reduce_incoming(c, ex, sends, send_counts, sends[me], incoming, static_cast<char*>(out), count,
+                  chunk_elements(c, dtype, count), dtype, op,
                   [](size_t, size_t, size_t) {});
   ex.wait_all();
 }

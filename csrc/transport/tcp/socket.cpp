@@ -11,7 +11,6 @@
 #include <unistd.h>
 
 #include <algorithm>
-#include <thread>
 
 #include "common/error.h"
 
@@ -90,30 +89,22 @@ Fd listen_any(int backlog, uint16_t* port) {
 
 Fd connect_to(const std::string& address, uint16_t port, Clock::time_point deadline) {
   sockaddr_in a = ipv4(address, port);
-  while (true) {
-    Fd fd(::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC | SOCK_NONBLOCK, 0));
-    TP_CHECK_ERRNO(fd.get() >= 0, "socket");
-    int rc = ::connect(fd.get(), reinterpret_cast<sockaddr*>(&a), sizeof(a));
-    int err = rc == 0 ? 0 : errno;
-    if (err == EINPROGRESS) {
-      if (!wait_ready(fd.get(), POLLOUT, deadline)) err = ETIMEDOUT;
-      else {
-        socklen_t len = sizeof(err);
-        ::getsockopt(fd.get(), SOL_SOCKET, SO_ERROR, &err, &len);
-      }
+  Fd fd(::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC | SOCK_NONBLOCK, 0));
+  TP_CHECK_ERRNO(fd.get() >= 0, "socket");
+  int rc = ::connect(fd.get(), reinterpret_cast<sockaddr*>(&a), sizeof(a));
+  int err = rc == 0 ? 0 : errno;
+  if (err == EINPROGRESS) {
+    if (!wait_ready(fd.get(), POLLOUT, deadline)) {
+      err = ETIMEDOUT;
+    } else {
+      socklen_t len = sizeof(err);
+      ::getsockopt(fd.get(), SOL_SOCKET, SO_ERROR, &err, &len);
     }
-    if (err == 0) {
-      int flags = ::fcntl(fd.get(), F_GETFL);
-      ::fcntl(fd.get(), F_SETFL, flags & ~O_NONBLOCK);  // the handshake blocks (with deadlines)
-      return fd;
-    }
-    // A listener's backlog can overflow while many ranks connect at once: try again.
-    bool transient = err == ECONNREFUSED || err == EAGAIN || err == ECONNRESET || err == EINTR;
-    if (!transient || Clock::now() >= deadline) {
-      TP_THROW("could not connect to ", address, ":", port, ": ", std::strerror(err));
-    }
-    std::this_thread::sleep_for(std::chrono::milliseconds(10));
   }
+  TP_CHECK(err == 0, "could not connect to ", address, ":", port, ": ", std::strerror(err));
+  int flags = ::fcntl(fd.get(), F_GETFL);
+  ::fcntl(fd.get(), F_SETFL, flags & ~O_NONBLOCK);  // the handshake blocks (with deadlines)
+  return fd;
 }
 
 Fd accept_until(int listener, Clock::time_point deadline) {

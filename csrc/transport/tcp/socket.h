@@ -41,7 +41,7 @@ std::vector<std::string> local_addresses(const std::string& ifname);
 // A listening socket on every interface, on a port the kernel picks.
 Fd listen_any(int backlog, uint16_t* port);
 
-// Connects to `address`:`port`, retrying refused connections until `deadline`.
+// One attempt to connect to `address`:`port`, given up at `deadline`.
 Fd connect_to(const std::string& address, uint16_t port, Clock::time_point deadline);
 
 // Accepts one connection, waiting until `deadline`.

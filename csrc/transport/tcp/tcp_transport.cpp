@@ -6,6 +6,7 @@
 #include <unistd.h>
 
 #include <random>
+#include <thread>
 #include <sstream>
 
 #include "common/error.h"
@@ -105,19 +106,30 @@ void TcpTransport::connect_all(Rendezvous& rendezvous, const Config& config,
     if (theirs.host == mine.host) candidates.insert(candidates.begin(), "127.0.0.1");
     TP_CHECK(!candidates.empty(), "rank ", peer, " (host ", theirs.host.substr(0, theirs.host.find('|')),
              ") published no IPv4 address to connect to; set TORCHPAR_SOCKET_IFNAME on it");
+    // Each address in turn, until one answers as rank `peer` of this group: an address may
+    // be unreachable from here, or lead to another process (a container bridge's address
+    // can be this host's own). Round after round until the deadline, since a listener's
+    // backlog can overflow while many ranks connect at once.
     std::string errors;
-    for (const auto& address : candidates) {
-      try {
-        // Give each address a share of the time, so a dead one cannot use it all.
-        auto until = std::min(deadline, Clock::now() + std::chrono::seconds(10));
-        Fd fd = connect_to(address, theirs.port, until);
-        Hello hello{kHelloMagic, token, rank_, size_};
-        send_all(fd.get(), &hello, sizeof(hello), deadline);
-        sockets_[peer] = std::move(fd);
-        break;
-      } catch (const Error& e) {
-        errors += std::string("; ") + e.what();
+    while (sockets_[peer].get() < 0 && Clock::now() < deadline) {
+      errors.clear();
+      for (const auto& address : candidates) {
+        try {
+          auto until = std::min(deadline, Clock::now() + std::chrono::seconds(5));
+          Fd fd = connect_to(address, theirs.port, until);
+          Hello hello{kHelloMagic, token, rank_, size_};
+          send_all(fd.get(), &hello, sizeof(hello), until);
+          Hello reply{};
+          recv_all(fd.get(), &reply, sizeof(reply), until);
+          TP_CHECK(reply.magic == kHelloMagic && reply.token == token && reply.rank == peer,
+                   "the process listening there is not rank ", peer, " of this group");
+          sockets_[peer] = std::move(fd);
+          break;
+        } catch (const Error& e) {
+          errors += std::string("; ") + address + ": " + e.what();
+        }
       }
+      if (sockets_[peer].get() < 0) std::this_thread::sleep_for(std::chrono::milliseconds(50));
     }
     TP_CHECK(sockets_[peer].get() >= 0, "rank ", rank_, " could not reach rank ", peer, " at port ",
              theirs.port, " of any of its addresses", errors,
@@ -144,6 +156,12 @@ void TcpTransport::connect_all(Rendezvous& rendezvous, const Config& config,
     if (hello.magic != kHelloMagic || hello.token != token || hello.size != size_ || hello.rank <= rank_ ||
         hello.rank >= size_ || sockets_[hello.rank].get() >= 0) {
       continue;
+    }
+    try {
+      Hello reply{kHelloMagic, token, rank_, size_};
+      send_all(fd.get(), &reply, sizeof(reply), std::min(deadline, Clock::now() + std::chrono::seconds(10)));
+    } catch (const Error&) {
+      continue;  // it hung up; it will call again
     }
     sockets_[hello.rank] = std::move(fd);
     --pending;
@@ -222,7 +240,13 @@ void TcpTransport::check_peer(int peer) {
   if (lost.empty()) return;
   // A rank that gives up on the group says why before it hangs up.
   std::string why;
-  if (rendezvous_.try_get(kAbortKey, &why)) {
+  bool told = false;
+  try {
+    told = rendezvous_.try_get(kAbortKey, &why);
+  } catch (const std::exception&) {
+    // The store went down with its host (often rank 0's): the connection is all we know.
+  }
+  if (told) {
     size_t bar = why.find('|');
     throw Error("the group was aborted by rank " + why.substr(0, bar) + ": " + why.substr(bar + 1));
   }
