@@ -103,6 +103,17 @@ std::shared_ptr<Request> P2PEngine::irecv(int peer, uint64_t tag, void* data, si
   return req;
 }
 
+bool P2PEngine::cancel(const std::shared_ptr<Request>& recv) {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    auto it = std::find(posted_.begin(), posted_.end(), recv);
+    if (it == posted_.end()) return false;
+    posted_.erase(it);
+  }
+  recv->fail(std::make_exception_ptr(Error("[torchpar] " + describe(*recv) + " was cancelled")));
+  return true;
+}
+
 void P2PEngine::deliver(const std::shared_ptr<Request>& recv, int source, const char* data,
                         size_t bytes, uint64_t tag) {
   if (bytes != recv->bytes) {

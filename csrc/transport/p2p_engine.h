@@ -45,6 +45,10 @@ class P2PEngine {
   std::shared_ptr<Request> irecv(int peer, uint64_t tag, void* data, size_t bytes,
                                  Clock::time_point deadline);
 
+  // Withdraws a receive that no message has matched yet: it fails with "cancelled" and its
+  // buffer is never written. Returns false (and changes nothing) once a message matched it.
+  bool cancel(const std::shared_ptr<Request>& recv);
+
   // Fails every pending request, and every later one, with `error`.
   void fail(std::exception_ptr error);
   // Stops the progress thread; pending requests fail.

@@ -46,6 +46,16 @@ void Exchange::wait_all() {
   posted_.clear();
 }
 
+void Exchange::cancel_all() {
+  for (auto& h : posted_) {
+    if (!c_.p2p.cancel(h)) {
+      while (!h->wait_for(std::chrono::milliseconds(1000))) {
+      }
+    }
+  }
+  posted_.clear();
+}
+
 void Exchange::abandon(std::exception_ptr error) {
   // Past agree(), every rank expects the same messages; one that does not fit (a receive
   // of the wrong size) means the ranks are out of step: the group cannot go on.
@@ -64,7 +74,7 @@ void Exchange::abandon(std::exception_ptr error) {
   std::rethrow_exception(error);
 }
 
-void agree(Comm& c, const shm::OpDesc& desc) {
+void agree(Comm& c, const shm::OpDesc& desc, Exchange* early) {
   std::vector<shm::OpDesc> descs(c.size());
   descs[c.rank()] = desc;
   Exchange ex(c);
@@ -74,9 +84,17 @@ void agree(Comm& c, const shm::OpDesc& desc) {
   for (int q = 0; q < c.size(); ++q) {
     if (q != c.rank()) ex.send(q, Phase::kAgree, 0, &descs[c.rank()], sizeof(shm::OpDesc));
   }
-  ex.wait_all();
+  try {
+    ex.wait_all();
+  } catch (...) {
+    if (early) early->cancel_all();  // (the group has failed: cancelling only tidies up)
+    throw;
+  }
   std::string message = mismatch(descs, c.seq);
-  if (!message.empty()) throw UsageError(message);
+  if (!message.empty()) {
+    if (early) early->cancel_all();
+    throw UsageError(message);
+  }
 }
 
 size_t chunk_elements(const Comm& c, c10::ScalarType dtype, size_t count) {

@@ -35,6 +35,9 @@ class Exchange {
   void wait(const Handle& h);
   // Waits for every request posted so far.
   void wait_all();
+  // Withdraws every request: receives no message has matched are cancelled, the rest waited
+  // for. For receives posted before agree(), when it fails (so no peer will send).
+  void cancel_all();
 
  private:
   uint64_t tag(Phase phase, uint32_t index) const;
@@ -46,8 +49,10 @@ class Exchange {
 };
 
 // Every rank sends its descriptor to every other; returns once all have arrived and agree,
-// or throws the same UsageError on every rank. It is also a barrier.
-void agree(Comm& c, const shm::OpDesc& desc);
+// or throws the same UsageError on every rank. It is also a barrier. Receives posted in
+// `early` beforehand (so that large messages land in place instead of in a buffer for early
+// arrivals) are withdrawn if it throws.
+void agree(Comm& c, const shm::OpDesc& desc, Exchange* early = nullptr);
 
 // The number of chunks of `chunk` elements in a region of `n` (none for an empty region).
 inline size_t chunks_of(size_t n, size_t chunk) { return (n + chunk - 1) / chunk; }

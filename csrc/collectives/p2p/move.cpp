@@ -1,6 +1,8 @@
 // The collectives that move data without reducing it, over point-to-point messages:
 // broadcast down a binomial tree (chunked, so a rank forwards chunk k while chunk k+1
-// arrives); all_gather, gather, scatter and all_to_all straight between each pair.
+// arrives); all_gather, gather, scatter and all_to_all straight between each pair. Each
+// posts its receives before agree(), so data lands in place, never in the engine's buffer
+// for early arrivals (allocated, filled, then copied again).
 #include <cstring>
 #include <string>
 #include <vector>
@@ -30,7 +32,6 @@ bool overlaps(const void* const* sends, const size_t* send_counts, void* const* 
 }  // namespace
 
 void broadcast(Comm& c, void* data, size_t count, c10::ScalarType dtype, int root) {
-  agree(c, op_desc(OpKind::kBroadcast, dtype, count, root));
   const int w = c.size();
   const int rel = (c.rank() - root + w) % w;  // rank counted from the root
   // Relative rank rel receives from rel minus its lowest set bit, and sends to rel + m for
@@ -53,7 +54,10 @@ void broadcast(Comm& c, void* data, size_t count, c10::ScalarType dtype, int roo
   for (size_t k = 0; parent >= 0 && k < chunks_of(total, chunk); ++k) {
     arrivals.push_back(ex.recv(parent, Phase::kTree, k, bytes + k * chunk, std::min(chunk, total - k * chunk)));
   }
-  for (size_t k = 0; k < chunks_of(total, chunk); ++k) {
+  agree(c, op_desc(OpKind::kBroadcast, dtype, count, root), &ex);
+  // A leaf only receives: it waits once, not once per chunk (each wake-up costs a thread
+  // hand-off).
+  for (size_t k = 0; !children.empty() && k < chunks_of(total, chunk); ++k) {
     if (parent >= 0) ex.wait(arrivals[k]);
     for (int child : children) ex.send(child, Phase::kTree, k, bytes + k * chunk, std::min(chunk, total - k * chunk));
   }
@@ -61,12 +65,12 @@ void broadcast(Comm& c, void* data, size_t count, c10::ScalarType dtype, int roo
 }
 
 void allgather(Comm& c, const void* in, void* const* outs, size_t count, c10::ScalarType dtype) {
-  agree(c, op_desc(OpKind::kAllgather, dtype, count));
   const size_t bytes = count * element_size(dtype);
   Exchange ex(c);
   for (int q = 0; q < c.size(); ++q) {
     if (q != c.rank()) ex.recv(q, Phase::kDirect, 0, outs[q], bytes);
   }
+  agree(c, op_desc(OpKind::kAllgather, dtype, count), &ex);
   for (int q = 0; q < c.size(); ++q) {
     if (q != c.rank()) ex.send(q, Phase::kDirect, 0, in, bytes);
   }
@@ -75,27 +79,26 @@ void allgather(Comm& c, const void* in, void* const* outs, size_t count, c10::Sc
 }
 
 void gather(Comm& c, const void* in, void* const* outs, size_t count, c10::ScalarType dtype, int root) {
-  agree(c, op_desc(OpKind::kGather, dtype, count, root));
   const size_t bytes = count * element_size(dtype);
   Exchange ex(c);
+  for (int q = 0; c.rank() == root && q < c.size(); ++q) {
+    if (q != root) ex.recv(q, Phase::kDirect, 0, outs[q], bytes);
+  }
+  agree(c, op_desc(OpKind::kGather, dtype, count, root), &ex);
   if (c.rank() != root) {
     ex.send(root, Phase::kDirect, 0, in, bytes);
-  } else {
-    for (int q = 0; q < c.size(); ++q) {
-      if (q != root) ex.recv(q, Phase::kDirect, 0, outs[q], bytes);
-    }
-    if (bytes && outs[root] != in) std::memmove(outs[root], in, bytes);
+  } else if (bytes && outs[root] != in) {
+    std::memmove(outs[root], in, bytes);
   }
   ex.wait_all();
 }
 
 void scatter(Comm& c, const void* const* ins, void* out, size_t count, c10::ScalarType dtype, int root) {
-  agree(c, op_desc(OpKind::kScatter, dtype, count, root));
   const size_t bytes = count * element_size(dtype);
   Exchange ex(c);
-  if (c.rank() != root) {
-    ex.recv(root, Phase::kDirect, 0, out, bytes);
-  } else {
+  if (c.rank() != root) ex.recv(root, Phase::kDirect, 0, out, bytes);
+  agree(c, op_desc(OpKind::kScatter, dtype, count, root), &ex);
+  if (c.rank() == root) {
     for (int q = 0; q < c.size(); ++q) {
       if (q != root) ex.send(q, Phase::kDirect, 0, ins[q], bytes);
     }
@@ -106,36 +109,10 @@ void scatter(Comm& c, const void* const* ins, void* out, size_t count, c10::Scal
 
 void alltoall(Comm& c, const void* const* sends, const size_t* send_counts, void* const* recvs,
               const size_t* recv_counts, c10::ScalarType dtype) {
-  agree(c, op_desc(OpKind::kAlltoall, dtype, 0));
   const int w = c.size(), me = c.rank();
   const size_t es = element_size(dtype);
-  // Every rank's counts go to every rank first, so splits that do not pair up are the same
-  // error everywhere rather than a failed receive on one rank.
-  std::vector<uint64_t> counts(2 * static_cast<size_t>(w) * w);  // rank q's at [2wq, 2w(q+1))
-  for (int r = 0; r < w; ++r) {
-    counts[2 * w * me + r] = send_counts[r];
-    counts[2 * w * me + w + r] = recv_counts[r];
-  }
-  {
-    Exchange ex(c);
-    const size_t row = 2 * static_cast<size_t>(w) * sizeof(uint64_t);
-    for (int q = 0; q < w; ++q) {
-      if (q != me) ex.recv(q, Phase::kCounts, 0, &counts[2 * w * q], row);
-    }
-    for (int q = 0; q < w; ++q) {
-      if (q != me) ex.send(q, Phase::kCounts, 0, &counts[2 * w * me], row);
-    }
-    ex.wait_all();
-  }
-  for (int q = 0; q < w; ++q) {
-    for (int r = 0; r < w; ++r) {
-      const uint64_t sends_to = counts[2 * w * q + r], expects = counts[2 * w * r + w + q];
-      TP_CHECK_USAGE(sends_to == expects, "all_to_all split sizes disagree: rank ", q, " sends ", sends_to,
-                     " elements to rank ", r, ", which expects ", expects, " from it (collective #", c.seq, ")");
-    }
-  }
   // In place (outputs over inputs), a peer's data could land on ours before ours has gone
-  // out: send from a copy then.
+  // out: send from a copy then, made before any receive is posted.
   std::vector<const void*> from(sends, sends + w);
   if (overlaps(sends, send_counts, recvs, recv_counts, w, es)) {
     size_t total = 0;
@@ -150,6 +127,35 @@ void alltoall(Comm& c, const void* const* sends, const size_t* send_counts, void
   Exchange ex(c);
   for (int q = 0; q < w; ++q) {
     if (q != me) ex.recv(q, Phase::kDirect, 0, recvs[q], recv_counts[q] * es);
+  }
+  agree(c, op_desc(OpKind::kAlltoall, dtype, 0), &ex);
+  // Every rank's counts go to every rank before any data, so splits that do not pair up are
+  // the same error everywhere rather than a failed receive on one rank.
+  std::vector<uint64_t> counts(2 * static_cast<size_t>(w) * w);  // rank q's at [2wq, 2w(q+1))
+  for (int r = 0; r < w; ++r) {
+    counts[2 * w * me + r] = send_counts[r];
+    counts[2 * w * me + w + r] = recv_counts[r];
+  }
+  {
+    Exchange cx(c);
+    const size_t row = 2 * static_cast<size_t>(w) * sizeof(uint64_t);
+    for (int q = 0; q < w; ++q) {
+      if (q != me) cx.recv(q, Phase::kCounts, 0, &counts[2 * w * q], row);
+    }
+    for (int q = 0; q < w; ++q) {
+      if (q != me) cx.send(q, Phase::kCounts, 0, &counts[2 * w * me], row);
+    }
+    cx.wait_all();
+  }
+  for (int q = 0; q < w; ++q) {
+    for (int r = 0; r < w; ++r) {
+      const uint64_t sends_to = counts[2 * w * q + r], expects = counts[2 * w * r + w + q];
+      if (sends_to == expects) continue;
+      ex.cancel_all();  // no rank sends its data now
+      throw UsageError(detail::message(__FILE__, __LINE__, "all_to_all split sizes disagree: rank ", q, " sends ",
+                                       sends_to, " elements to rank ", r, ", which expects ", expects,
+                                       " from it (collective #", c.seq, ")"));
+    }
   }
   for (int q = 0; q < w; ++q) {
     if (q != me) ex.send(q, Phase::kDirect, 0, from[q], send_counts[q] * es);

@@ -1,7 +1,9 @@
 // all_reduce, reduce and reduce_scatter over point-to-point messages: a direct
 // reduce-scatter (rank q sends rank r its contribution to r's piece), then, for the
 // all-reduce and reduce, the reduced pieces go to the ranks that receive the result.
-// Chunk by chunk, so reducing one chunk overlaps the arrival of the next.
+// Chunk by chunk, so reducing one chunk overlaps the arrival of the next. Receives are
+// posted before agree(), so data lands in place, never in the engine's buffer for early
+// arrivals.
 #include <algorithm>
 #include <vector>
 
@@ -12,12 +14,12 @@
 namespace torchpar::collectives::p2p {
 namespace {
 
-// Sends every peer q its `send_counts[q]` elements at `sends[q]` and receives every peer's
-// contribution to this rank's `n` elements into `incoming` (W−1 times n elements); as each
-// chunk k is in from every peer, reduces the W contributions (this rank's from `own`) into
-// `dst` and calls done(k, begin, len).
+// Receives every peer's contribution to this rank's `n` elements into `incoming` (W−1
+// times n elements), agrees on `desc`, and sends every peer q its `send_counts[q]` elements
+// at `sends[q]`; as each chunk k is in from every peer, reduces the W contributions (this
+// rank's from `own`) into `dst` and calls done(k, begin, len).
 template <typename Done>
-void reduce_incoming(Comm& c, Exchange& ex, const std::vector<const char*>& sends,
+void reduce_incoming(Comm& c, const shm::OpDesc& desc, Exchange& ex, const std::vector<const char*>& sends,
                      const std::vector<size_t>& send_counts, const char* own, char* incoming, char* dst,
                      size_t n, size_t chunk, c10::ScalarType dtype, ReduceOp op, Done&& done) {
   const int w = c.size(), me = c.rank();
@@ -31,6 +33,7 @@ void reduce_incoming(Comm& c, Exchange& ex, const std::vector<const char*>& send
       if (q != me) arrivals[k].push_back(ex.recv(q, Phase::kScatter, k, from(q) + k * chunk * es, len * es));
     }
   }
+  agree(c, desc, &ex);
   size_t rounds = 0;
   for (int q = 0; q < w; ++q) rounds = std::max(rounds, chunks_of(send_counts[q], chunk));
   for (size_t k = 0; k < rounds; ++k) {
@@ -54,7 +57,8 @@ void reduce_incoming(Comm& c, Exchange& ex, const std::vector<const char*>& send
 
 // In place on the receivers: every rank (root < 0) or the root; the others' data is left
 // unchanged.
-void reduce_to(Comm& c, char* data, size_t count, c10::ScalarType dtype, ReduceOp op, int root) {
+void reduce_to(Comm& c, const shm::OpDesc& desc, char* data, size_t count, c10::ScalarType dtype, ReduceOp op,
+               int root) {
   const int w = c.size(), me = c.rank();
   const size_t es = element_size(dtype), bytes = count * es;
   const bool receives = root < 0 || root == me;
@@ -70,6 +74,7 @@ void reduce_to(Comm& c, char* data, size_t count, c10::ScalarType dtype, ReduceO
         if (q != me) ex.recv(q, Phase::kDirect, 0, from(q), bytes);
       }
     }
+    agree(c, desc, &ex);
     for (int q = 0; q < w; ++q) {
       if (wants(q)) ex.send(q, Phase::kDirect, 0, data, bytes);
     }
@@ -107,7 +112,7 @@ void reduce_to(Comm& c, char* data, size_t count, c10::ScalarType dtype, ReduceO
       }
     }
   }
-  reduce_incoming(c, ex, sends, send_counts, data + mine.begin * es, incoming, dst, mine.size(), chunk, dtype, op,
+  reduce_incoming(c, desc, ex, sends, send_counts, data + mine.begin * es, incoming, dst, mine.size(), chunk, dtype, op,
                   [&](size_t k, size_t begin, size_t len) {
                     for (int q = 0; q < w; ++q) {
                       if (wants(q)) ex.send(q, Phase::kGather, k, dst + begin * es, len * es);
@@ -119,27 +124,26 @@ void reduce_to(Comm& c, char* data, size_t count, c10::ScalarType dtype, ReduceO
 }  // namespace
 
 void allreduce(Comm& c, const Segments& data, size_t count, c10::ScalarType dtype, ReduceOp op) {
-  agree(c, op_desc(OpKind::kAllreduce, dtype, count, 0, static_cast<int>(op)));
+  const auto desc = op_desc(OpKind::kAllreduce, dtype, count, 0, static_cast<int>(op));
   if (char* flat = data.contiguous()) {
-    reduce_to(c, flat, count, dtype, op, /*root=*/-1);
+    reduce_to(c, desc, flat, count, dtype, op, /*root=*/-1);
     return;
   }
   // Several tensors (a coalesced all-reduce): packed into one buffer, sockets need bytes
   // in one place.
   std::vector<char> packed(data.bytes());
   data.gather(packed.data(), 0, packed.size(), false);
-  reduce_to(c, packed.data(), count, dtype, op, -1);
+  reduce_to(c, desc, packed.data(), count, dtype, op, -1);
   data.scatter(0, packed.data(), packed.size());
 }
 
 void reduce(Comm& c, void* data, size_t count, c10::ScalarType dtype, ReduceOp op, int root) {
-  agree(c, op_desc(OpKind::kReduce, dtype, count, root, static_cast<int>(op)));
-  reduce_to(c, static_cast<char*>(data), count, dtype, op, root);
+  reduce_to(c, op_desc(OpKind::kReduce, dtype, count, root, static_cast<int>(op)), static_cast<char*>(data), count,
+            dtype, op, root);
 }
 
 void reduce_scatter(Comm& c, const void* const* ins, void* out, size_t count, c10::ScalarType dtype,
                     ReduceOp op) {
-  agree(c, op_desc(OpKind::kReduceScatter, dtype, count, 0, static_cast<int>(op)));
   const int w = c.size(), me = c.rank();
   std::vector<const char*> sends(w);
   std::vector<size_t> send_counts(w, count);
@@ -147,7 +151,8 @@ void reduce_scatter(Comm& c, const void* const* ins, void* out, size_t count, c1
   send_counts[me] = 0;
   Exchange ex(c);
   char* incoming = c.staging(static_cast<size_t>(w - 1) * count * element_size(dtype));
-  reduce_incoming(c, ex, sends, send_counts, sends[me], incoming, static_cast<char*>(out), count,
+  reduce_incoming(c, op_desc(OpKind::kReduceScatter, dtype, count, 0, static_cast<int>(op)), ex, sends, send_counts,
+                  sends[me], incoming, static_cast<char*>(out), count,
                   chunk_elements(c, dtype, count), dtype, op,
                   [](size_t, size_t, size_t) {});
   ex.wait_all();
