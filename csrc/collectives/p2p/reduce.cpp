@@ -57,17 +57,28 @@ void reduce_incoming(Comm& c, const shm::OpDesc& desc, Exchange& ex, const std::
 
 // In place on the receivers: every rank (root < 0) or the root; the others' data is left
 // unchanged.
+// Bytes of staging memory reduce_to needs: peers' contributions, and on a rank that does
+// not receive the result (whose data must stay unchanged) the reduced piece.
+size_t staging_for(const Comm& c, size_t count, size_t es, int root) {
+  const size_t w = c.size();
+  const bool receives = root < 0 || root == c.rank();
+  if (count * es <= static_cast<size_t>(c.config.oneshot_max_bytes)) return receives ? (w - 1) * count * es : 0;
+  return (w - 1 + (receives ? 0 : 1)) * piece_of(count, c.size(), c.rank()).size() * es;
+}
+
+// Its staging starts `at` bytes into the group's (what lies before is the caller's).
 void reduce_to(Comm& c, const shm::OpDesc& desc, char* data, size_t count, c10::ScalarType dtype, ReduceOp op,
-               int root) {
+               int root, size_t at = 0) {
   const int w = c.size(), me = c.rank();
   const size_t es = element_size(dtype), bytes = count * es;
   const bool receives = root < 0 || root == me;
+  char* staged = c.staging(at + staging_for(c, count, es, root)) + at;
   auto wants = [&](int q) { return q != me && (root < 0 || q == root); };
   Exchange ex(c);
 
   // Small: one step. Every rank sends its whole buffer to every receiver.
   if (bytes <= static_cast<size_t>(c.config.oneshot_max_bytes)) {
-    char* incoming = receives ? c.staging(static_cast<size_t>(w - 1) * bytes) : nullptr;
+    char* incoming = staged;
     auto from = [&](int q) { return incoming + static_cast<size_t>(q - (q > me)) * bytes; };
     if (receives) {
       for (int q = 0; q < w; ++q) {
@@ -95,9 +106,7 @@ void reduce_to(Comm& c, const shm::OpDesc& desc, char* data, size_t count, c10::
     sends[q] = data + p.begin * es;
     if (q != me) send_counts[q] = p.size();
   }
-  // Peers' contributions, then (on a rank that does not receive the result, whose data
-  // must stay unchanged) the reduced piece.
-  char* incoming = c.staging((w - 1 + (receives ? 0 : 1)) * mine.size() * es);
+  char* incoming = staged;
   char* dst = receives ? data + mine.begin * es : incoming + (w - 1) * mine.size() * es;
   // The reduced pieces' receives are posted now. Rank q's reduced chunk k lands where our
   // chunk k of piece q was; q can only reduce it once our copy of it has reached q, so by
@@ -129,12 +138,14 @@ void allreduce(Comm& c, const Segments& data, size_t count, c10::ScalarType dtyp
     reduce_to(c, desc, flat, count, dtype, op, /*root=*/-1);
     return;
   }
-  // Several tensors (a coalesced all-reduce): packed into one buffer, sockets need bytes
-  // in one place.
-  std::vector<char> packed(data.bytes());
-  data.gather(packed.data(), 0, packed.size(), false);
-  reduce_to(c, desc, packed.data(), count, dtype, op, -1);
-  data.scatter(0, packed.data(), packed.size());
+  // Several tensors (a coalesced all-reduce): packed into one buffer, since sockets take
+  // bytes from one place; in the group's staging memory, ahead of what reduce_to stages
+  // (sized for both at once, so that reduce_to's call cannot move it).
+  const size_t at = (data.bytes() + 63) / 64 * 64;
+  char* packed = c.staging(at + staging_for(c, count, element_size(dtype), -1));
+  data.gather(packed, 0, data.bytes(), false);
+  reduce_to(c, desc, packed, count, dtype, op, -1, at);
+  data.scatter(0, packed, data.bytes());
 }
 
 void reduce(Comm& c, void* data, size_t count, c10::ScalarType dtype, ReduceOp op, int root) {
