@@ -152,6 +152,16 @@ def test_ranks_with_different_wire_settings_is_a_clear_error():
     assert spawn(_init_with_own_chunk, 2, env={"TORCHPAR_TRANSPORT": "tcp"}) == [True, True]
 
 
+def test_socket_interface_without_an_address_is_a_clear_error():
+    env = {"TORCHPAR_TRANSPORT": "tcp", "TORCHPAR_SOCKET_IFNAME": "no-such-if0"}
+    assert spawn(_init_expecting_error, 2, "TORCHPAR_SOCKET_IFNAME=no-such-if0", env=env) == [True, True]
+
+
+def test_socket_interface_names_the_addresses_ranks_publish():
+    env = {"TORCHPAR_TRANSPORT": "tcp", "TORCHPAR_SOCKET_IFNAME": "lo"}
+    assert spawn(_transport_in_use, 2, env=env) == [("tcp", "tcp")] * 2
+
+
 def _world_of_one(rank, world_size, init_file):
     import torchpar  # noqa: F401
     dist.init_process_group("torchpar", init_method=f"file://{init_file}", rank=0, world_size=1)
