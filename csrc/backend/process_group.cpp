@@ -251,13 +251,17 @@ void ProcessGroupTorchpar::execute(Queued& item, bool caller_blocks) {
 std::exception_ptr ProcessGroupTorchpar::describe_failure(const char* op, uint64_t seq,
                                                           std::exception_ptr error, bool* fatal) const {
   *fatal = true;
+  std::string what = message_of(error);
   try {
     std::rethrow_exception(error);
   } catch (const UsageError&) {
     *fatal = false;  // every rank saw the same thing and stopped in step
+  } catch (const PeerLostError&) {
+    // A peer that gave up on the group hangs up after saying why (over TCP, in the store).
+    std::string why = transport_->abort_reason();
+    if (!why.empty()) what = why;
   } catch (...) {
   }
-  std::string what = message_of(error);
   std::string msg = std::string("torchpar ") + op + " failed on rank " + std::to_string(getRank()) + "/" +
                     std::to_string(getSize()) + " of group '" + group_name_ + "' (collective #" +
                     std::to_string(seq) + "): " + what;

@@ -23,6 +23,12 @@ class UsageError : public Error {
   using Error::Error;
 };
 
+// A peer's process is gone, or the connection to it (the group cannot go on).
+class PeerLostError : public Error {
+ public:
+  using Error::Error;
+};
+
 // A wait ran past the group's timeout.
 class TimeoutError : public Error {
  public:

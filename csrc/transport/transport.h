@@ -23,6 +23,9 @@ class Transport : public Link {
   virtual shm::Arena* arena() { return nullptr; }
   // Marks the group failed for every rank (first reason wins) and fails pending requests.
   virtual void abort(const std::string& reason) = 0;
+  // Why another rank aborted the group, if it said so ("" otherwise). May block briefly
+  // (a store lookup): call it from a thread that is failing anyway, never the progress one.
+  virtual std::string abort_reason() { return ""; }
 };
 
 }  // namespace torchpar

@@ -41,8 +41,9 @@ std::vector<std::string> local_addresses(const std::string& ifname);
 // A listening socket on every interface, on a port the kernel picks.
 Fd listen_any(int backlog, uint16_t* port);
 
-// One attempt to connect to `address`:`port`, given up at `deadline`.
-Fd connect_to(const std::string& address, uint16_t port, Clock::time_point deadline);
+// One attempt to connect to `address`:`port`, given up at `deadline`. On failure returns
+// no descriptor and sets *error (an errno value; ETIMEDOUT at the deadline).
+Fd connect_to(const std::string& address, uint16_t port, Clock::time_point deadline, int* error);
 
 // Accepts one connection, waiting until `deadline`.
 Fd accept_until(int listener, Clock::time_point deadline);

@@ -18,13 +18,22 @@ namespace {
 const char* kAbortKey = "torchpar/tcp/abort";
 constexpr uint64_t kHelloMagic = 0x7470617274637031ULL;  // "tpartcp1"
 
-// The first bytes on every connection: who is calling, and for which group.
+// The first bytes each way on every connection: who is calling whom, for which group.
 struct Hello {
   uint64_t magic;
   uint64_t token;  // rank 0's random number for this group: a stray connection is refused
-  int32_t rank;
+  int32_t rank;    // the sender
+  int32_t to;      // the rank it means to reach
   int32_t size;
+  int32_t reserved;
 };
+
+// Connection failures that may pass (a listener's backlog overflowing while many ranks
+// connect at once); others rule the address out.
+bool transient(int err) {
+  return err == ECONNREFUSED || err == ETIMEDOUT || err == EAGAIN || err == ECONNRESET || err == EINTR ||
+         err == ECONNABORTED;
+}
 
 // What each rank publishes: "port|host identity|addr,addr,..."
 struct Contact {
@@ -106,34 +115,45 @@ void TcpTransport::connect_all(Rendezvous& rendezvous, const Config& config,
     if (theirs.host == mine.host) candidates.insert(candidates.begin(), "127.0.0.1");
     TP_CHECK(!candidates.empty(), "rank ", peer, " (host ", theirs.host.substr(0, theirs.host.find('|')),
              ") published no IPv4 address to connect to; set TORCHPAR_SOCKET_IFNAME on it");
-    // Each address in turn, until one answers as rank `peer` of this group: an address may
-    // be unreachable from here, or lead to another process (a container bridge's address
-    // can be this host's own). Round after round until the deadline, since a listener's
-    // backlog can overflow while many ranks connect at once.
+    // Each address in turn, round after round, until one answers as rank `peer` of this
+    // group: an address may be unreachable from here, or lead to another process (a
+    // container bridge's address can be this host's own).
+    std::vector<std::string> live = candidates;
     std::string errors;
-    while (sockets_[peer].get() < 0 && Clock::now() < deadline) {
-      errors.clear();
-      for (const auto& address : candidates) {
+    auto note = [&](const std::string& address, const std::string& why) {
+      std::string line = "; " + address + ": " + why;
+      if (errors.find(line) == std::string::npos) errors += line;
+    };
+    while (sockets_[peer].get() < 0) {
+      for (auto it = live.begin(); it != live.end() && sockets_[peer].get() < 0;) {
+        int err = 0;
+        Fd fd = connect_to(*it, theirs.port, std::min(deadline, Clock::now() + std::chrono::seconds(5)), &err);
+        if (fd.get() < 0) {
+          note(*it, std::strerror(err));
+          it = transient(err) ? it + 1 : live.erase(it);
+          continue;
+        }
         try {
-          auto until = std::min(deadline, Clock::now() + std::chrono::seconds(5));
-          Fd fd = connect_to(address, theirs.port, until);
-          Hello hello{kHelloMagic, token, rank_, size_};
-          send_all(fd.get(), &hello, sizeof(hello), until);
+          // The reply may take a while: the peer answers once it has called its own lower
+          // ranks. Only the group's deadline bounds it.
+          Hello hello{kHelloMagic, token, rank_, peer, size_, 0};
+          send_all(fd.get(), &hello, sizeof(hello), deadline);
           Hello reply{};
-          recv_all(fd.get(), &reply, sizeof(reply), until);
-          TP_CHECK(reply.magic == kHelloMagic && reply.token == token && reply.rank == peer,
+          recv_all(fd.get(), &reply, sizeof(reply), deadline);
+          TP_CHECK(reply.magic == kHelloMagic && reply.token == token && reply.rank == peer && reply.to == rank_,
                    "the process listening there is not rank ", peer, " of this group");
           sockets_[peer] = std::move(fd);
-          break;
         } catch (const Error& e) {
-          errors += std::string("; ") + address + ": " + e.what();
+          note(*it, e.what());
+          it = live.erase(it);  // it leads elsewhere, or hung up on a valid hello
         }
       }
-      if (sockets_[peer].get() < 0) std::this_thread::sleep_for(std::chrono::milliseconds(50));
+      if (sockets_[peer].get() >= 0) break;
+      TP_CHECK(!live.empty() && Clock::now() < deadline, "rank ", rank_, " could not reach rank ", peer,
+               " at port ", theirs.port, " of any of its addresses", errors,
+               " (TORCHPAR_SOCKET_IFNAME picks the interface a rank publishes)");
+      std::this_thread::sleep_for(std::chrono::milliseconds(50));
     }
-    TP_CHECK(sockets_[peer].get() >= 0, "rank ", rank_, " could not reach rank ", peer, " at port ",
-             theirs.port, " of any of its addresses", errors,
-             " (TORCHPAR_SOCKET_IFNAME picks the interface a rank publishes)");
   }
   for (int pending = size_ - 1 - rank_; pending > 0;) {
     Fd fd;
@@ -153,12 +173,12 @@ void TcpTransport::connect_all(Rendezvous& rendezvous, const Config& config,
     } catch (const Error&) {
       continue;  // not one of ours
     }
-    if (hello.magic != kHelloMagic || hello.token != token || hello.size != size_ || hello.rank <= rank_ ||
-        hello.rank >= size_ || sockets_[hello.rank].get() >= 0) {
+    if (hello.magic != kHelloMagic || hello.token != token || hello.size != size_ || hello.to != rank_ ||
+        hello.rank <= rank_ || hello.rank >= size_ || sockets_[hello.rank].get() >= 0) {
       continue;
     }
     try {
-      Hello reply{kHelloMagic, token, rank_, size_};
+      Hello reply{kHelloMagic, token, rank_, hello.rank, size_, 0};
       send_all(fd.get(), &reply, sizeof(reply), std::min(deadline, Clock::now() + std::chrono::seconds(10)));
     } catch (const Error&) {
       continue;  // it hung up; it will call again
@@ -231,26 +251,23 @@ void TcpTransport::sleep_until_activity(uint32_t seen, std::chrono::microseconds
 }
 
 void TcpTransport::check_peer(int peer) {
-  std::string lost;
-  {
-    std::lock_guard<std::mutex> lock(mu_);
-    if (!aborted_.empty()) throw Error(aborted_);
-    lost = lost_[peer];
+  std::lock_guard<std::mutex> lock(mu_);
+  if (!aborted_.empty()) throw Error(aborted_);
+  if (!lost_[peer].empty()) {
+    throw PeerLostError(detail::message(__FILE__, __LINE__, "lost the TCP connection to rank ", peer, ": ",
+                                        lost_[peer]));
   }
-  if (lost.empty()) return;
-  // A rank that gives up on the group says why before it hangs up.
+}
+
+std::string TcpTransport::abort_reason() {
   std::string why;
-  bool told = false;
   try {
-    told = rendezvous_.try_get(kAbortKey, &why);
+    if (!rendezvous_.try_get(kAbortKey, &why)) return "";
   } catch (const std::exception&) {
-    // The store went down with its host (often rank 0's): the connection is all we know.
+    return "";  // the store went down with its host (often rank 0's)
   }
-  if (told) {
-    size_t bar = why.find('|');
-    throw Error("the group was aborted by rank " + why.substr(0, bar) + ": " + why.substr(bar + 1));
-  }
-  throw Error(detail::message(__FILE__, __LINE__, "lost the TCP connection to rank ", peer, ": ", lost));
+  size_t bar = why.find('|');
+  return "the group was aborted by rank " + why.substr(0, bar) + ": " + why.substr(bar + 1);
 }
 
 void TcpTransport::abort(const std::string& reason) {
