@@ -190,6 +190,33 @@ TEST(P2P, TagsMatchWhateverTheReceiveOrder) {
   });
 }
 
+TEST(P2P, CancelledReceiveIsNeverWrittenAndItsMessageWaitsForTheNext) {
+  for (const char* kind : {"shm", "tcp"}) {
+    run_ranks(2, [&](int rank, Transport& t) {
+      auto deadline = Clock::now() + std::chrono::seconds(10);
+      int token = 0;
+      if (rank == 1) {
+        int withdrawn = -1;
+        auto r = t.p2p().irecv(0, 5, &withdrawn, sizeof(withdrawn), deadline);
+        EXPECT_TRUE(t.p2p().cancel(r));
+        EXPECT_THROW(r->wait(), Error);
+        EXPECT_FALSE(t.p2p().cancel(r));  // once only
+        t.p2p().isend(0, 9, &token, sizeof(token), deadline)->wait();  // now rank 0 sends
+        int got = 0;
+        auto again = t.p2p().irecv(0, 5, &got, sizeof(got), deadline);
+        again->wait();
+        EXPECT_EQ(got, 42);
+        EXPECT_EQ(withdrawn, -1);
+        EXPECT_FALSE(t.p2p().cancel(again));  // matched: too late to withdraw
+      } else {
+        t.p2p().irecv(1, 9, &token, sizeof(token), deadline)->wait();
+        int value = 42;
+        t.p2p().isend(1, 5, &value, sizeof(value), deadline)->wait();
+      }
+    }, std::chrono::milliseconds(10000), kind);
+  }
+}
+
 TEST(Collectives, AbsentPeerTimesOut) {
   run_ranks(2, [&](int rank, Transport& t) {
     if (rank == 1) return;  // never joins the collective
