@@ -9,12 +9,21 @@ namespace torchpar::collectives::p2p {
 Exchange::~Exchange() {
   bool pending = std::any_of(posted_.begin(), posted_.end(), [](const Handle& h) { return !h->done(); });
   if (!pending) return;
-  c_.p2p.fail(std::make_exception_ptr(
+  give_up(std::make_exception_ptr(
       Error("[torchpar] collective #" + std::to_string(c_.seq) + " was abandoned part-way after an error")));
+}
+
+void Exchange::drain() {
   for (auto& h : posted_) {
     while (!h->wait_for(std::chrono::milliseconds(1000))) {
     }
   }
+  posted_.clear();
+}
+
+void Exchange::give_up(std::exception_ptr error) {
+  c_.p2p.fail(error);
+  drain();
 }
 
 uint64_t Exchange::tag(Phase phase, uint32_t index) const {
@@ -47,13 +56,8 @@ void Exchange::wait_all() {
 }
 
 void Exchange::cancel_all() {
-  for (auto& h : posted_) {
-    if (!c_.p2p.cancel(h)) {
-      while (!h->wait_for(std::chrono::milliseconds(1000))) {
-      }
-    }
-  }
-  posted_.clear();
+  for (auto& h : posted_) c_.p2p.cancel(h);  // refused once matched: drain waits for those
+  drain();
 }
 
 void Exchange::abandon(std::exception_ptr error) {
@@ -65,27 +69,27 @@ void Exchange::abandon(std::exception_ptr error) {
     error = std::make_exception_ptr(Error(e.what()));
   } catch (...) {
   }
-  c_.p2p.fail(error);
-  for (auto& h : posted_) {
-    while (!h->wait_for(std::chrono::milliseconds(1000))) {
-    }
-  }
-  posted_.clear();
+  give_up(error);
   std::rethrow_exception(error);
+}
+
+void share(Comm& c, Phase phase, void* records, size_t bytes) {
+  char* at = static_cast<char*>(records);
+  Exchange ex(c);
+  for (int q = 0; q < c.size(); ++q) {
+    if (q != c.rank()) ex.recv(q, phase, 0, at + q * bytes, bytes);
+  }
+  for (int q = 0; q < c.size(); ++q) {
+    if (q != c.rank()) ex.send(q, phase, 0, at + c.rank() * bytes, bytes);
+  }
+  ex.wait_all();
 }
 
 void agree(Comm& c, const shm::OpDesc& desc, Exchange* early) {
   std::vector<shm::OpDesc> descs(c.size());
   descs[c.rank()] = desc;
-  Exchange ex(c);
-  for (int q = 0; q < c.size(); ++q) {
-    if (q != c.rank()) ex.recv(q, Phase::kAgree, 0, &descs[q], sizeof(shm::OpDesc));
-  }
-  for (int q = 0; q < c.size(); ++q) {
-    if (q != c.rank()) ex.send(q, Phase::kAgree, 0, &descs[c.rank()], sizeof(shm::OpDesc));
-  }
   try {
-    ex.wait_all();
+    share(c, Phase::kAgree, descs.data(), sizeof(shm::OpDesc));
   } catch (...) {
     if (early) early->cancel_all();  // (the group has failed: cancelling only tidies up)
     throw;

@@ -41,12 +41,20 @@ class Exchange {
 
  private:
   uint64_t tag(Phase phase, uint32_t index) const;
-  // Fails the engine with `error`, waits for every request, and rethrows `error`.
+  // Waits until every request has finished, however it ends.
+  void drain();
+  // Fails the engine with `error` (its pending requests with it) and drains.
+  void give_up(std::exception_ptr error);
+  // give_up(), then rethrows `error`.
   [[noreturn]] void abandon(std::exception_ptr error);
 
   Comm& c_;
   std::vector<Handle> posted_;
 };
+
+// Every rank sends its record of `bytes` (at records + rank × bytes) to every other and
+// receives theirs in place: an all-gather of one small record per rank.
+void share(Comm& c, Phase phase, void* records, size_t bytes);
 
 // Every rank sends its descriptor to every other; returns once all have arrived and agree,
 // or throws the same UsageError on every rank. It is also a barrier. Receives posted in

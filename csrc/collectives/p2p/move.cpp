@@ -136,17 +136,7 @@ void alltoall(Comm& c, const void* const* sends, const size_t* send_counts, void
     counts[2 * w * me + r] = send_counts[r];
     counts[2 * w * me + w + r] = recv_counts[r];
   }
-  {
-    Exchange cx(c);
-    const size_t row = 2 * static_cast<size_t>(w) * sizeof(uint64_t);
-    for (int q = 0; q < w; ++q) {
-      if (q != me) cx.recv(q, Phase::kCounts, 0, &counts[2 * w * q], row);
-    }
-    for (int q = 0; q < w; ++q) {
-      if (q != me) cx.send(q, Phase::kCounts, 0, &counts[2 * w * me], row);
-    }
-    cx.wait_all();
-  }
+  share(c, Phase::kCounts, counts.data(), 2 * static_cast<size_t>(w) * sizeof(uint64_t));
   for (int q = 0; q < w; ++q) {
     for (int r = 0; r < w; ++r) {
       const uint64_t sends_to = counts[2 * w * q + r], expects = counts[2 * w * r + w + q];

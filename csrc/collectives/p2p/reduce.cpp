@@ -55,8 +55,6 @@ void reduce_incoming(Comm& c, const shm::OpDesc& desc, Exchange& ex, const std::
   }
 }
 
-// In place on the receivers: every rank (root < 0) or the root; the others' data is left
-// unchanged.
 // Bytes of staging memory reduce_to needs: peers' contributions, and on a rank that does
 // not receive the result (whose data must stay unchanged) the reduced piece.
 size_t staging_for(const Comm& c, size_t count, size_t es, int root) {
@@ -66,7 +64,9 @@ size_t staging_for(const Comm& c, size_t count, size_t es, int root) {
   return (w - 1 + (receives ? 0 : 1)) * piece_of(count, c.size(), c.rank()).size() * es;
 }
 
-// Its staging starts `at` bytes into the group's (what lies before is the caller's).
+// In place on the receivers: every rank (root < 0) or the root; the others' data is left
+// unchanged. Its staging starts `at` bytes into the group's (what lies before is the
+// caller's).
 void reduce_to(Comm& c, const shm::OpDesc& desc, char* data, size_t count, c10::ScalarType dtype, ReduceOp op,
                int root, size_t at = 0) {
   const int w = c.size(), me = c.rank();

@@ -108,57 +108,68 @@ void TcpTransport::connect_all(Rendezvous& rendezvous, const Config& config,
   rendezvous.set("torchpar/tcp/" + std::to_string(rank_), mine.encode());
 
   // The higher rank of each pair calls the lower one: connect to every lower rank (their
-  // listeners queue us), then accept every higher one.
+  // listeners queue us), then answer every higher one.
   for (int peer = 0; peer < rank_; ++peer) {
     Contact theirs = Contact::decode(rendezvous.get("torchpar/tcp/" + std::to_string(peer)));
-    std::vector<std::string> candidates = theirs.addresses;
+    std::vector<std::string> candidates = std::move(theirs.addresses);
     if (theirs.host == mine.host) candidates.insert(candidates.begin(), "127.0.0.1");
     TP_CHECK(!candidates.empty(), "rank ", peer, " (host ", theirs.host.substr(0, theirs.host.find('|')),
              ") published no IPv4 address to connect to; set TORCHPAR_SOCKET_IFNAME on it");
-    // Each address in turn, round after round, until one answers as rank `peer` of this
-    // group: an address may be unreachable from here, or lead to another process (a
-    // container bridge's address can be this host's own).
-    std::vector<std::string> live = candidates;
-    std::string errors;
-    auto note = [&](const std::string& address, const std::string& why) {
-      std::string line = "; " + address + ": " + why;
-      if (errors.find(line) == std::string::npos) errors += line;
-    };
-    while (sockets_[peer].get() < 0) {
-      for (auto it = live.begin(); it != live.end() && sockets_[peer].get() < 0;) {
-        int err = 0;
-        Fd fd = connect_to(*it, theirs.port, std::min(deadline, Clock::now() + std::chrono::seconds(5)), &err);
-        if (fd.get() < 0) {
-          note(*it, std::strerror(err));
-          it = transient(err) ? it + 1 : live.erase(it);
-          continue;
-        }
-        try {
-          // The reply may take a while: the peer answers once it has called its own lower
-          // ranks. Only the group's deadline bounds it.
-          Hello hello{kHelloMagic, token, rank_, peer, size_, 0};
-          send_all(fd.get(), &hello, sizeof(hello), deadline);
-          Hello reply{};
-          recv_all(fd.get(), &reply, sizeof(reply), deadline);
-          TP_CHECK(reply.magic == kHelloMagic && reply.token == token && reply.rank == peer && reply.to == rank_,
-                   "the process listening there is not rank ", peer, " of this group");
-          sockets_[peer] = std::move(fd);
-        } catch (const Error& e) {
-          note(*it, e.what());
-          it = live.erase(it);  // it leads elsewhere, or hung up on a valid hello
-        }
-      }
-      if (sockets_[peer].get() >= 0) break;
-      TP_CHECK(!live.empty() && Clock::now() < deadline, "rank ", rank_, " could not reach rank ", peer,
-               " at port ", theirs.port, " of any of its addresses", errors,
-               " (TORCHPAR_SOCKET_IFNAME picks the interface a rank publishes)");
-      std::this_thread::sleep_for(std::chrono::milliseconds(50));
-    }
+    call(peer, std::move(candidates), theirs.port, token, deadline);
   }
+  answer(listener.get(), token, deadline);
+  for (int peer = 0; peer < size_; ++peer) {
+    if (peer != rank_) tune_connected(sockets_[peer].get());
+  }
+}
+
+void TcpTransport::call(int peer, std::vector<std::string> addresses, uint16_t port, uint64_t token,
+                        Clock::time_point deadline) {
+  // Each address in turn, round after round, until one answers as rank `peer` of this
+  // group: an address may be unreachable from here, or lead to another process (a
+  // container bridge's address can be this host's own). Those are dropped.
+  std::string errors;
+  auto note = [&](const std::string& address, const std::string& why) {
+    std::string line = "; " + address + ": " + why;
+    if (errors.find(line) == std::string::npos) errors += line;
+  };
+  while (true) {
+    for (auto it = addresses.begin(); it != addresses.end();) {
+      int err = 0;
+      Fd fd = connect_to(*it, port, std::min(deadline, Clock::now() + std::chrono::seconds(5)), &err);
+      if (fd.get() < 0) {
+        note(*it, std::strerror(err));
+        it = transient(err) ? it + 1 : addresses.erase(it);
+        continue;
+      }
+      try {
+        // The reply may take a while: the peer answers once it has called its own lower
+        // ranks. Only the group's deadline bounds it.
+        Hello hello{kHelloMagic, token, rank_, peer, size_, 0};
+        send_all(fd.get(), &hello, sizeof(hello), deadline);
+        Hello reply{};
+        recv_all(fd.get(), &reply, sizeof(reply), deadline);
+        TP_CHECK(reply.magic == kHelloMagic && reply.token == token && reply.rank == peer && reply.to == rank_,
+                 "the process listening there is not rank ", peer, " of this group");
+        sockets_[peer] = std::move(fd);
+        return;
+      } catch (const Error& e) {
+        note(*it, e.what());
+        it = addresses.erase(it);  // it leads elsewhere, or hung up on a valid hello
+      }
+    }
+    TP_CHECK(!addresses.empty() && Clock::now() < deadline, "rank ", rank_, " could not reach rank ", peer,
+             " at port ", port, " of any of its addresses", errors,
+             " (TORCHPAR_SOCKET_IFNAME picks the interface a rank publishes)");
+    std::this_thread::sleep_for(std::chrono::milliseconds(50));
+  }
+}
+
+void TcpTransport::answer(int listener, uint64_t token, Clock::time_point deadline) {
   for (int pending = size_ - 1 - rank_; pending > 0;) {
     Fd fd;
     try {
-      fd = accept_until(listener.get(), deadline);
+      fd = accept_until(listener, deadline);
     } catch (const TimeoutError&) {
       std::string missing;
       for (int r = rank_ + 1; r < size_; ++r) {
@@ -185,9 +196,6 @@ void TcpTransport::connect_all(Rendezvous& rendezvous, const Config& config,
     }
     sockets_[hello.rank] = std::move(fd);
     --pending;
-  }
-  for (int peer = 0; peer < size_; ++peer) {
-    if (peer != rank_) tune_connected(sockets_[peer].get());
   }
 }
 
@@ -234,8 +242,8 @@ void TcpTransport::notify(int peer) {
 
 void TcpTransport::sleep_until_activity(uint32_t seen, std::chrono::microseconds max_sleep) {
   if (activity() != seen) return;
-  std::vector<pollfd> fds;
-  fds.reserve(size_);
+  std::vector<pollfd>& fds = polled_;
+  fds.clear();
   fds.push_back(pollfd{wakeup_.get(), POLLIN, 0});
   for (int peer = 0; peer < size_; ++peer) {
     if (peer == rank_ || broken_[peer].load(std::memory_order_acquire)) continue;

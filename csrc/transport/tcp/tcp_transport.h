@@ -7,6 +7,8 @@
 // connects (over loopback when both share a host) and introduces itself.
 #pragma once
 
+#include <poll.h>
+
 #include <atomic>
 #include <chrono>
 #include <memory>
@@ -45,6 +47,11 @@ class TcpTransport final : public Transport {
 
  private:
   void connect_all(Rendezvous& rendezvous, const Config& config, std::chrono::milliseconds timeout);
+  // Connects to lower rank `peer` at one of `addresses` and introduces this rank.
+  void call(int peer, std::vector<std::string> addresses, uint16_t port, uint64_t token,
+            Clock::time_point deadline);
+  // Accepts and answers every higher rank on `listener`.
+  void answer(int listener, uint64_t token, Clock::time_point deadline);
   // Records why the connection to `peer` broke (first reason wins); the engine hears of it
   // through check_peer.
   void lost(int peer, const std::string& why);
@@ -55,6 +62,7 @@ class TcpTransport final : public Transport {
   std::vector<Fd> sockets_;           // [peer]
   std::vector<char> want_write_;      // [peer], progress thread only: the socket was full
   std::vector<std::atomic<bool>> broken_;  // [peer]: stop polling it
+  std::vector<pollfd> polled_;        // progress thread only: what sleep_until_activity polls
   Fd wakeup_;                          // eventfd: notify(rank_) from posting threads
   std::atomic<uint32_t> activity_{0};
 
