@@ -9,10 +9,13 @@ NPROC   ?= 2
 # cpp_extension puts ccache in front of g++ by itself when it is on PATH (setting
 # CXX="ccache g++" here would wrap it twice: "ccache: Could not find compiler").
 export MAX_JOBS ?= $(NPROC)
+# Paths under /work hashed relative to the build directory, so git worktrees of the project
+# share one ccache.
+export CCACHE_BASEDIR ?= $(abspath $(CURDIR)/..)
 
 SOURCES := setup.py $(shell find csrc -name '*.cpp' -o -name '*.h' -o -name '*.cu' 2>/dev/null)
 
-.PHONY: all deps build test test-py test-cpp demo bench build-cuda test-cuda-build test-gpu clean
+.PHONY: all deps build test test-py test-slow test-cpp demo bench build-cuda test-cuda-build test-gpu clean
 
 all: build
 
@@ -38,8 +41,13 @@ build: torchpar/_C.stamp
 
 test: test-cpp test-py
 
+# `make test` stays well inside CI's budget: the slowest cases carry @pytest.mark.slow and run
+# in `make test-slow` (CI runs both).
 test-py: build
-	$(PY) -m pytest -q tests
+	$(PY) -m pytest -q -m "not slow" tests
+
+test-slow: build
+	$(PY) -m pytest -q -m slow tests || test $$? -eq 5
 
 # GoogleTest of the transport and collectives layers, threads as ranks (no Python).
 # Needs Debian's libgtest-dev, installed here when missing; without it (no root, no
