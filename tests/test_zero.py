@@ -394,3 +394,46 @@ def test_float16_loss_scaler_skips_an_overflowing_step_on_every_rank(backend, st
     histories = _pool(backend, 2).run(_fp16_overflow_skips_everywhere, backend, stage)
     expected = [(False, True, 1024.0), (True, False, 512.0), (False, True, 512.0), (False, True, 1024.0)]
     assert histories == [expected] * 2
+
+
+# ---- ZeRO-2 with the rest of DDP: no_sync accumulation, unused parameters ----
+
+class _WithUnused(nn.Module):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(2)
+        self.body, self.unused = _mlp(2), nn.Linear(6, 3)
+
+    def forward(self, x):
+        return self.body(x)
+
+
+def _zero2_no_sync_and_unused(ctx, backend):
+    torch.set_num_threads(1)
+    group = _group(ctx, backend)
+    model = _WithUnused()
+    ref = copy.deepcopy(model)
+    ddp = DDP(model, process_group=group, bucket_cap_mb=0.0002, shard_gradients=True,
+              find_unused_parameters=True)
+    opt = ZeroRedundancyOptimizer(ddp.parameters(), torch.optim.AdamW, group, lr=1e-2)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+    for step in range(3):
+        opt.zero_grad()
+        ref_opt.zero_grad()
+        for micro in range(2):  # the first micro-batch accumulates locally, the second syncs
+            x, y = _batch(10 * step + micro, 2 * ctx.world_size)
+            if micro == 0:
+                with ddp.no_sync():
+                    _loss(ddp(_shard(x, ctx)), _shard(y, ctx)).backward()
+            else:
+                _loss(ddp(_shard(x, ctx)), _shard(y, ctx)).backward()
+            _loss(ref(x), y).backward()
+        assert all(p.grad is None for p in model.unused.parameters())
+        opt.step()
+        ref_opt.step()
+        _assert_close(model, ref, step)
+
+
+@on_backends
+def test_zero2_accumulates_under_no_sync_and_skips_unused_parameters(backend):
+    _pool(backend, 2).run(_zero2_no_sync_and_unused, backend)
