@@ -779,7 +779,7 @@ def _constructor_refusals(ctx):
         DDP(_mlp(), device_ids=[0], process_group=ctx.pg)
     with pytest.raises(ValueError, match="output_device needs device_ids"):
         DDP(_mlp(), output_device=0, process_group=ctx.pg)
-    with pytest.raises(NotImplementedError, match="grad_reduce_dtype"):
+    with pytest.raises(TypeError, match="must be a torchpar.parallel.MixedPrecision"):
         DDP(_mlp(), process_group=ctx.pg, mixed_precision=object())
     # init_sync=False: no check, no broadcast; each rank keeps its own initial weights.
     ddp = DDP(_mlp(seed=ctx.rank), process_group=ctx.pg, init_sync=False)

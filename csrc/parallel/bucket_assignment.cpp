@@ -2,6 +2,8 @@
 
 #include <c10/util/Exception.h>
 
+#include <algorithm>
+
 namespace torchpar::parallel {
 
 std::vector<std::vector<int64_t>> assign_buckets(const std::vector<at::Tensor>& params,
@@ -53,6 +55,52 @@ std::vector<std::vector<int64_t>> assign_buckets(const std::vector<at::Tensor>& 
   }
   close();
   return buckets;
+}
+
+std::vector<BucketShards> shard_buckets(const std::vector<at::Tensor>& params,
+                                        const std::vector<std::vector<int64_t>>& buckets,
+                                        int64_t world_size) {
+  TORCH_CHECK(world_size >= 1, "torchpar ZeRO: world size must be >= 1, got ", world_size);
+  const int64_t n = static_cast<int64_t>(params.size());
+  std::vector<int64_t> total(world_size, 0);  // elements per rank over all buckets so far
+  std::vector<BucketShards> out;
+  for (const auto& bucket : buckets) {
+    for (int64_t i : bucket) {
+      TORCH_CHECK(i >= 0 && i < n, "torchpar ZeRO: bucket index ", i, " out of range");
+    }
+    // Elements, not bytes: a bucket holds one dtype, so the two orders agree.
+    std::vector<int64_t> by_size(bucket.begin(), bucket.end());
+    std::stable_sort(by_size.begin(), by_size.end(),
+                     [&](int64_t a, int64_t b) { return params[a].numel() > params[b].numel(); });
+    std::vector<int64_t> load(world_size, 0);
+    std::vector<int64_t> owner(n, -1);
+    for (int64_t i : by_size) {
+      int64_t best = 0;
+      for (int64_t r = 1; r < world_size; ++r) {
+        if (load[r] < load[best] || (load[r] == load[best] && total[r] < total[best])) {
+          best = r;
+        }
+      }
+      owner[i] = best;
+      load[best] += params[i].numel();
+      total[best] += params[i].numel();
+    }
+    BucketShards s;
+    s.shard_numel = *std::max_element(load.begin(), load.end());
+    for (int64_t r = 0; r < world_size; ++r) {
+      int64_t offset = r * s.shard_numel;
+      for (int64_t i : bucket) {
+        if (owner[i] == r) {
+          s.params.push_back(i);
+          s.owners.push_back(r);
+          s.offsets.push_back(offset);
+          offset += params[i].numel();
+        }
+      }
+    }
+    out.push_back(std::move(s));
+  }
+  return out;
 }
 
 }  // namespace torchpar::parallel

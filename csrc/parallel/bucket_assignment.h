@@ -26,4 +26,24 @@ std::vector<std::vector<int64_t>> assign_buckets(const std::vector<at::Tensor>& 
                                                  std::optional<at::ScalarType> reduce_dtype,
                                                  const std::vector<int64_t>& order = {});
 
+// One bucket split into whole-parameter shards, one per rank, for ZeRO (Rajbhandari et al.
+// 2020, arXiv:1910.02054). The bucket's flat tensor is `world_size` equal segments of
+// `shard_numel` elements; rank r's parameters lie back to back in segment r, the rest of the
+// segment is padding. A reduce-scatter of the flat tensor then leaves each rank the summed
+// gradients of exactly its own parameters, and an all-gather into it brings every rank's
+// updated parameters back: ZeRO-2's DDP and the ZeRO optimizer share this one layout.
+struct BucketShards {
+  std::vector<int64_t> params;  // parameter indices, rank 0's first, each rank's in bucket order
+  std::vector<int64_t> owners;  // rank owning params[k]
+  std::vector<int64_t> offsets; // element offset of params[k] in the flat tensor
+  int64_t shard_numel = 0;      // elements per rank's segment (the largest rank's, padded to)
+};
+
+// Splits each bucket among `world_size` ranks, balanced by size: parameters taken largest
+// first, each to the rank with the fewest elements in this bucket (ties: the fewest over all
+// buckets so far, then the lowest rank). Deterministic, so every rank computes the same.
+std::vector<BucketShards> shard_buckets(const std::vector<at::Tensor>& params,
+                                        const std::vector<std::vector<int64_t>>& buckets,
+                                        int64_t world_size);
+
 }  // namespace torchpar::parallel

@@ -32,8 +32,11 @@ Reducer::Reducer(std::vector<at::Tensor> params, std::vector<std::string> names,
                 "torchpar DDP: parameter '", names_[i], "' is listed twice");
   }
 
+  TORCH_CHECK(!options_.shard_gradients || !options_.gradient_as_bucket_view,
+              "torchpar DDP: shard_gradients=True keeps gradients in per-rank shards; "
+              "gradient_as_bucket_view=True does not apply");
   build_buckets(buckets);
-  rebuilt_ = options_.cap_bytes < 0;
+  rebuilt_ = options_.cap_bytes < 0 || options_.shard_gradients;
   ready_.assign(n, false);
   reachable_.assign(n, true);
   used_since_sync_.assign(n, 0);
@@ -56,12 +59,10 @@ void Reducer::allocate(Bucket& b) {
   if (b.flat.defined()) {
     return;
   }
-  b.flat = at::zeros({b.numel}, b.options);
-  int64_t offset = 0;
-  for (int64_t i : b.params) {
-    const at::Tensor& p = params_[i];
-    b.views.push_back(b.flat.narrow(0, offset, p.numel()).view(p.sizes()));
-    offset += p.numel();
+  b.flat = at::zeros({b.numel}, b.options);  // zeros: a shard's padding is reduced too
+  for (size_t k = 0; k < b.params.size(); ++k) {
+    const at::Tensor& p = params_[b.params[k]];
+    b.views.push_back(b.flat.narrow(0, b.offsets[k], p.numel()).view(p.sizes()));
   }
 }
 
@@ -70,7 +71,14 @@ void Reducer::build_buckets(const std::vector<std::vector<int64_t>>& buckets) {
   const size_t n = params_.size();
   buckets_.clear();
   slots_.assign(n, Slot{SIZE_MAX, 0});
-  for (auto& indices : buckets) {
+  const int64_t world = group_->getSize();
+  std::vector<BucketShards> shards;
+  if (options_.shard_gradients) {
+    shards = shard_buckets(params_, buckets, world);
+  }
+  for (size_t bi = 0; bi < buckets.size(); ++bi) {
+    // Sharded: the bucket's parameters in shard order (rank by rank), at the shards' offsets.
+    const std::vector<int64_t>& indices = shards.empty() ? buckets[bi] : shards[bi].params;
     TORCH_CHECK(!indices.empty(), "torchpar DDP: empty bucket");
     Bucket b;
     const at::Tensor& first = params_.at(indices.front());
@@ -84,14 +92,22 @@ void Reducer::build_buckets(const std::vector<std::vector<int64_t>>& buckets) {
                   names_[indices.front()], "')");
       slots_[i] = Slot{buckets_.size(), b.params.size()};
       b.params.push_back(i);
+      b.offsets.push_back(shards.empty() ? numel : shards[bi].offsets[b.offsets.size()]);
       numel += params_[i].numel();
     }
     b.numel = numel;
+    if (!shards.empty()) {
+      b.shard_numel = shards[bi].shard_numel;
+      b.owners = shards[bi].owners;
+      b.numel = b.shard_numel * world;
+      b.shard = at::zeros({b.shard_numel}, first.options().dtype(dtype));
+    }
     b.options = first.options().dtype(dtype);
-    b.grads_are_views = options_.gradient_as_bucket_view && dtype == first.scalar_type();
+    b.grads_are_views = options_.gradient_as_bucket_view && dtype == first.scalar_type() && shards.empty();
     // A bucket whose gradients are reduced where they lie needs its flat tensor only for a
     // gradient that cannot be (allocate() on demand): no second copy of every gradient.
-    if (!reduces_in_place(b)) {
+    // A sharded bucket's flat tensor lives from its first gradient to its reduce-scatter.
+    if (!reduces_in_place(b) && shards.empty()) {
       allocate(b);
     }
     if (b.grads_are_views) {
@@ -321,6 +337,9 @@ void Reducer::mark_ready(int64_t index, bool has_gradient) {
   if (in_place) {
     b.inputs[slot.offset] = view;  // zeros, or a strided gradient copied in
   }
+  if (b.shard_numel && has_gradient && grad.defined()) {
+    param.mutable_grad().reset();  // in the bucket now; only the owner gets it back, reduced
+  }
   --b.pending;
   launch_ready_buckets();
 }
@@ -339,13 +358,22 @@ void Reducer::launch_ready_buckets() {
 }
 
 bool Reducer::reduces_in_place(const Bucket& b) const {
-  return options_.reduce_grads_in_place && !comm_hook_ && !b.grads_are_views &&
+  return options_.reduce_grads_in_place && !comm_hook_ && !b.grads_are_views && !b.shard_numel &&
          b.options.dtype() == params_[b.params.front()].dtype();
 }
 
 Reducer::Reduction Reducer::start_reduction(size_t index, const at::Tensor& buffer) {
   Reduction r;
-  if (comm_hook_) {
+  const Bucket& b = buckets_[index];
+  if (b.shard_numel) {
+    // This rank's segment of the sum; a joined rank's zeros reduce into a scratch shard.
+    at::Tensor out = buffer.is_same(b.flat) ? b.shard : at::empty({b.shard_numel}, b.options);
+    at::Tensor in = buffer;
+#pragma GCC diagnostic push
+#pragma GCC diagnostic ignored "-Wdeprecated-declarations"  // reduce_scatter_single is torch >= 2.13
+    r.work = group_->_reduce_scatter_base(out, in);
+#pragma GCC diagnostic pop
+  } else if (comm_hook_) {
     auto bucket = grad_bucket(index, buffer);
     r.hook_result = comm_hook_->runHook(bucket);
   } else {
@@ -413,6 +441,9 @@ void Reducer::join_shadow_backward() {
 void Reducer::register_comm_hook(std::unique_ptr<c10d::CommHookInterface> hook) {
   std::lock_guard<std::mutex> lock(mutex_);
   TORCH_CHECK(!comm_hook_, "torchpar DDP: register_comm_hook can only be called once");
+  TORCH_CHECK(!options_.shard_gradients,
+              "torchpar DDP: shard_gradients=True reduce-scatters each bucket; a comm hook "
+              "(which returns the whole reduced bucket) does not apply");
   TORCH_CHECK(!synced_once_,
               "torchpar DDP: register_comm_hook must be called before the first backward");
   comm_hook_ = std::move(hook);
@@ -465,6 +496,10 @@ void Reducer::finalize() {
     // the later ones.
     for (auto& b : buckets_) {
       const at::Tensor reduced = finish_reduction(b.reduction, b.flat);
+      if (b.shard_numel) {
+        write_back_shard(b, used_anywhere);
+        continue;
+      }
       if (!reduced.is_same(b.flat)) {
         b.flat.copy_(reduced.reshape(b.flat.sizes()));
       }
@@ -547,6 +582,37 @@ void Reducer::write_back(Bucket& b, const std::vector<int32_t>& used_anywhere) {
   }
 }
 
+void Reducer::write_back_shard(Bucket& b, const std::vector<int32_t>& used_anywhere) {
+  const int64_t rank = group_->getRank();
+  for (size_t k = 0; k < b.params.size(); ++k) {
+    const int64_t i = b.params[k];
+    const at::Tensor& param = params_[i];
+    if (!used_anywhere[i]) {
+      continue;  // unused everywhere: .grad stays as it is, as without sharding
+    }
+    if (b.owners[k] != rank) {
+      param.mutable_grad().reset();
+      continue;
+    }
+    at::Tensor g = b.shard.narrow(0, b.offsets[k] - rank * b.shard_numel, param.numel()).view(param.sizes());
+    param.mutable_grad() = g.scalar_type() == param.scalar_type() ? g : g.to(param.scalar_type());
+  }
+  // The whole bucket is needed again only in the next backward.
+  b.flat = at::Tensor();
+  b.views.clear();
+}
+
+std::vector<BucketShards> Reducer::shard_layout() const {
+  std::lock_guard<std::mutex> lock(mutex_);
+  std::vector<BucketShards> out;
+  for (const auto& b : buckets_) {
+    if (b.shard_numel) {
+      out.push_back(BucketShards{b.params, b.owners, b.offsets, b.shard_numel});
+    }
+  }
+  return out;
+}
+
 std::vector<TraceEvent> Reducer::trace() const {
   std::lock_guard<std::mutex> lock(mutex_);
   return trace_;
@@ -565,6 +631,7 @@ int64_t Reducer::bucket_bytes() const {
   int64_t bytes = 0;
   for (const auto& b : buckets_) {
     bytes += b.flat.defined() ? static_cast<int64_t>(b.flat.nbytes()) : 0;
+    bytes += b.shard.defined() ? static_cast<int64_t>(b.shard.nbytes()) : 0;
   }
   return bytes;
 }

@@ -10,9 +10,16 @@
 // Buckets are launched strictly in index order on every rank, whatever order gradients
 // arrive in, because collectives must be issued in the same order on all ranks.
 //
+// With shard_gradients (ZeRO-2, Rajbhandari et al. 2020, arXiv:1910.02054) each bucket is
+// laid out as one segment per rank (BucketShards, bucket_assignment.h) and reduce-scattered
+// instead of all-reduced: a rank keeps the averaged gradients of its own parameters only,
+// in one persistent shard tensor per bucket; the full flat bucket lives only during backward.
+//
 // Only the public c10d API (ProcessGroup::allreduce, Work::wait) is used, so the reducer
 // runs on any backend: torchpar, gloo, nccl.
 #pragma once
+
+#include "parallel/bucket_assignment.h"
 
 #include <ATen/core/Tensor.h>
 #include <torch/csrc/autograd/function.h>  // torch::autograd::Node, in every torch version
@@ -53,6 +60,12 @@ struct ReducerOptions {
   // (registration order is only a guess at backward's order); -1: keep the first buckets.
   int64_t cap_bytes = -1;
   int64_t first_cap_bytes = -1;
+  // ZeRO-2: reduce-scatter each bucket over whole-parameter shards (shard_buckets). After a
+  // synchronised backward a parameter this rank owns has .grad (a view of its bucket's
+  // shard, or a cast copy with a reduce dtype); every other parameter's .grad is None: a
+  // gradient is dropped as soon as it is copied into its bucket. Buckets are never rebuilt
+  // (the optimizer steps the shards of this layout), and there is no comm hook.
+  bool shard_gradients = false;
 };
 
 // One entry of the per-step trace, for tests that pin the order of events.
@@ -103,8 +116,11 @@ class Reducer {
   // Bucket -> parameter indices, and each bucket's flat tensor (for tests and tools).
   std::vector<std::vector<int64_t>> bucket_indices() const;
   std::vector<at::Tensor> bucket_tensors();  // allocates any not made yet
-  // Bytes of bucket tensors allocated so far.
+  // Bytes of bucket tensors allocated so far (flat buckets and gradient shards).
   int64_t bucket_bytes() const;
+  // With shard_gradients: each bucket's whole-parameter shards, the layout the ZeRO
+  // optimizer must step and all-gather by.
+  std::vector<BucketShards> shard_layout() const;
 
  private:
   // A bucket's reduction in flight: the all-reduce, or the comm hook's future.
@@ -117,6 +133,12 @@ class Reducer {
     at::TensorOptions options;        // of `flat`: the reduce dtype
     at::Tensor flat;                  // every gradient of the bucket, back to back (see allocate)
     std::vector<int64_t> params;      // parameter indices
+    std::vector<int64_t> offsets;     // element offset of each in `flat`
+    // shard_gradients: `flat` is world-size segments of shard_numel; owners[k] holds params[k]
+    // and keeps its averaged gradient in `shard` (this rank's segment, reduce-scattered into).
+    int64_t shard_numel = 0;
+    std::vector<int64_t> owners;
+    at::Tensor shard;
     std::vector<at::Tensor> views;    // views of `flat` shaped like each parameter
     bool grads_are_views = false;     // .grad aliases `views` (gradient_as_bucket_view)
     size_t pending = 0;               // gradients still to arrive this step
@@ -155,6 +177,7 @@ class Reducer {
   std::string params_without_gradient() const;
   std::vector<int32_t> reduce_used_flags();
   void write_back(Bucket& b, const std::vector<int32_t>& used_anywhere);
+  void write_back_shard(Bucket& b, const std::vector<int32_t>& used_anywhere);
   void reset_step();
 
   std::vector<at::Tensor> params_;

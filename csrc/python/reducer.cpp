@@ -12,11 +12,29 @@ using torchpar::parallel::Reducer;
 using torchpar::parallel::ReducerOptions;
 using torchpar::parallel::TraceEvent;
 
+namespace {
+py::list shard_layout_to_python(const std::vector<torchpar::parallel::BucketShards>& layout) {
+  py::list out;
+  for (const auto& s : layout) {
+    out.append(py::make_tuple(s.params, s.owners, s.offsets, s.shard_numel));
+  }
+  return out;
+}
+}  // namespace
+
 TORCHPAR_PYBIND(reducer) {
   m.def("ddp_assign_buckets", &torchpar::parallel::assign_buckets, py::arg("params"),
         py::arg("cap_bytes"), py::arg("first_cap_bytes"), py::arg("reduce_dtype") = py::none(),
         py::arg("order") = std::vector<int64_t>{},
         "Bucket -> parameter indices, filled in `order` (default: reverse registration order).");
+  m.def("zero_shard_buckets",
+        [](const std::vector<at::Tensor>& params, const std::vector<std::vector<int64_t>>& buckets,
+           int64_t world_size) {
+          return shard_layout_to_python(torchpar::parallel::shard_buckets(params, buckets, world_size));
+        },
+        py::arg("params"), py::arg("buckets"), py::arg("world_size"),
+        "Per bucket (params, owners, offsets, shard_numel): whole-parameter shards balanced by "
+        "size, the layout ZeRO's optimizer and DDP(shard_gradients=True) share.");
 
   py::class_<Reducer, std::shared_ptr<Reducer>>(m, "Reducer")
       .def(py::init([](std::vector<at::Tensor> params, std::vector<std::string> names,
@@ -24,7 +42,7 @@ TORCHPAR_PYBIND(reducer) {
                        c10::intrusive_ptr<c10d::ProcessGroup> group, bool gradient_as_bucket_view,
                        bool find_unused_parameters, std::optional<at::ScalarType> reduce_dtype,
                        int64_t cap_bytes, int64_t first_cap_bytes, bool static_graph,
-                       bool reduce_grads_in_place) {
+                       bool reduce_grads_in_place, bool shard_gradients) {
              ReducerOptions options;
              options.cap_bytes = cap_bytes;
              options.first_cap_bytes = first_cap_bytes;
@@ -33,6 +51,7 @@ TORCHPAR_PYBIND(reducer) {
              options.reduce_dtype = reduce_dtype;
              options.static_graph = static_graph;
              options.reduce_grads_in_place = reduce_grads_in_place;
+             options.shard_gradients = shard_gradients;
              return std::make_shared<Reducer>(std::move(params), std::move(names), std::move(buckets),
                                               std::move(group), options);
            }),
@@ -40,7 +59,7 @@ TORCHPAR_PYBIND(reducer) {
            py::arg("gradient_as_bucket_view") = false, py::arg("find_unused_parameters") = false,
            py::arg("reduce_dtype") = py::none(), py::arg("cap_bytes") = -1,
            py::arg("first_cap_bytes") = -1, py::arg("static_graph") = false,
-           py::arg("reduce_grads_in_place") = false)
+           py::arg("reduce_grads_in_place") = false, py::arg("shard_gradients") = false)
       .def("prepare_for_backward", &Reducer::prepare_for_backward, py::arg("outputs"),
            py::call_guard<py::gil_scoped_release>())
       .def("trace",
@@ -75,6 +94,9 @@ TORCHPAR_PYBIND(reducer) {
       .def("bucket_indices", &Reducer::bucket_indices)
       .def("bucket_tensors", &Reducer::bucket_tensors, py::call_guard<py::gil_scoped_release>(),
            "Each bucket's flat tensor (allocated, as zeros, if it was not yet).")
+      .def("shard_layout",
+           [](const Reducer& r) { return shard_layout_to_python(r.shard_layout()); },
+           "shard_gradients: per bucket (params, owners, offsets, shard_numel), the ZeRO layout.")
       .def("bucket_bytes", &Reducer::bucket_bytes, py::call_guard<py::gil_scoped_release>(),
            "Bytes of bucket tensors allocated so far.");
 }

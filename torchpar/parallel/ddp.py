@@ -22,6 +22,8 @@ from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
 from torchpar import _C
+from torchpar.optim import shard_layout
+from torchpar.parallel.mixed_precision import MixedPrecision
 
 # The first bucket is small so its all-reduce starts early in backward (torch uses the
 # same 1 MiB, pytorch/pytorch#73732).
@@ -47,21 +49,37 @@ class DistributedDataParallel(nn.Module, Joinable):
     ``grad_reduce_dtype`` (e.g. ``torch.float32`` for bfloat16 parameters) is ours: the
     buckets hold and reduce gradients in that dtype and the result is cast back, because
     sums of many low-precision values lose precision.
+
+    ``mixed_precision=MixedPrecision(param_dtype, reduce_dtype, master_dtype)`` (O2): the
+    module's floating-point parameters and buffers are cast to ``param_dtype`` here, and
+    floating-point inputs in forward; gradients are reduced in ``reduce_dtype``. The float32
+    master weights are the optimizer's: ``torchpar.optim.MixedPrecisionOptimizer``, or
+    ``ZeroRedundancyOptimizer(..., mixed_precision=...)``.
+
+    ``shard_gradients=True`` (ZeRO-2, Rajbhandari et al. 2020) reduce-scatters each bucket
+    instead of all-reducing it: after backward a rank holds ``.grad`` only for the parameters
+    it owns, every other ``.grad`` is None (freed as soon as it is copied into its bucket).
+    The buckets are split into whole-parameter shards (torchpar/optim/shard_layout.py says why
+    DDP decides the layout) and a ``torchpar.optim.ZeroRedundancyOptimizer`` built on this
+    module's parameters adopts it and steps exactly those shards; training without one raises.
+    Call ``zero_grad()`` between steps (accumulate with ``no_sync()``): a rank that owns a
+    parameter would otherwise add its last averaged gradient into the next sum.
     """
 
     def __init__(self, module, device_ids=None, output_device=None, dim=0, broadcast_buffers=True,
                  init_sync=True, process_group=None, bucket_cap_mb=None, find_unused_parameters=False,
                  check_reduction=False, gradient_as_bucket_view=False, static_graph=False,
-                 mixed_precision=None, grad_reduce_dtype=None):
+                 mixed_precision=None, grad_reduce_dtype=None, shard_gradients=False):
         super().__init__()
         Joinable.__init__(self)
         self.module = module
         self.process_group = process_group if process_group is not None else dist.group.WORLD
         if self.process_group is None:
             raise RuntimeError("torchpar DDP: call torch.distributed.init_process_group first")
+        self.mixed_precision = mixed_precision
         if mixed_precision is not None:
-            raise NotImplementedError("torchpar DDP: mixed_precision is not supported; use "
-                                      "grad_reduce_dtype to reduce low-precision gradients in float32")
+            grad_reduce_dtype = _apply_mixed_precision(module, mixed_precision, grad_reduce_dtype)
+        self.shard_gradients = shard_gradients
         self.device, self.output_device = _single_device(module, device_ids, output_device)
         self.dim = dim
         self.static_graph = static_graph
@@ -82,7 +100,9 @@ class DistributedDataParallel(nn.Module, Joinable):
         trained = [(n, p) for n, p in named if p.requires_grad]
         params = [p for _, p in trained]
         cap = int(bucket_cap_mb * 1024 * 1024)
-        first_cap = min(cap, FIRST_BUCKET_BYTES)
+        # Sharded buckets are split among the ranks by whole parameters: a small first bucket
+        # (often one parameter) would leave most ranks only padding to send.
+        first_cap = cap if shard_gradients else min(cap, FIRST_BUCKET_BYTES)
         buckets = _C.ddp_assign_buckets(params, cap, first_cap, grad_reduce_dtype)
         # Not a Module or Parameter, so nn.Module stores it as a plain attribute: the
         # state_dict keys stay exactly torch DDP's ("module." + the module's keys).
@@ -91,7 +111,11 @@ class DistributedDataParallel(nn.Module, Joinable):
                                   gradient_as_bucket_view, find_unused_parameters, grad_reduce_dtype,
                                   cap, first_cap, static_graph,
                                   # torchpar's all_reduce_coalesced reduces tensors where they lie.
-                                  dist.get_backend(self.process_group) == "torchpar")
+                                  dist.get_backend(self.process_group) == "torchpar", shard_gradients)
+        self._shard_layout = None
+        if shard_gradients:
+            self._shard_layout = shard_layout.register(params, [n for n, _ in trained],
+                                                       self.reducer.shard_layout(), self.process_group)
 
     def forward(self, *inputs, **kwargs):
         sync = torch.is_grad_enabled() and self.require_backward_grad_sync
@@ -104,8 +128,16 @@ class DistributedDataParallel(nn.Module, Joinable):
         if sync and self.broadcast_buffers:
             with torch.no_grad():
                 _broadcast_from_rank0(list(self.module.buffers()), self.process_group, buffer_src)
+        if sync and self._shard_layout is not None and not self._shard_layout.adopted:
+            raise RuntimeError(
+                "torchpar DDP: shard_gradients=True leaves each rank only its shard of the "
+                "gradients, but no torchpar.optim.ZeroRedundancyOptimizer was built on this "
+                "module's parameters to step them (an optimizer built on other parameters, e.g. "
+                "a copy of the model, or a plain optimizer, would miss the other ranks' shards)")
         if self.device is not None:  # device_ids given: inputs go to the module's device
             inputs, kwargs = tree_map(self._to_device, (inputs, kwargs))
+        if self.mixed_precision is not None and self.mixed_precision.param_dtype is not None:
+            inputs, kwargs = tree_map(self._to_param_dtype, (inputs, kwargs))
         outputs = self.module(*inputs, **kwargs)
         if sync:
             tensors = [t for t in tree_flatten(outputs)[0] if isinstance(t, torch.Tensor)]
@@ -124,6 +156,11 @@ class DistributedDataParallel(nn.Module, Joinable):
         if not callable(hook):
             raise TypeError(f"torchpar DDP: the comm hook must be callable, got {type(hook).__name__}")
         self.reducer.register_comm_hook(state, hook)
+
+    def _to_param_dtype(self, x):
+        if isinstance(x, torch.Tensor) and x.is_floating_point():
+            return x.to(self.mixed_precision.param_dtype)
+        return x
 
     def _to_device(self, x):
         return x.to(self.device, non_blocking=True) if isinstance(x, torch.Tensor) else x
@@ -219,6 +256,20 @@ def _queue_finalize_at_outputs(outputs, reducer):
     return tree_unflatten(leaves, spec)
 
 
+def _apply_mixed_precision(module, policy, grad_reduce_dtype):
+    """Casts the module to the policy's parameter dtype; returns the dtype to reduce in."""
+    if not isinstance(policy, MixedPrecision):
+        raise TypeError(f"torchpar DDP: mixed_precision must be a torchpar.parallel.MixedPrecision, "
+                        f"got {type(policy).__name__}")
+    if policy.param_dtype is not None:
+        module.to(policy.param_dtype)  # floating-point parameters and buffers only
+    reduce = policy.reduce_dtype
+    if grad_reduce_dtype is not None and grad_reduce_dtype != reduce:
+        raise ValueError(f"torchpar DDP: grad_reduce_dtype={grad_reduce_dtype} contradicts "
+                         f"mixed_precision.reduce_dtype={reduce}; give one")
+    return reduce
+
+
 def _single_device(module, device_ids, output_device):
     """The device ``device_ids`` names (None without it), checked as torch's DDP does: one
     device, the one a CUDA module's parameters are all on; CPU modules take none."""
@@ -263,7 +314,7 @@ def _broadcast_from_rank0(tensors, group, group_src=0):
             t.copy_(value)
 
 
-def _verify_same_model(named, group):
+def _verify_same_model(named, group, who="torchpar DDP", what="model"):
     """Raise on every rank, naming the first parameter whose shape, dtype or requires_grad
     differs between ranks; different models would silently reduce unrelated gradients."""
     device = named[0][1].device if named else torch.device("cpu")
@@ -291,9 +342,9 @@ def _verify_same_model(named, group):
             if not torch.equal(sigs[r][i], sigs[0][i]):
                 name = named[i][0] if i < len(named) else f"#{i}"
                 raise RuntimeError(
-                    f"torchpar DDP: the model differs across ranks at parameter {i} ('{name}' "
+                    f"{who}: the {what} differs across ranks at parameter {i} ('{name}' "
                     f"on this rank, rank {dist.get_rank(group)}): rank 0 has {_describe(sigs[0][i])}, "
-                    f"rank {r} has {_describe(sigs[r][i])}. Every rank must build the same model.")
+                    f"rank {r} has {_describe(sigs[r][i])}. Every rank must build the same {what}.")
 
 
 def _describe(row):

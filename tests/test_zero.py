@@ -1,0 +1,439 @@
+"""torchpar.optim.ZeroRedundancyOptimizer (ZeRO-1) and DDP(shard_gradients=True) (ZeRO-2)
+against single-process training and torch's ZeroRedundancyOptimizer.
+
+Each rank trains on its shard of a batch; the reference trains on the whole batch in one
+process (every rank computes it locally, from the same seeds). Runs on the torchpar backend
+and on gloo, at world sizes 2 and 4.
+"""
+import copy
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.optim import ZeroRedundancyOptimizer as TorchZero
+
+import torchpar
+from harness import get_pool
+from torchpar import _C
+from torchpar.optim import DynamicLossScaler, MixedPrecisionOptimizer, ZeroRedundancyOptimizer
+from torchpar.parallel import DistributedDataParallel as DDP
+from torchpar.parallel import MixedPrecision
+
+BACKENDS = ["torchpar", "gloo"]
+multi_rank = pytest.mark.parametrize("world_size", [2, 4])
+on_backends = pytest.mark.parametrize("backend", BACKENDS)
+STAGES = pytest.mark.parametrize("stage", [1, 2])
+
+
+def _pool(backend, world_size):
+    if backend == "torchpar" and not hasattr(torchpar._C, "ProcessGroupTorchpar"):
+        pytest.skip("the torchpar backend is not built in this tree")
+    return get_pool(world_size, backend)
+
+
+def _group(ctx, backend):
+    return ctx.pg if backend == "torchpar" else ctx.gloo
+
+
+# ---- models and data, identical on every rank ----
+
+def _mlp(seed=0):
+    # Parameters of many sizes, so shards are uneven and buckets hold several.
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(6, 10), nn.Tanh(), nn.Linear(10, 12), nn.LayerNorm(12),
+                         nn.Tanh(), nn.Linear(12, 3))
+
+
+def _batch(step, n):
+    g = torch.Generator().manual_seed(1000 + step)
+    return torch.randn(n, 6, generator=g), torch.randn(n, 3, generator=g)
+
+
+def _shard(t, ctx):
+    return t.chunk(ctx.world_size)[ctx.rank]
+
+
+def _loss(out, y):
+    return ((out.float() - y.float()) ** 2).mean()
+
+
+def _assert_close(model, ref, step, rtol=1e-5, atol=1e-6):
+    for (name, p), q in zip(model.named_parameters(), ref.parameters()):
+        torch.testing.assert_close(p.float(), q.float(), rtol=rtol, atol=atol,
+                                   msg=lambda m: f"step {step}, {name}: {m}")
+
+
+def _wrap(ctx, group, model, stage, lr=1e-2, cap_mb=0.0002, **kwargs):
+    """ZeRO-1: our DDP all-reduces, the optimizer shards state. ZeRO-2: DDP reduce-scatters.
+    A cap of 0.0002 MiB (~52 floats) gives several buckets, each holding several parameters."""
+    ddp = DDP(model, process_group=group, bucket_cap_mb=cap_mb, shard_gradients=stage == 2,
+              mixed_precision=kwargs.pop("ddp_mixed_precision", None))
+    opt = ZeroRedundancyOptimizer(ddp.parameters(), torch.optim.AdamW, group, lr=lr,
+                                  bucket_cap_mb=cap_mb, **kwargs)
+    return ddp, opt
+
+
+def _train_vs_single_process(ctx, backend, stage, steps=3):
+    torch.set_num_threads(1)
+    group = _group(ctx, backend)
+    model = _mlp()
+    ref = copy.deepcopy(model)
+    ddp, opt = _wrap(ctx, group, model, stage)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+    owned = opt.optim.param_groups[0]["params"]
+    for step in range(steps):
+        x, y = _batch(step, 2 * ctx.world_size)
+        opt.zero_grad()
+        _loss(ddp(_shard(x, ctx)), _shard(y, ctx)).backward()
+        ref_opt.zero_grad()
+        _loss(ref(x), y).backward()
+        for p, q in zip(model.parameters(), ref.parameters()):
+            if stage == 2 and not any(p is o for o in owned):
+                assert p.grad is None, "ZeRO-2: a gradient this rank does not own was kept"
+            else:
+                torch.testing.assert_close(p.grad, q.grad, rtol=1e-5, atol=1e-6)
+        opt.step()
+        ref_opt.step()
+        _assert_close(model, ref, step)
+    return len(owned)
+
+
+@on_backends
+@multi_rank
+@STAGES
+def test_training_equals_single_process(backend, world_size, stage):
+    owned = _pool(backend, world_size).run(_train_vs_single_process, backend, stage)
+    assert sum(owned) == 8 and all(n > 0 for n in owned)  # every parameter stepped once
+
+
+def _train_vs_torch_zero(ctx, backend, stage):
+    torch.set_num_threads(1)
+    group = _group(ctx, backend)
+    ours_model, torch_model = _mlp(3), _mlp(3)
+    ours, opt = _wrap(ctx, group, ours_model, stage)
+    theirs = nn.parallel.DistributedDataParallel(torch_model, process_group=group)
+    ref_opt = TorchZero(theirs.parameters(), torch.optim.AdamW, group, lr=1e-2)
+    for step in range(3):
+        x, y = _batch(step, 2 * ctx.world_size)
+        for ddp, o in ((ours, opt), (theirs, ref_opt)):
+            o.zero_grad()
+            _loss(ddp(_shard(x, ctx)), _shard(y, ctx)).backward()
+            o.step()
+        _assert_close(ours_model, torch_model, step)
+
+
+@on_backends
+@STAGES
+def test_matches_torch_zero_redundancy_optimizer(backend, stage):
+    _pool(backend, 2).run(_train_vs_torch_zero, backend, stage)
+
+
+# ---- the layout: balanced by size, deterministic ----
+
+def test_shards_are_balanced_by_size_and_laid_out_rank_by_rank():
+    sizes = [100, 10, 60, 40, 30, 30, 5]
+    params = [torch.zeros(n) for n in sizes]
+    [(indices, owners, offsets, shard)] = _C.zero_shard_buckets(params, [list(range(7))], 2)
+    load = [sum(sizes[i] for i, r in zip(indices, owners) if r == rank) for rank in range(2)]
+    assert sorted(load) == [135, 140] and shard == 140  # greedy largest-first: 100+30+5 | 60+40+30+10
+    assert owners == sorted(owners)  # rank 0's segment first
+    for i, r, off in zip(indices, owners, offsets):  # each inside its owner's segment
+        assert r * shard <= off and off + sizes[i] <= (r + 1) * shard
+    assert _C.zero_shard_buckets(params, [list(range(7))], 2) == [(indices, owners, offsets, shard)]
+
+
+# ---- optimizer-state memory per rank ----
+
+def _state_bytes(ctx, backend, stage):
+    torch.set_num_threads(1)
+    torch.manual_seed(0)
+    # 8 equal parameters: shards divide exactly, so each rank holds exactly 1/W.
+    model = nn.Sequential(*[nn.Linear(16, 16, bias=False) for _ in range(8)])
+    ddp, opt = _wrap(ctx, _group(ctx, backend), model, stage, cap_mb=25)
+    x, y = torch.randn(4, 16), torch.randn(4, 16)
+    opt.zero_grad()
+    _loss(ddp(x), y).backward()
+    opt.step()
+    grad_bytes = sum(p.grad.nbytes for p in model.parameters() if p.grad is not None)
+    return opt.optimizer_state_bytes(), grad_bytes
+
+
+@on_backends
+@multi_rank
+@STAGES
+def test_optimizer_state_per_rank_is_one_over_world_size(backend, world_size, stage):
+    results = _pool(backend, world_size).run(_state_bytes, backend, stage)
+    # AdamW: exp_avg and exp_avg_sq (16x16 float32 each) and a float32 step per parameter.
+    full_state = 8 * (2 * 16 * 16 * 4 + 4)
+    full_grads = 8 * 16 * 16 * 4
+    for state, grads in results:
+        assert state == full_state // world_size
+        assert grads == (full_grads // world_size if stage == 2 else full_grads)
+
+
+# ---- state dicts ----
+
+def _state_dict_round_trip(ctx, backend, stage, saved=None):
+    """Train 2 steps, save the consolidated state (or load ``saved``, from another world
+    size), train 2 more; the reference trains the same 4 steps in one process."""
+    torch.set_num_threads(1)
+    group = _group(ctx, backend)
+    model = _mlp()
+    ref = copy.deepcopy(model)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+    for step in range(4):
+        ref_opt.zero_grad()
+        x, y = _batch(step, 4)
+        _loss(ref(x), y).backward()
+        ref_opt.step()
+        if step == 1:
+            ref_state = copy.deepcopy(ref_opt.state_dict())
+    if saved is None:
+        ddp, opt = _wrap(ctx, group, model, stage)
+        for step in range(2):
+            x, y = _batch(step, 4)
+            opt.zero_grad()
+            _loss(ddp(_shard(x, ctx)), _shard(y, ctx)).backward()
+            opt.step()
+        with pytest.raises(RuntimeError, match="consolidate_state_dict"):
+            opt.state_dict()
+        opt.consolidate_state_dict(to=ctx.world_size - 1)
+        sd = opt.state_dict() if ctx.rank == ctx.world_size - 1 else None
+        objs = [(copy.deepcopy(model.state_dict()), sd)]
+        dist.broadcast_object_list(objs, src=ctx.world_size - 1, group=group)
+        model_sd, sd = objs[0]
+        # The consolidated state is the single-process optimizer's.
+        for k, entry in ref_state["state"].items():
+            for name, value in entry.items():
+                torch.testing.assert_close(sd["state"][k][name], value, rtol=1e-5, atol=1e-7)
+        assert [g["params"] for g in sd["param_groups"]] == [g["params"] for g in ref_state["param_groups"]]
+    else:
+        model_sd, sd = saved
+    model = _mlp(seed=5)  # fresh, different weights: everything must come from the state dicts
+    model.load_state_dict(model_sd)
+    ddp, opt = _wrap(ctx, group, model, stage)
+    opt.load_state_dict(sd)
+    for step in range(2, 4):
+        x, y = _batch(step, 4)
+        opt.zero_grad()
+        _loss(ddp(_shard(x, ctx)), _shard(y, ctx)).backward()
+        opt.step()
+    _assert_close(model, ref, 3)
+    return model_sd, sd
+
+
+@on_backends
+@STAGES
+def test_state_dict_round_trip_and_across_world_sizes(backend, stage):
+    saved = _pool(backend, 4).run(_state_dict_round_trip, backend, stage)[0]
+    _pool(backend, 2).run(_state_dict_round_trip, backend, stage, saved)
+
+
+def _sharded_state_dict_at_other_size(ctx, backend, saved):
+    model = _mlp()
+    _, opt = _wrap(ctx, _group(ctx, backend), model, 1)
+    if saved is None:
+        return opt.sharded_state_dict()
+    with pytest.raises(ValueError, match=r"shard of a group of 4 ranks; this is rank \d of 2"):
+        opt.load_state_dict(saved)
+    bad = {"state": {}, "param_groups": [{**saved["param_groups"][0], "params": [0, 1]}]}
+    with pytest.raises(ValueError, match=r"groups of sizes \[2\]; this optimizer's are \[8\]"):
+        opt.load_state_dict(bad)
+
+
+@on_backends
+def test_sharded_state_dict_from_another_world_size_is_refused(backend):
+    saved = _pool(backend, 4).run(_sharded_state_dict_at_other_size, backend, None)[0]
+    _pool(backend, 2).run(_sharded_state_dict_at_other_size, backend, saved)
+
+
+# ---- bad input: an error on every rank ----
+
+def _different_params(ctx, backend):
+    model = _mlp()
+    params = list(model.parameters())
+    if ctx.rank == ctx.world_size - 1:
+        params = params[:-1] + [nn.Parameter(torch.zeros(5))]
+    with pytest.raises(RuntimeError, match=r"parameter list differs across ranks at "
+                                           r"parameter 7 \('#7'.*shape \(3,\).*shape \(5,\)"):
+        ZeroRedundancyOptimizer(params, torch.optim.AdamW, _group(ctx, backend), lr=1.0)
+
+
+def _wrong_optimizer(ctx, backend):
+    group = _group(ctx, backend)
+    model = _mlp()
+    ddp = DDP(model, process_group=group, shard_gradients=True)
+    with pytest.raises(ValueError, match=r"has 7 of the 8 parameters.*missing '0.weight'"):
+        ZeroRedundancyOptimizer(list(model.parameters())[1:], torch.optim.AdamW, group, lr=1.0)
+    # An optimizer on a copy of the model: DDP refuses to train, rather than drop the shards.
+    ZeroRedundancyOptimizer(copy.deepcopy(model).parameters(), torch.optim.AdamW, group, lr=1.0)
+    with pytest.raises(RuntimeError, match="no torchpar.optim.ZeroRedundancyOptimizer was built"):
+        ddp(torch.randn(2, 6))
+
+
+@on_backends
+@multi_rank
+def test_bad_input_raises_on_every_rank(backend, world_size):
+    pool = _pool(backend, world_size)
+    pool.run(_different_params, backend)
+    pool.run(_wrong_optimizer, backend)
+
+
+# ---- add_param_group ----
+
+def _add_param_group(ctx, backend):
+    torch.set_num_threads(1)
+    group = _group(ctx, backend)
+    model = _mlp()
+    ref = copy.deepcopy(model)
+    params, ref_params = list(model.parameters()), list(ref.parameters())
+    opt = ZeroRedundancyOptimizer(params[:4], torch.optim.AdamW, group, lr=1e-2, bucket_cap_mb=0.0002)
+    ref_opt = torch.optim.AdamW(ref_params[:4], lr=1e-2)
+    for step in range(3):
+        if step == 1:
+            opt.add_param_group({"params": params[4:], "lr": 3e-2})
+            ref_opt.add_param_group({"params": ref_params[4:], "lr": 3e-2})
+        x, y = _batch(step, 4)
+        for m, o in ((model, opt), (ref, ref_opt)):
+            o.zero_grad()
+            _loss(m(x), y).backward()
+            o.step()
+        _assert_close(model, ref, step)
+
+
+@on_backends
+def test_add_param_group_trains_like_one_process(backend):
+    _pool(backend, 2).run(_add_param_group, backend)
+
+
+# ---- O2 mixed precision ----
+
+def _bf16_o2(ctx, backend, stage):
+    """bfloat16 parameters and compute, float32 masters in the optimizer, float32 reduction,
+    against float32 single-process training: within bfloat16's rounding of the weights."""
+    torch.set_num_threads(1)
+    group = _group(ctx, backend)
+    model = _mlp()
+    ref = copy.deepcopy(model)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+    policy = MixedPrecision(param_dtype=torch.bfloat16)
+    if stage == 0:  # DDP O2, not sharded
+        ddp = DDP(model, process_group=group, mixed_precision=policy)
+        opt = MixedPrecisionOptimizer(ddp.parameters(), torch.optim.AdamW, policy, lr=1e-2,
+                                      process_group=group)
+    else:
+        ddp, opt = _wrap(ctx, group, model, stage, mixed_precision=policy, ddp_mixed_precision=policy)
+    assert all(p.dtype == torch.bfloat16 for p in model.parameters())
+    params, ref_params = list(model.parameters()), list(ref.parameters())
+    worst = []
+    for step in range(4):
+        x, y = _batch(step, 2 * ctx.world_size)
+        opt.zero_grad()
+        _loss(ddp(_shard(x, ctx)), _shard(y, ctx)).backward()
+        opt.step()
+        ref_opt.zero_grad()
+        _loss(ref(x), y).backward()
+        ref_opt.step()
+        diffs = []
+        for k, m in opt._masters.items():
+            assert m.dtype == torch.float32
+            assert torch.equal(params[k], m.to(torch.bfloat16))  # parameters are the rounded masters
+            diffs.append((m - ref_params[k]).abs())
+        d = torch.cat([t.reshape(-1) for t in diffs])
+        worst.append((d.max().item(), d.mean().item()))
+    # Masters are float32 state of the shard only: 4 bytes per owned element.
+    return opt.optimizer_state_bytes() - opt.optimizer_state_bytes(masters=False), worst
+
+
+@on_backends
+@pytest.mark.parametrize("stage", [0, 1, 2], ids=["ddp", "zero1", "zero2"])
+def test_bfloat16_o2_tracks_float32_training(backend, stage):
+    results = _pool(backend, 2).run(_bf16_o2, backend, stage)
+    n = sum(p.numel() for p in _mlp().parameters())
+    assert sum(r[0] for r in results) == (2 if stage == 0 else 1) * 4 * n
+    # Adam normalises each gradient element, so one whose float32 gradient is near zero may
+    # step the other way under bfloat16 rounding (2 lr apart per step); on average the masters
+    # stay within bfloat16's rounding of the weights (2^-9 of |w| ~ 0.3).
+    for _, worst in results:
+        for step, (largest, mean) in enumerate(worst):
+            assert largest < 4 * 1e-2 and mean < 1e-3, f"step {step}: max {largest}, mean {mean}"
+
+
+def _fp16_overflow_skips_everywhere(ctx, backend, stage):
+    torch.set_num_threads(1)
+    group = _group(ctx, backend)
+    model = _mlp()
+    policy = MixedPrecision(param_dtype=torch.float16)
+    scaler = DynamicLossScaler(init_scale=2.0 ** 10, growth_interval=2)
+    ddp, opt = _wrap(ctx, group, model, stage, mixed_precision=policy, ddp_mixed_precision=policy,
+                     loss_scaler=scaler)
+    params = list(model.parameters())
+    owner = {k: r for layout, index in opt._layouts for k, r in zip(index, layout.owner())}
+    history = []
+    for step in range(4):
+        x, y = _batch(step, 2 * ctx.world_size)
+        before = [p.detach().clone() for p in params]
+        opt.zero_grad()
+        scaler.scale(_loss(ddp(_shard(x, ctx)), _shard(y, ctx))).backward()
+        if step == 1:
+            # An overflow only the last rank can see: in a gradient it alone steps.
+            k = max(k for k, r in owner.items() if r == ctx.world_size - 1)
+            if ctx.rank == ctx.world_size - 1:
+                params[k].grad.view(-1)[0] = float("inf")
+        opt.step()
+        changed = any(not torch.equal(a, p) for a, p in zip(before, params))
+        history.append((scaler.last_step_skipped, changed, scaler.scale_value))
+        assert all(torch.isfinite(p).all() for p in params)
+    return history
+
+
+@on_backends
+@STAGES
+def test_float16_loss_scaler_skips_an_overflowing_step_on_every_rank(backend, stage):
+    histories = _pool(backend, 2).run(_fp16_overflow_skips_everywhere, backend, stage)
+    expected = [(False, True, 1024.0), (True, False, 512.0), (False, True, 512.0), (False, True, 1024.0)]
+    assert histories == [expected] * 2
+
+
+# ---- ZeRO-2 with the rest of DDP: no_sync accumulation, unused parameters ----
+
+class _WithUnused(nn.Module):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(2)
+        self.body, self.unused = _mlp(2), nn.Linear(6, 3)
+
+    def forward(self, x):
+        return self.body(x)
+
+
+def _zero2_no_sync_and_unused(ctx, backend):
+    torch.set_num_threads(1)
+    group = _group(ctx, backend)
+    model = _WithUnused()
+    ref = copy.deepcopy(model)
+    ddp = DDP(model, process_group=group, bucket_cap_mb=0.0002, shard_gradients=True,
+              find_unused_parameters=True)
+    opt = ZeroRedundancyOptimizer(ddp.parameters(), torch.optim.AdamW, group, lr=1e-2)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+    for step in range(3):
+        opt.zero_grad()
+        ref_opt.zero_grad()
+        for micro in range(2):  # the first micro-batch accumulates locally, the second syncs
+            x, y = _batch(10 * step + micro, 2 * ctx.world_size)
+            if micro == 0:
+                with ddp.no_sync():
+                    _loss(ddp(_shard(x, ctx)), _shard(y, ctx)).backward()
+            else:
+                _loss(ddp(_shard(x, ctx)), _shard(y, ctx)).backward()
+            _loss(ref(x), y).backward()
+        assert all(p.grad is None for p in model.unused.parameters())
+        opt.step()
+        ref_opt.step()
+        _assert_close(model, ref, step)
+
+
+@on_backends
+def test_zero2_accumulates_under_no_sync_and_skips_unused_parameters(backend):
+    _pool(backend, 2).run(_zero2_no_sync_and_unused, backend)

@@ -1,0 +1,282 @@
+"""ZeRO stage 1 and 2: each rank keeps the optimizer state of its shard of the parameters only.
+
+Rajbhandari et al., "ZeRO: Memory Optimizations Toward Training Trillion Parameter Models"
+(2020, arXiv:1910.02054). Plain data parallelism keeps Adam's two moments for every parameter
+on every rank; here rank r keeps them for the parameters it owns (whole parameters, balanced
+by size, see shard_layout.py), steps those, and all-gathers the updated parameters bucket by
+bucket, so optimizer-state memory per rank is 1/W of DDP's (plus at most one parameter's
+worth of imbalance per bucket).
+
+The contract is torch's ``torch.distributed.optim.ZeroRedundancyOptimizer``: ``step(closure)``,
+``zero_grad``, ``consolidate_state_dict(to)`` on every rank then ``state_dict()`` on rank
+``to`` (the ordinary single-process optimizer format, so it loads at any world size and into a
+plain optimizer), ``load_state_dict`` on every rank, ``add_param_group``. With
+``DistributedDataParallel(shard_gradients=True)`` (ZeRO-2) the optimizer adopts DDP's layout,
+so the gradients DDP keeps are exactly the ones this rank steps.
+
+O2 mixed precision (``mixed_precision=MixedPrecision(...)``): parameters in a 16-bit dtype,
+float32 master copies of the owned shard held here and stepped, then copied back into the
+parameters and all-gathered in the 16-bit dtype (half the bytes). ``loss_scaler`` (a
+``DynamicLossScaler``) unscales the float32 master gradients and skips a step that
+overflowed on any rank.
+"""
+import torch
+import torch.distributed as dist
+from torch.optim import Optimizer
+
+from torchpar.optim import shard_layout
+
+_BUCKET_CAP_MB = 25  # as DDP's
+
+
+class ZeroRedundancyOptimizer(Optimizer):
+    """``ZeroRedundancyOptimizer(params, torch.optim.AdamW, lr=1e-3)`` on every rank of
+    ``process_group`` (default: the world), with the same ``params`` on each. ``optim`` is the
+    local ``optimizer_class`` instance over this rank's shard (its masters under O2)."""
+
+    def __init__(self, params, optimizer_class, process_group=None, *, bucket_cap_mb=_BUCKET_CAP_MB,
+                 mixed_precision=None, loss_scaler=None, **defaults):
+        self._ready = False  # Optimizer.__init__ calls add_param_group before we can shard
+        super().__init__(params, defaults)
+        self.process_group = process_group if process_group is not None else dist.group.WORLD
+        if self.process_group is None:
+            raise RuntimeError("torchpar ZeRO: call torch.distributed.init_process_group first")
+        self.rank = dist.get_rank(self.process_group)
+        self.world_size = dist.get_world_size(self.process_group)
+        self.optimizer_class = optimizer_class
+        self.mixed_precision = mixed_precision
+        self.loss_scaler = loss_scaler
+        self._cap_bytes = int(bucket_cap_mb * 2 ** 20)
+        self._layouts = []    # (ShardLayout, optimizer index of each of its parameters)
+        self._local = []      # optimizer indices this rank steps, in the local optimizer's order
+        self._masters = {}    # optimizer index -> the tensor the local optimizer steps
+        self._consolidated = None
+        self.optim = None
+        self._shard(0)
+        self._ready = True
+
+    # ---- sharding ----
+
+    def _params(self):
+        return [p for g in self.param_groups for p in g["params"]]
+
+    def _partition(self, start):
+        """Layouts for parameters ``start:``, and which of them this rank owns."""
+        params = self._params()
+        new = params[start:]
+        _verify_same_params(new, start, self.process_group)
+        layouts = [(layout, [start + k for k in index])
+                   for layout, index in shard_layout.adopted(new, self._cap_bytes, self.process_group)]
+        owned = set()
+        for layout, index in layouts:
+            owned.update(index[i] for i, r in enumerate(layout.owner()) if r == self.rank)
+        return layouts, owned
+
+    def _shard(self, start):
+        """Shard parameters ``start:`` (all at construction, a new group's after): their
+        layouts, masters, and the local optimizer's groups."""
+        layouts, owned = self._partition(start)
+        self._layouts += layouts
+        master_dtype = self.mixed_precision.master_dtype if self.mixed_precision else None
+        base = 0
+        first_new_group = len(self.optim.param_groups) if self.optim is not None else 0
+        for gi, g in enumerate(self.param_groups):
+            local = []
+            for k, p in enumerate(g["params"], start=base):
+                if k >= start and k in owned:
+                    if master_dtype is not None and p.dtype != master_dtype:
+                        self._masters[k] = p.detach().to(master_dtype).requires_grad_(p.requires_grad)
+                    else:
+                        self._masters[k] = p  # stepped in place, as without O2
+                    self._local.append(k)
+                    local.append(self._masters[k])
+            if gi >= first_new_group:  # a group being sharded now
+                local_group = {**_options(g), "params": local}
+                if self.optim is None:
+                    self.optim = self.optimizer_class([local_group], **self.defaults)
+                else:
+                    self.optim.add_param_group(local_group)
+            base += len(g["params"])
+        # The local optimizer fills in its defaults; show them in the groups users see.
+        for g, lg in zip(self.param_groups, self.optim.param_groups):
+            g.update(_options(lg))
+
+    def add_param_group(self, param_group):
+        """On every rank, with the same parameters: they are sharded as a layout of their own,
+        so the shards and state of the existing parameters stay where they are."""
+        if not self._ready:
+            return super().add_param_group(param_group)
+        start = len(self._params())
+        super().add_param_group(param_group)
+        self._shard(start)
+
+    # ---- stepping ----
+
+    def step(self, closure=None):
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        for g, lg in zip(self.param_groups, self.optim.param_groups):
+            lg.update(_options(g))  # an LR scheduler changes the groups users see
+        params = self._params()
+        pairs = [(params[k], self._masters[k]) for k in self._local]
+        with torch.no_grad():
+            for p, m in pairs:
+                if m is not p:
+                    m.grad = None if p.grad is None else p.grad.detach().to(m.dtype)
+            if self.loss_scaler is not None:
+                found_inf = self.loss_scaler.unscale_and_check(
+                    [m.grad for _, m in pairs if m.grad is not None], self.process_group)
+                self.loss_scaler.update(found_inf)
+                if found_inf:  # every rank skips: parameters stay as they are everywhere
+                    self._release_master_grads(pairs)
+                    return loss
+        self.optim.step()
+        with torch.no_grad():
+            for p, m in pairs:
+                if m is not p:
+                    p.copy_(m)
+            self._release_master_grads(pairs)
+            self._gather()
+        return loss
+
+    def _gather(self):
+        for layout, _ in self._layouts:
+            layout.all_gather()
+
+    @staticmethod
+    def _release_master_grads(pairs):
+        for p, m in pairs:
+            if m is not p:
+                m.grad = None
+
+    def optimizer_state_bytes(self, masters=True):
+        """Bytes of this rank's optimizer state tensors (and of its float32 masters under O2)."""
+        total = sum(v.numel() * v.element_size() for s in self.optim.state.values()
+                    for v in s.values() if torch.is_tensor(v))
+        if masters:
+            params = self._params()
+            total += sum(m.numel() * m.element_size() for k, m in self._masters.items() if m is not params[k])
+        return total
+
+    # ---- state dicts ----
+
+    def _local_state(self):
+        """This rank's shard of the state, keyed by optimizer (global) index."""
+        local = self.optim.state_dict()["state"]
+        params = self._params()
+        out = {}
+        for i, k in enumerate(self._local):
+            entry = dict(local.get(i, {}))
+            if self._masters[k] is not params[k]:
+                entry["master_param"] = self._masters[k].detach().clone()
+            if entry:
+                out[k] = entry
+        return out
+
+    def _groups_for_saving(self):
+        groups, base = [], 0
+        for g in self.param_groups:
+            groups.append({**_options(g), "params": list(range(base, base + len(g["params"])))})
+            base += len(g["params"])
+        return groups
+
+    def consolidate_state_dict(self, to=0):
+        """Gather every rank's shard of the state on rank ``to``; call on every rank."""
+        group = self.process_group
+        dst = dist.get_global_rank(group, to) if group is not dist.group.WORLD else to
+        pieces = [None] * self.world_size if self.rank == to else None
+        dist.gather_object(self._local_state(), pieces, dst=dst, group=group)
+        self._consolidated = None
+        if self.rank == to:
+            merged = {}
+            for piece in pieces:
+                merged.update(piece)
+            self._consolidated = dict(sorted(merged.items()))
+
+    def state_dict(self):
+        """The whole state in the plain optimizer format, on the rank consolidated to."""
+        if self._consolidated is None:
+            raise RuntimeError(
+                f"torchpar ZeRO: the optimizer state is not consolidated on rank {self.rank}; call "
+                f"consolidate_state_dict(to={self.rank}) on every rank first (or sharded_state_dict())")
+        return {"state": self._consolidated, "param_groups": self._groups_for_saving()}
+
+    def sharded_state_dict(self):
+        """This rank's shard only (no communication); loads back only at the same world size."""
+        return {"state": self._local_state(), "param_groups": self._groups_for_saving(),
+                "zero": {"world_size": self.world_size, "rank": self.rank}}
+
+    def load_state_dict(self, state_dict):
+        """On every rank, the same consolidated state_dict (or a plain optimizer's): each rank
+        keeps its shard of it. A ``sharded_state_dict`` loads only at its own world size and rank."""
+        params = self._params()
+        self._check_loadable(state_dict, params)
+        state = state_dict["state"]
+        local_state, local_groups, i = {}, [], 0
+        position = {k: i for i, k in enumerate(self._local)}  # in the local optimizer's numbering
+        base = 0
+        for g, saved in zip(self.param_groups, state_dict["param_groups"]):
+            g.update(_options(saved))
+            ids = []
+            for k in range(base, base + len(g["params"])):
+                if k in position:
+                    pos = position[k]
+                    # Copies: the caller's state_dict must not change as this optimizer steps.
+                    entry = {name: v.clone() if torch.is_tensor(v) else v
+                             for name, v in state.get(k, state.get(str(k), {})).items()}
+                    master = entry.pop("master_param", None)
+                    with torch.no_grad():
+                        if self._masters[k] is not params[k]:
+                            self._masters[k].copy_(master if master is not None else params[k])
+                        elif master is not None:
+                            params[k].copy_(master)
+                    if entry:
+                        local_state[pos] = entry
+            base += len(g["params"])
+        for lg, g in zip(self.optim.param_groups, self.param_groups):
+            n = len(lg["params"])
+            local_groups.append({**_options(g), "params": list(range(i, i + n))})
+            i += n
+        # The local optimizer numbers its parameters in self._local's order, group by group.
+        self.optim.load_state_dict({"state": local_state, "param_groups": local_groups})
+        if any(self._masters[k] is not params[k] for k in self._local):
+            with torch.no_grad():  # parameters follow the loaded masters everywhere
+                for k in self._local:
+                    if self._masters[k] is not params[k]:
+                        params[k].copy_(self._masters[k])
+                self._gather()
+
+    def _check_loadable(self, state_dict, params):
+        meta = state_dict.get("zero")
+        if meta is not None and (meta["world_size"] != self.world_size or meta["rank"] != self.rank):
+            raise ValueError(
+                f"torchpar ZeRO: this state_dict is rank {meta['rank']}'s shard of a group of "
+                f"{meta['world_size']} ranks; this is rank {self.rank} of {self.world_size}. Save "
+                f"with consolidate_state_dict() and state_dict() to load at another world size.")
+        saved = state_dict["param_groups"]
+        sizes = [len(g["params"]) for g in self.param_groups]
+        if [len(g["params"]) for g in saved] != sizes:
+            raise ValueError(
+                f"torchpar ZeRO: the state_dict has parameter groups of sizes "
+                f"{[len(g['params']) for g in saved]}; this optimizer's are {sizes}")
+        for k, entry in state_dict["state"].items():
+            k = int(k)
+            for name, value in entry.items():
+                if torch.is_tensor(value) and value.numel() > 1 and value.shape != params[k].shape:
+                    raise ValueError(
+                        f"torchpar ZeRO: state '{name}' of parameter #{k} has shape "
+                        f"{tuple(value.shape)}; the parameter has shape {tuple(params[k].shape)}")
+
+
+def _options(group):
+    return {key: v for key, v in group.items() if key != "params"}
+
+
+def _verify_same_params(params, start, group):
+    """Every rank must pass the same parameters (same count, shapes, dtypes), or the shards
+    and the all-gather would mix up unrelated tensors: a clear error on every rank."""
+    from torchpar.parallel.ddp import _verify_same_model  # the check DDP makes of its model
+    _verify_same_model([(f"#{start + k}", p) for k, p in enumerate(params)], group,
+                       who="torchpar ZeRO", what="parameter list")
