@@ -48,8 +48,8 @@ def _gpt_grads(ctx, backend, sp, dtype):
     loss = vocab_parallel_cross_entropy(logits, target, group)
     torch.testing.assert_close(loss, dense_loss(want_logits, target), **tol)
     loss.backward()
-    for name, p, q in expected_param_grads(model, dense, rank, tp):
-        torch.testing.assert_close(p.grad.float(), q.grad.float(), **tol, msg=lambda m: f"{name}: {m}")
+    for name, p, q, shard in expected_param_grads(model, dense, rank, tp):
+        torch.testing.assert_close(p.grad.float(), shard(q.grad).float(), **tol, msg=lambda m: f"{name}: {m}")
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
@@ -65,8 +65,11 @@ def _gpt_training(ctx, backend, sp, steps):
     group = group_for(ctx, backend)
     rank, tp = dist.get_rank(group), dist.get_world_size(group)
     dense, model = _models(group, sp, torch.float32)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    ref_opt = torch.optim.AdamW(dense.parameters(), lr=1e-2)
+    # SGD with momentum, not Adam: the key bias's gradient is exactly zero in exact arithmetic
+    # (softmax ignores a constant per query), so both runs hold rounding noise there, which
+    # Adam's normalisation would blow up into different steps.
+    opt = torch.optim.SGD(model.parameters(), lr=0.2, momentum=0.9)
+    ref_opt = torch.optim.SGD(dense.parameters(), lr=0.2, momentum=0.9)
     losses = []
     for step in range(steps):
         idx, target = _data(step)
@@ -80,14 +83,14 @@ def _gpt_training(ctx, backend, sp, steps):
         ref_opt.step()
         torch.testing.assert_close(loss, ref, rtol=1e-4, atol=1e-5, msg=lambda m: f"step {step} loss: {m}")
         losses.append(loss.item())
-    for name, p, q in expected_param_grads(model, dense, rank, tp):
-        torch.testing.assert_close(p, q, rtol=1e-4, atol=1e-5, msg=lambda m: f"{name} after {steps} steps: {m}")
+    for name, p, q, shard in expected_param_grads(model, dense, rank, tp):
+        torch.testing.assert_close(p, shard(q), rtol=1e-4, atol=1e-5, msg=lambda m: f"{name} after {steps} steps: {m}")
     return losses
 
 
 @pytest.mark.parametrize("sp", [False, True], ids=["tp", "tp+sp"])
 @pytest.mark.parametrize("backend", BACKENDS)
-def test_ten_adamw_steps_equal_dense(backend, sp):
+def test_ten_sgd_steps_equal_dense(backend, sp):
     losses = get_pool(2).run(_gpt_training, backend, sp, 10)
     assert losses[0] == losses[1] and losses[0][-1] < losses[0][0]
 
@@ -139,8 +142,8 @@ def _tp_dp_training(ctx, backend, sp, steps):
         ref_opt.zero_grad()
         dense_loss(dense(idx), target).backward()
         ref_opt.step()
-    for name, p, q in expected_param_grads(model.module, dense, tp_rank, 2):
-        torch.testing.assert_close(p, q, rtol=1e-4, atol=1e-5, msg=lambda m: f"{name} after {steps} steps: {m}")
+    for name, p, q, shard in expected_param_grads(model.module, dense, tp_rank, 2):
+        torch.testing.assert_close(p, shard(q), rtol=1e-4, atol=1e-5, msg=lambda m: f"{name} after {steps} steps: {m}")
 
 
 @pytest.mark.parametrize("sp", [False, True], ids=["tp", "tp+sp"])

@@ -25,17 +25,18 @@ def seq_shard(t, rank, tp):
 
 def expected_param_grads(tp_model, dense_model, rank, tp):
     """(name, tp parameter, the matching shard of the dense model's parameter) for every
-    parameter of the tensor-parallel model; parallelize and from_dense keep module names."""
+    tensor-parallel model, where shard(t) is this rank's part of a tensor shaped like the dense
+    parameter (its value or its gradient); parallelize and from_dense keep module names."""
     out = []
     for name, module in tp_model.named_modules():
         dense = dense_model.get_submodule(name)
         for pname, p in module.named_parameters(recurse=False):
-            q = getattr(dense, pname)
+            shard = lambda t: t  # noqa: E731
             if isinstance(module, (ColumnParallelLinear, VocabParallelEmbedding)):
-                q = q.chunk(tp, 0)[rank]
+                shard = lambda t: t.chunk(tp, 0)[rank]  # noqa: E731
             elif isinstance(module, RowParallelLinear) and pname == "weight":
-                q = q.chunk(tp, 1)[rank]
-            out.append((f"{name}.{pname}", p, q))
+                shard = lambda t: t.chunk(tp, 1)[rank]  # noqa: E731
+            out.append((f"{name}.{pname}", p, getattr(dense, pname), shard))
     return out
 
 
