@@ -316,9 +316,11 @@ void check_same_sizes(const at::Tensor& input, const Group& group, const std::st
   std::vector<int64_t> record(kMaxDims + 1, -1);
   record[0] = input.dim();
   for (int64_t d = 0; d < std::min<int64_t>(input.dim(), kMaxDims); ++d) record[d + 1] = input.size(d);
-  at::Tensor mine = at::tensor(record, at::kLong);
-  at::Tensor all = at::empty({n * (kMaxDims + 1)}, at::kLong);
+  // On the input's device: NCCL groups take only CUDA tensors.
+  at::Tensor mine = at::tensor(record, at::kLong).to(input.device());
+  at::Tensor all = at::empty({n * (kMaxDims + 1)}, mine.options());
   group->all_gather_single(all, mine)->wait();  // not counted: a check, not the payload
+  all = all.cpu();
   const int64_t* v = all.data_ptr<int64_t>();
   bool same = true;
   for (int64_t i = 0; i < n * (kMaxDims + 1); ++i) same = same && v[i] == v[i % (kMaxDims + 1)];

@@ -39,7 +39,7 @@ class ColumnParallelLinear(nn.Module):
         super().__init__()
         self.group = comm.resolve_group(group)
         self.rank, self.tp = comm.group_rank_and_size(self.group)
-        comm.check_divisible(out_features, self.tp, f"ColumnParallelLinear out_features")
+        comm.check_divisible(out_features, self.tp, "ColumnParallelLinear out_features")
         if gather_output and sequence_parallel:
             raise ValueError("ColumnParallelLinear: gather_output and sequence_parallel exclude "
                              "each other (the output of a sequence-parallel region is split)")
