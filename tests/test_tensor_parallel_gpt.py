@@ -121,12 +121,19 @@ def test_bad_plan_names_the_entry(backend):
         assert "'diagonal'" in messages[4]
 
 
-# ---- tp=2 x dp=2 on 4 ranks: tp inner (ranks 2d, 2d+1), dp outer ----
+# ---- tp=2 x dp=2 on 4 ranks: tp inner (ranks 2d, 2d+1), dp outer; groups from explicit
+# new_group calls on each backend, or from torch's init_device_mesh ----
 
 def _tp_dp_training(ctx, backend, sp, steps):
     torch.set_num_threads(1)
-    tp_group = new_groups([[0, 1], [2, 3]], backend)
-    dp_group = new_groups([[0, 2], [1, 3]], backend)
+    if backend == "device_mesh":  # torch's 2-D mesh over the default (torchpar) group
+        from torch.distributed.device_mesh import init_device_mesh
+        mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+        tp_group, dp_group = mesh.get_group("tp"), mesh.get_group("dp")
+    else:
+        tp_group = new_groups([[0, 1], [2, 3]], backend)
+        dp_group = new_groups([[0, 2], [1, 3]], backend)
+    assert dist.get_process_group_ranks(tp_group) == ([0, 1] if dist.get_rank() < 2 else [2, 3])
     tp_rank, dp_rank = dist.get_rank(tp_group), dist.get_rank(dp_group)
     torch.manual_seed(0)
     dense = GPT(VOCAB)
@@ -147,6 +154,6 @@ def _tp_dp_training(ctx, backend, sp, steps):
 
 
 @pytest.mark.parametrize("sp", [False, True], ids=["tp", "tp+sp"])
-@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("backend", BACKENDS + ["device_mesh"])
 def test_tp2_dp2_with_ddp_trains_like_one_process(backend, sp):
     get_pool(4).run(_tp_dp_training, backend, sp, 3)
