@@ -74,8 +74,9 @@ double bytes_communicated();
 void reset_bytes_communicated();
 
 // Events of the backward of linear_with_async_comm, recorded while tracing is on, in order:
-// ("launch", what), ("wgrad_begin", ""), ("wgrad_end", ""), ("wait", what), ("done", what).
-// "done" carries whether the collective had already completed when waited for.
+// ("launch", what) when a collective is started, ("wait", what) when the wait on it begins,
+// ("done", what) when it returns, and ("wgrad_begin", "") / ("wgrad_end", "") around the
+// weight-gradient matmul; a test reads the overlap from their order, not from timing.
 void set_tracing(bool on);
 std::vector<std::pair<std::string, std::string>> trace();
 
