@@ -151,6 +151,7 @@ def _rank(rank, world, backend, init_file, args, modes, queue):
                 model(inp).sum().backward()
             runs[mode] = step
         samples = {m: [] for m in modes}
+        cpu = {m: [] for m in modes}  # this process's CPU seconds (all its threads): load-independent work
         bytes_per_step = {}
         for round_ in range(args.rounds):
             order = modes[round_ % len(modes):] + modes[:round_ % len(modes)]
@@ -160,12 +161,14 @@ def _rank(rank, world, backend, init_file, args, modes, queue):
                 dist.barrier(group)
                 for _ in range(args.steps):
                     _C.tp_reset_bytes_communicated()
-                    t0 = time.perf_counter()
+                    t0, c0 = time.perf_counter(), time.process_time()
                     runs[mode]()
                     samples[mode].append(time.perf_counter() - t0)
+                    cpu[mode].append(time.process_time() - c0)
                     bytes_per_step[mode] = _C.tp_bytes_communicated()
         if rank == 0:
             queue.put(("ok", {m: {"median_ms": statistics.median(s) * 1e3, "min_ms": min(s) * 1e3,
+                                  "cpu_ms": statistics.median(cpu[m]) * 1e3,
                                   "bytes": bytes_per_step[m] if m.startswith("ours") else None}
                               for m, s in samples.items()}))
     except BaseException as e:  # noqa: BLE001 - the parent prints it
@@ -285,9 +288,13 @@ def main(argv=None):
             scaling[str(tp)] = _run("torchpar", tp, sargs, ["ours/tp"])["ours/tp"]
         speedup = scaling["1"]["median_ms"] / scaling["2"]["median_ms"]
         print_table(f"strong scaling, ours, torchpar backend, width {sargs.width}, seq {args.seq}, 1 thread/rank",
-                    ["tp", "median ms", "min ms", "speed-up vs tp=1"],
+                    ["tp", "median ms", "min ms", "speed-up vs tp=1", "CPU ms rank 0", "CPU ratio vs tp=1"],
                     [[tp, f"{scaling[tp]['median_ms']:.1f}", f"{scaling[tp]['min_ms']:.1f}",
-                      f"{scaling['1']['median_ms'] / scaling[tp]['median_ms']:.2f}x"] for tp in ("1", "2")])
+                      f"{scaling['1']['median_ms'] / scaling[tp]['median_ms']:.2f}x",
+                      f"{scaling[tp]['cpu_ms']:.1f}", f"{scaling['1']['cpu_ms'] / scaling[tp]['cpu_ms']:.2f}x"]
+                     for tp in ("1", "2")])
+        print("CPU ms: rank 0's CPU time per step (all its threads, spinning waits included); on a machine "
+              "with a free core per rank, wall time follows it.")
         scaling["speedup"] = speedup
     meta["load_after"] = os.getloadavg()[0]
     print(f"{meta['date']}, torch {meta['torch']}, {meta['cpus']} CPUs, load average "
