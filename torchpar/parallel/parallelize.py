@@ -1,0 +1,85 @@
+"""``parallelize(model, plan, group)``: tensor parallelism from a plan of module names, shaped
+like torch's ``parallelize_module`` (issue 17), so a model written with plain ``nn.Linear``,
+``nn.Embedding`` and ``nn.LayerNorm`` becomes tensor-parallel without rewriting it.
+
+Styles:
+
+- ``"colwise"``: an ``nn.Linear`` becomes a ColumnParallelLinear (output features split);
+- ``"rowwise"``: an ``nn.Linear`` becomes a RowParallelLinear (input features split, output
+  all-reduced);
+- ``"vocab"``: an ``nn.Embedding`` becomes a VocabParallelEmbedding;
+- ``"sequence"``: a LayerNorm / RMSNorm / Dropout runs on the rank's sequence shard (its
+  parameters' gradients are all-reduced over the group).
+
+Any ``"sequence"`` entry turns on sequence parallelism for the whole plan: activations
+between the tensor-parallel regions are then ``[s/tp, b, h]`` shards (dim 0 the sequence),
+the colwise layers all-gather them and the rowwise and vocab layers reduce-scatter into them.
+
+The model's own code must work on local shards: an attention block reads the number of heads
+from its projections' output (``view(s, b, -1, head_dim)``), and a loss over colwise logits is
+``vocab_parallel_cross_entropy``.
+"""
+from fnmatch import fnmatchcase
+
+from torch import nn
+
+from torchpar.parallel.tensor import comm
+from torchpar.parallel.tensor.embedding import VocabParallelEmbedding
+from torchpar.parallel.tensor.linear import ColumnParallelLinear, RowParallelLinear
+from torchpar.parallel.tensor.sequence import SEQUENCE_PARALLEL_TYPES, mark_sequence_parallel
+
+STYLES = ("colwise", "rowwise", "vocab", "sequence")
+
+
+def _matches(pattern, name):
+    # Atom by atom, as torch's parallelize_module: "blocks.*.mlp.fc1" never crosses a dot.
+    atoms, parts = pattern.split("."), name.split(".")
+    return len(atoms) == len(parts) and all(fnmatchcase(p, a) for a, p in zip(atoms, parts))
+
+
+def _convert(name, module, style, group, sequence_parallel):
+    if style == "colwise":
+        return ColumnParallelLinear.from_dense(module, group, sequence_parallel=sequence_parallel)
+    if style == "rowwise":
+        return RowParallelLinear.from_dense(module, group, sequence_parallel=sequence_parallel)
+    if style == "vocab":
+        return VocabParallelEmbedding.from_dense(module, group, sequence_parallel=sequence_parallel)
+    return mark_sequence_parallel(module, group, name)
+
+
+def parallelize(model: nn.Module, plan: dict, group=None) -> nn.Module:
+    """Replaces, in place, each module of ``model`` whose name matches a key of ``plan`` (glob
+    patterns over dotted names, e.g. ``"blocks.*.attn.q_proj"``) by its tensor-parallel form
+    for the style the key maps to, sharded over ``group`` (default: the default group).
+    Returns ``model``.
+
+    Every rank must call it with the same model (same seed or checkpoint) and plan. An entry
+    matching no module, an unknown style or a module that cannot take its style is a
+    ValueError/TypeError naming it, raised on every rank before any collective.
+    """
+    group = comm.resolve_group(group)
+    for pattern, style in plan.items():
+        if style not in STYLES:
+            raise ValueError(f"parallelize: plan entry {pattern!r} has style {style!r}; styles are {STYLES}")
+    sequence_parallel = "sequence" in plan.values()
+    named = dict(model.named_modules())
+    todo = []
+    for pattern, style in plan.items():
+        hits = [n for n in named if n and _matches(pattern, n)]
+        if not hits:
+            raise ValueError(f"parallelize: plan entry {pattern!r} ({style}) matches no module of "
+                             f"{type(model).__name__}")
+        todo += [(n, style) for n in hits]
+    for name, style in todo:  # every check above first, so a bad plan changes nothing
+        module = named[name]
+        need = {"colwise": nn.Linear, "rowwise": nn.Linear, "vocab": nn.Embedding,
+                "sequence": SEQUENCE_PARALLEL_TYPES}[style]
+        if not (isinstance(module, need) if style == "sequence" else type(module) is need):
+            names = ", ".join(t.__name__ for t in need) if style == "sequence" else need.__name__
+            raise TypeError(f"parallelize: module {name!r} is a {type(module).__name__}; style {style!r} "
+                            f"needs an {names}")
+    for name, style in todo:
+        parent_name, _, attr = name.rpartition(".")
+        parent = model.get_submodule(parent_name)
+        setattr(parent, attr, _convert(name, named[name], style, group, sequence_parallel))
+    return model

@@ -1,0 +1,72 @@
+"""The vocabulary-parallel embedding (Megatron-LM, arXiv:1909.08053, section 3).
+
+The table is split by rows: rank r holds tokens ``[r V/tp, (r+1) V/tp)``. Each rank looks up
+the tokens it holds, writes zeros for the others, and the sum over ranks (an all-reduce, or
+under sequence parallelism a reduce-scatter along the sequence) is the full embedding. The
+table's memory per rank is ``V/tp``, as for the output layer and
+``vocab_parallel_cross_entropy`` that usually share it.
+"""
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+from torchpar.parallel.tensor import comm
+
+
+class VocabParallelEmbedding(nn.Module):
+    """``nn.Embedding(num_embeddings, embedding_dim)`` with rows split across ``group``.
+
+    Input: token ids, ``[s, b]`` under sequence parallelism (dim 0 the sequence; the output
+    is then this rank's shard ``[s/tp, b, embedding_dim]``), any shape otherwise.
+    """
+
+    def __init__(self, num_embeddings, embedding_dim, group=None, *, sequence_parallel=False,
+                 dtype=None, _weight=None):
+        super().__init__()
+        self.group = comm.resolve_group(group)
+        self.rank, self.tp = comm.group_rank_and_size(self.group)
+        comm.check_divisible(num_embeddings, self.tp, "VocabParallelEmbedding num_embeddings (the vocabulary)")
+        self.num_embeddings, self.embedding_dim = num_embeddings, embedding_dim
+        self.sequence_parallel = sequence_parallel and self.tp > 1
+        self.vocab_start = self.rank * (num_embeddings // self.tp)
+        self.vocab_end = self.vocab_start + num_embeddings // self.tp
+        if _weight is None:
+            _weight = nn.Embedding(num_embeddings, embedding_dim, dtype=dtype).weight
+        self.weight = nn.Parameter(_weight.detach()[self.vocab_start:self.vocab_end].clone())
+
+    @classmethod
+    def from_dense(cls, module: nn.Embedding, group=None, *, sequence_parallel=False):
+        if not isinstance(module, nn.Embedding):
+            raise TypeError(f"VocabParallelEmbedding.from_dense needs an nn.Embedding, got {type(module).__name__}")
+        if module.padding_idx is not None or module.max_norm is not None or module.sparse:
+            raise ValueError("VocabParallelEmbedding.from_dense: padding_idx, max_norm and sparse "
+                             "are not supported")
+        return cls(module.num_embeddings, module.embedding_dim, group, sequence_parallel=sequence_parallel,
+                   _weight=module.weight)
+
+    @torch.no_grad()
+    def to_dense(self) -> nn.Embedding:
+        out = nn.Embedding(self.num_embeddings, self.embedding_dim, dtype=self.weight.dtype,
+                           device=self.weight.device)
+        out.weight.copy_(comm.gather_from_sequence_region(self.weight.detach(), self.group))
+        return out
+
+    def forward(self, input):
+        if self.tp == 1:
+            return F.embedding(input, self.weight)
+        comm.check_same_sizes(input, self.group, "VocabParallelEmbedding input")
+        if self.sequence_parallel:
+            if input.dim() < 1 or input.size(0) % self.tp:
+                raise ValueError(f"VocabParallelEmbedding(sequence_parallel=True): the sequence length "
+                                 f"(dim 0 of the input, shape {tuple(input.shape)}) must be divisible by "
+                                 f"the tensor-parallel group size ({self.tp})")
+        outside = (input < self.vocab_start) | (input >= self.vocab_end)
+        local = (input - self.vocab_start).masked_fill(outside, 0)
+        partial = F.embedding(local, self.weight).masked_fill(outside.unsqueeze(-1), 0.0)
+        if self.sequence_parallel:
+            return comm.reduce_scatter_to_sequence_region(partial, self.group)
+        return comm.reduce_from_region(partial, self.group)
+
+    def extra_repr(self):
+        return (f"{self.num_embeddings}, {self.embedding_dim} (rows {self.vocab_start}:{self.vocab_end} "
+                f"on this rank of {self.tp}), sequence_parallel={self.sequence_parallel}")

@@ -1,0 +1,175 @@
+"""Column- and row-parallel linear layers (Megatron-LM, arXiv:1909.08053, section 3).
+
+``ColumnParallelLinear`` splits the weight by output features: every rank takes the whole
+input and produces its slice of the output. ``RowParallelLinear`` splits it by input features:
+every rank takes its slice of the input and produces a partial sum of the whole output, which
+is all-reduced (under sequence parallelism, reduce-scattered along the sequence, arXiv:2205.05198).
+A column layer followed by a row layer (the MLP, attention) thus communicates once forward and
+once backward.
+
+Both initialise the full weight as ``nn.Linear(in_features, out_features)`` would (same RNG
+draws on every rank) and keep their shard, so a tensor-parallel model built from a seed equals
+the dense model built from that seed. ``from_dense`` shards an existing ``nn.Linear`` and
+``to_dense`` gathers it back.
+"""
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+from torchpar.parallel.tensor import comm
+
+
+def _dense_linear(in_features, out_features, bias, dtype):
+    return nn.Linear(in_features, out_features, bias=bias, dtype=dtype)
+
+
+class ColumnParallelLinear(nn.Module):
+    """``y = x A^T + b`` with ``A`` split by rows (output features) across ``group``.
+
+    The input is the full activation ``[..., in_features]`` or, with ``sequence_parallel``,
+    this rank's sequence shard ``[s/tp, b, in_features]`` (all-gathered inside). The output
+    is this rank's ``out_features / tp`` features, or all of them with ``gather_output``.
+    With ``skip_bias_add`` (Megatron's) the bias is returned beside the output instead of
+    added, for a fused bias+GeLU or bias+dropout+add after it.
+    """
+
+    def __init__(self, in_features, out_features, bias=True, gather_output=False,
+                 sequence_parallel=False, group=None, dtype=None, *, skip_bias_add=False,
+                 _weight=None, _bias=None):
+        super().__init__()
+        self.group = comm.resolve_group(group)
+        self.rank, self.tp = comm.group_rank_and_size(self.group)
+        comm.check_divisible(out_features, self.tp, "ColumnParallelLinear out_features")
+        if gather_output and sequence_parallel:
+            raise ValueError("ColumnParallelLinear: gather_output and sequence_parallel exclude "
+                             "each other (the output of a sequence-parallel region is split)")
+        self.in_features, self.out_features = in_features, out_features
+        self.gather_output = gather_output
+        self.sequence_parallel = sequence_parallel and self.tp > 1
+        self.skip_bias_add = skip_bias_add
+        self.check_input_sizes = True  # one tiny all-gather per call; see _check_input
+        if _weight is None:
+            dense = _dense_linear(in_features, out_features, bias, dtype)
+            _weight, _bias = dense.weight, dense.bias
+        self.weight = nn.Parameter(self._shard(_weight.detach()).clone())
+        self.bias = nn.Parameter(self._shard(_bias.detach()).clone()) if _bias is not None else None
+
+    def _shard(self, t):
+        return t.chunk(self.tp, 0)[self.rank]
+
+    @classmethod
+    def from_dense(cls, module: nn.Linear, group=None, *, gather_output=False, sequence_parallel=False,
+                   skip_bias_add=False):
+        """This rank's shard of ``module`` (an ``nn.Linear``), computing the same function."""
+        if not isinstance(module, nn.Linear):
+            raise TypeError(f"ColumnParallelLinear.from_dense needs an nn.Linear, got {type(module).__name__}")
+        return cls(module.in_features, module.out_features, module.bias is not None, gather_output,
+                   sequence_parallel, group, module.weight.dtype, skip_bias_add=skip_bias_add,
+                   _weight=module.weight, _bias=module.bias)
+
+    @torch.no_grad()
+    def to_dense(self) -> nn.Linear:
+        """The whole layer as an ``nn.Linear`` (every rank gets it; a collective)."""
+        out = nn.Linear(self.in_features, self.out_features, bias=self.bias is not None,
+                        dtype=self.weight.dtype, device=self.weight.device)
+        out.weight.copy_(comm.gather_from_sequence_region(self.weight.detach(), self.group))
+        if self.bias is not None:
+            out.bias.copy_(comm.gather_from_sequence_region(self.bias.detach(), self.group))
+        return out
+
+    def forward(self, input):
+        if self.check_input_sizes:
+            # Before the first collective: ranks whose inputs differ (a different sequence
+            # length) would otherwise reach the all-gather/all-reduce with different sizes.
+            comm.check_same_sizes(input, self.group, f"{type(self).__name__} input")
+            if self.sequence_parallel and input.dim() < 2:
+                raise ValueError(f"ColumnParallelLinear(sequence_parallel=True) needs an input "
+                                 f"[s/tp, b, h] or [s/tp, h]; got {tuple(input.shape)}")
+        bias = None if self.skip_bias_add else self.bias
+        out = comm.linear_with_async_comm(input, self.weight, bias, self.group, self.sequence_parallel)
+        if self.gather_output:
+            out = comm.gather_from_region(out, self.group)
+        return (out, self.bias) if self.skip_bias_add else out
+
+    def extra_repr(self):
+        return (f"in_features={self.in_features}, out_features={self.out_features} "
+                f"({self.out_features // self.tp} on this rank of {self.tp}), bias={self.bias is not None}, "
+                f"gather_output={self.gather_output}, sequence_parallel={self.sequence_parallel}")
+
+
+class RowParallelLinear(nn.Module):
+    """``y = x A^T + b`` with ``A`` split by columns (input features) across ``group``.
+
+    The input is this rank's ``in_features / tp`` slice (``input_is_parallel``, the output of
+    a ColumnParallelLinear) or the full activation, then split here. The output is the full
+    ``[..., out_features]``, all-reduced; with ``sequence_parallel`` it is reduce-scattered to
+    this rank's sequence shard ``[s/tp, b, out_features]`` instead. The bias is added once,
+    after the reduction.
+    """
+
+    def __init__(self, in_features, out_features, bias=True, input_is_parallel=True,
+                 sequence_parallel=False, group=None, dtype=None, *, skip_bias_add=False,
+                 _weight=None, _bias=None):
+        super().__init__()
+        self.group = comm.resolve_group(group)
+        self.rank, self.tp = comm.group_rank_and_size(self.group)
+        comm.check_divisible(in_features, self.tp, "RowParallelLinear in_features")
+        if sequence_parallel and not input_is_parallel:
+            raise ValueError("RowParallelLinear: sequence_parallel needs input_is_parallel=True")
+        self.in_features, self.out_features = in_features, out_features
+        self.input_is_parallel = input_is_parallel
+        self.sequence_parallel = sequence_parallel and self.tp > 1
+        self.skip_bias_add = skip_bias_add
+        self.check_input_sizes = not input_is_parallel
+        if _weight is None:
+            dense = _dense_linear(in_features, out_features, bias, dtype)
+            _weight, _bias = dense.weight, dense.bias
+        self.weight = nn.Parameter(_weight.detach().chunk(self.tp, 1)[self.rank].clone())
+        self.bias = nn.Parameter(_bias.detach().clone()) if _bias is not None else None
+
+    @classmethod
+    def from_dense(cls, module: nn.Linear, group=None, *, input_is_parallel=True, sequence_parallel=False,
+                   skip_bias_add=False):
+        """This rank's shard of ``module`` (an ``nn.Linear``), computing the same function."""
+        if not isinstance(module, nn.Linear):
+            raise TypeError(f"RowParallelLinear.from_dense needs an nn.Linear, got {type(module).__name__}")
+        return cls(module.in_features, module.out_features, module.bias is not None, input_is_parallel,
+                   sequence_parallel, group, module.weight.dtype, skip_bias_add=skip_bias_add,
+                   _weight=module.weight, _bias=module.bias)
+
+    @torch.no_grad()
+    def to_dense(self) -> nn.Linear:
+        """The whole layer as an ``nn.Linear`` (every rank gets it; a collective)."""
+        out = nn.Linear(self.in_features, self.out_features, bias=self.bias is not None,
+                        dtype=self.weight.dtype, device=self.weight.device)
+        out.weight.copy_(comm.gather_from_region(self.weight.detach(), self.group))
+        if self.bias is not None:
+            out.bias.copy_(self.bias)
+        return out
+
+    def _bias(self):
+        # Under sequence parallelism each rank adds the bias to its sequence shard only, so its
+        # gradient is a partial sum: copy_to_region all-reduces it in backward.
+        if self.bias is None or not self.sequence_parallel:
+            return self.bias
+        return comm.copy_to_region(self.bias, self.group)
+
+    def forward(self, input):
+        if not self.input_is_parallel:
+            if self.check_input_sizes:
+                comm.check_same_sizes(input, self.group, "RowParallelLinear input")
+            input = comm.scatter_to_region(input, self.group)
+        partial = F.linear(input, self.weight)
+        if self.sequence_parallel:
+            out = comm.reduce_scatter_to_sequence_region(partial, self.group)
+        else:
+            out = comm.reduce_from_region(partial, self.group)
+        bias = self._bias()
+        if self.skip_bias_add:
+            return out, bias
+        return out if bias is None else out + bias
+
+    def extra_repr(self):
+        return (f"in_features={self.in_features} ({self.in_features // self.tp} on this rank of "
+                f"{self.tp}), out_features={self.out_features}, bias={self.bias is not None}, "
+                f"input_is_parallel={self.input_is_parallel}, sequence_parallel={self.sequence_parallel}")
