@@ -81,7 +81,8 @@ SimulationResult simulate(const Schedule& s);
 
 // The idle fraction the papers give for this kind with the simulator's unit costs:
 // (p-1)/(m+p-1) for GPipe and 1F1B, (p-1)/(v*m+p-1) for interleaved (the bubble over the
-// ideal time divided by v), (p-1)/(3m+p-1) for ZB-H1 ((p-1)(tF+tB-tW) with tF=tB=tW).
+// ideal time divided by v), (p-1)/(3m+p-1) for ZB-H1 ((p-1)(tF+tB-tW) with tF=tB=tW; it holds
+// for m >= p, where there are enough held-back W's to fill the cool-down).
 double theoretical_bubble(ScheduleKind kind, int p, int m, int v);
 
 }  // namespace torchpar::pipeline
