@@ -331,3 +331,92 @@ def _shape_changes(rank, world_size, init_file, backend):
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_stage_output_shape_change_fails_on_both_sides(backend):
     spawn(_shape_changes, 2, backend, timeout=60)
+
+
+# ---- a stage whose layers are tensor-parallel (collectives on another group) ----
+
+class _CopyToTP(torch.autograd.Function):
+    """Identity forward; the input gradient is summed over the tensor-parallel group."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, g):
+        g = g.clone()
+        dist.all_reduce(g, group=ctx.group)
+        return g, None
+
+
+class _ReduceFromTP(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group):
+        x = x.clone()
+        dist.all_reduce(x, group=group)
+        return x
+
+    @staticmethod
+    def backward(ctx, g):
+        return g, None
+
+
+class _Block(nn.Module):
+    def __init__(self, width=8):
+        super().__init__()
+        self.l1, self.l2 = nn.Linear(width, 2 * width), nn.Linear(2 * width, width)
+
+    def forward(self, x):
+        return x + self.l2(torch.tanh(self.l1(x)))
+
+
+class _TPBlock(nn.Module):
+    """_Block with l1 split by output rows and l2 by input columns (Megatron's MLP)."""
+
+    def __init__(self, ref, group):
+        super().__init__()
+        r, n = dist.get_rank(group), dist.get_world_size(group)
+        rows = ref.l1.out_features // n
+        self.group, self.sl = group, slice(r * rows, (r + 1) * rows)
+        self.l1 = nn.Linear(ref.l1.in_features, rows)
+        self.l2 = nn.Linear(rows, ref.l2.out_features, bias=False)
+        with torch.no_grad():
+            self.l1.weight.copy_(ref.l1.weight[self.sl])
+            self.l1.bias.copy_(ref.l1.bias[self.sl])
+            self.l2.weight.copy_(ref.l2.weight[:, self.sl])
+        self.b2 = nn.Parameter(ref.l2.bias.detach().clone())
+
+    def forward(self, x):
+        h = torch.tanh(self.l1(_CopyToTP.apply(x, self.group)))
+        return x + _ReduceFromTP.apply(self.l2(h), self.group) + self.b2
+
+
+def _with_tensor_parallel(ctx, backend, name):
+    """4 ranks: stage 0 on the tensor-parallel pair {0,1}, stage 1 on {2,3}; pipelines {0,2}, {1,3}."""
+    torch.set_num_threads(1)
+    kw = {"backend": "gloo"} if backend == "gloo" else {}
+    tp_groups = [dist.new_group([0, 1], **kw), dist.new_group([2, 3], **kw)]
+    pp_groups = [dist.new_group([0, 2], **kw), dist.new_group([1, 3], **kw)]
+    tp, pp = tp_groups[ctx.rank // 2], pp_groups[ctx.rank % 2]
+    stage_index = ctx.rank // 2
+    torch.manual_seed(0)
+    model = nn.Sequential(_Block(), _Block(), _Block(), _Block())
+    x, y = _data(0, 8)
+    ref, _ = _reference_grads(model, x, y)
+    ref_stage = split(ref, 2, stage_index)
+    local = nn.Sequential(*[_TPBlock(b, tp) for b in split(model, 2, stage_index)])
+    stage = PipelineStage(local, stage_index, 2, group=pp)
+    SCHEDULES[name](stage, 4, loss_fn=_mse).step(*((x,) if stage.is_first else ()),
+                                                   target=y if stage.is_last else None)
+    for mine, theirs in zip(local, ref_stage):
+        torch.testing.assert_close(mine.l1.weight.grad, theirs.l1.weight.grad[mine.sl], rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(mine.l1.bias.grad, theirs.l1.bias.grad[mine.sl], rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(mine.l2.weight.grad, theirs.l2.weight.grad[:, mine.sl], rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(mine.b2.grad, theirs.l2.bias.grad, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("name", ["1f1b", "zb_h1"])
+def test_stages_with_tensor_parallel_layers(backend, name):
+    _pool(backend, 4).run(_with_tensor_parallel, backend, name)
