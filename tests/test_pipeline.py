@@ -1,0 +1,422 @@
+"""Pipeline schedules on real ranks against the whole model run in one process.
+
+Every rank builds the same seeded model; the reference runs it whole on the whole batch
+(every rank computes it locally), the pipeline runs this rank's stage(s) of a copy. Loss and
+every gradient must agree, for every schedule, world sizes 2 and 4, on the torchpar backend
+and on gloo, in float32 and bfloat16.
+"""
+import copy
+import json
+import os
+import tempfile
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+
+import torchpar
+from harness import get_pool, spawn
+from torchpar.parallel.pipeline import (PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B,
+                                        ScheduleZeroBubble, split)
+
+BACKENDS = ["torchpar", "gloo"]
+SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B, "interleaved": ScheduleInterleaved1F1B,
+             "zb_h1": ScheduleZeroBubble}
+
+
+def _pool(backend, world_size):
+    if backend == "torchpar" and not hasattr(torchpar._C, "ProcessGroupTorchpar"):
+        pytest.skip("the torchpar backend is not built in this tree")
+    return get_pool(world_size, backend)
+
+
+def _model(n_layers, dtype=torch.float32, width=8, seed=0):
+    torch.manual_seed(seed)
+    layers = []
+    for i in range(n_layers):
+        layers += [nn.Sequential(nn.Linear(width, width), nn.LayerNorm(width) if i % 2 else nn.Tanh())]
+    return nn.Sequential(*layers).to(dtype)
+
+
+def _data(step, batch, dtype=torch.float32, width=8, seq=None):
+    g = torch.Generator().manual_seed(100 + step)
+    shape = (batch, width) if seq is None else (batch, seq, width)
+    return torch.randn(*shape, generator=g).to(dtype), torch.randn(*shape, generator=g).to(dtype)
+
+
+def _mse(out, y):
+    return ((out.float() - y.float()) ** 2).mean()
+
+
+def _build(ctx, name, model, m, group=None, stages_per_rank=1):
+    """This rank's stages (split of a copy of ``model``) and the schedule over them."""
+    p = dist.get_world_size(group)
+    r = dist.get_rank(group)
+    n = p * stages_per_rank
+    pipe = copy.deepcopy(model)
+    stages = [PipelineStage(split(pipe, n, s), s, n, group=group) for s in range(r, n, p)]
+    cls = SCHEDULES[name]
+    sched = cls(stages, m, loss_fn=_mse) if name == "interleaved" else cls(stages[0], m, loss_fn=_mse)
+    return stages, sched
+
+
+def _reference_grads(model, x, y):
+    ref = copy.deepcopy(model)
+    loss = _mse(ref(x), y)
+    loss.backward()
+    return ref, loss
+
+
+def _check_grads(stages, ref, n_stages, rtol, atol):
+    for st in stages:
+        ref_stage = split(ref, n_stages, st.stage_index)
+        for (name, p), q in zip(st.submod.named_parameters(), ref_stage.parameters()):
+            torch.testing.assert_close(p.grad, q.grad, rtol=rtol, atol=atol,
+                                       msg=lambda msg: f"stage {st.stage_index} {name}: {msg}")
+
+
+def _one_step(ctx, name, dtype, m):
+    torch.set_num_threads(1)
+    dtype = getattr(torch, dtype)
+    v = 2 if name == "interleaved" else 1
+    n_stages = ctx.world_size * v
+    model = _model(2 * n_stages, dtype)
+    x, y = _data(0, 4 * m, dtype)
+    ref, ref_loss = _reference_grads(model, x, y)
+    stages, sched = _build(ctx, name, model, m, stages_per_rank=v)
+    losses = []
+    first = any(s.is_first for s in stages)
+    last = any(s.is_last for s in stages)
+    out = sched.step(*((x,) if first else ()), target=y if last else None, losses=losses)
+    tol = dict(rtol=2e-2, atol=2e-2) if dtype == torch.bfloat16 else dict(rtol=1e-5, atol=1e-6)
+    if last:
+        assert len(losses) == m
+        torch.testing.assert_close(torch.stack(losses).float().mean(), ref_loss.float(), **tol)
+        torch.testing.assert_close(out, ref(x).detach(), **tol)
+    _check_grads(stages, ref, n_stages, **tol)
+    return sched.last_stats
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("world_size", [2, 4])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("name", list(SCHEDULES))
+def test_loss_and_gradients_equal_the_whole_model(backend, world_size, dtype, name):
+    m = world_size * 2
+    _pool(backend, world_size).run(_one_step, name, dtype, m)
+
+
+def _ten_steps(ctx, name):
+    torch.set_num_threads(1)
+    v = 2 if name == "interleaved" else 1
+    n_stages = ctx.world_size * v
+    model = _model(2 * n_stages)
+    ref = copy.deepcopy(model)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9)
+    stages, sched = _build(ctx, name, model, 4, stages_per_rank=v)
+    opt = torch.optim.SGD([p for s in stages for p in s.submod.parameters()], lr=0.1, momentum=0.9)
+    for step in range(10):
+        x, y = _data(step, 8)
+        ref_opt.zero_grad()
+        _mse(ref(x), y).backward()
+        ref_opt.step()
+        opt.zero_grad()
+        sched.step(*((x,) if stages[0].is_first else ()), target=y if stages[-1].is_last else None)
+        opt.step()
+        for st in stages:
+            for p, q in zip(st.submod.parameters(), split(ref, n_stages, st.stage_index).parameters()):
+                torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6, msg=lambda msg: f"step {step}: {msg}")
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("name", list(SCHEDULES))
+def test_ten_optimizer_steps_stay_equal(backend, name):
+    _pool(backend, 2).run(_ten_steps, name)
+
+
+def _live_activations(ctx, name, m):
+    stats = _one_step(ctx, name, "float32", m)
+    return stats["peak_live"]
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_peak_live_activations(world_size):
+    pool = _pool("torchpar", world_size)
+    m = 8
+    assert pool.run(_live_activations, "gpipe", m) == [m] * world_size
+    assert pool.run(_live_activations, "1f1b", m) == [world_size - r for r in range(world_size)]
+    assert max(pool.run(_live_activations, "zb_h1", m)) <= world_size
+
+
+def _with_ddp(ctx, backend):
+    """4 ranks: pipeline pairs {0,1} and {2,3}; data-parallel pairs {0,2} and {1,3}."""
+    torch.set_num_threads(1)
+    from torchpar.parallel import DistributedDataParallel as DDP
+    kw = {"backend": "gloo"} if backend == "gloo" else {}
+    pp_groups = [dist.new_group([0, 1], **kw), dist.new_group([2, 3], **kw)]
+    dp_groups = [dist.new_group([0, 2], **kw), dist.new_group([1, 3], **kw)]
+    pp, dp = pp_groups[ctx.rank // 2], dp_groups[ctx.rank % 2]
+    dp_rank = ctx.rank // 2
+    model = _model(4)
+    x, y = _data(0, 16)
+    ref, ref_loss = _reference_grads(model, x, y)
+    pipe = copy.deepcopy(model)
+    stage_index = ctx.rank % 2
+    stage = PipelineStage(DDP(split(pipe, 2, stage_index), process_group=dp), stage_index, 2, group=pp)
+    sched = Schedule1F1B(stage, 4, loss_fn=_mse)
+    xs, ys = x.chunk(2)[dp_rank], y.chunk(2)[dp_rank]
+    sched.step(*((xs,) if stage.is_first else ()), target=ys if stage.is_last else None)
+    for (name, p), q in zip(stage.submod.module.named_parameters(), split(ref, 2, stage_index).parameters()):
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-5, atol=1e-6, msg=lambda msg: f"{name}: {msg}")
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_pipeline_times_ddp_equals_one_process(backend):
+    _pool(backend, 4).run(_with_ddp, backend)
+
+
+def _variable_length(ctx, name):
+    torch.set_num_threads(1)
+    model = _model(2 * ctx.world_size)
+    stages, sched = _build(ctx, name, model, 2)
+    st = stages[0]
+    for step, seq in enumerate([5, 7, 5, 3]):
+        x, y = _data(step, 4, seq=seq)
+        ref, _ = _reference_grads(model, x, y)
+        for p in st.submod.parameters():
+            p.grad = None
+        sched.step(*((x,) if st.is_first else ()), target=y if st.is_last else None)
+        _check_grads(stages, ref, ctx.world_size, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("name", ["1f1b", "zb_h1"])
+def test_variable_sequence_length_across_steps(backend, name):
+    _pool(backend, 2).run(_variable_length, name)
+
+
+class _TwoOutputs(nn.Module):
+    """Passes a tensor that needs a gradient and one (an integer mask) that does not."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+
+    def forward(self, x, mask=None):
+        if mask is None:
+            return torch.tanh(self.lin(x)), (x > 0).to(torch.int64)
+        return self.lin(x) * mask
+
+
+def _several_tensors(ctx):
+    torch.set_num_threads(1)
+    torch.manual_seed(0)
+    model = nn.Sequential(_TwoOutputs(), _TwoOutputs())
+    x, y = _data(0, 8)
+    ref = copy.deepcopy(model)
+    h, mask = ref[0](x)
+    _mse(ref[1](h, mask), y).backward()
+    stage = PipelineStage(copy.deepcopy(model[ctx.rank]), ctx.rank, 2)
+    ScheduleGPipe(stage, 4, loss_fn=_mse).step(*((x,) if ctx.rank == 0 else ()), target=y if ctx.rank else None)
+    for p, q in zip(stage.submod.parameters(), ref[ctx.rank].parameters()):
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_several_tensors_per_boundary_some_without_gradient(backend):
+    _pool(backend, 2).run(_several_tensors)
+
+
+def _eval_and_trace(ctx, path):
+    torch.set_num_threads(1)
+    model = _model(4)
+    stages, sched = _build(ctx, "1f1b", model, 2)
+    x, y = _data(0, 4)
+    out = sched.eval(*((x,) if stages[0].is_first else ()))
+    if stages[0].is_last:
+        torch.testing.assert_close(out, model(x).detach())
+    sched.step(*((x,) if stages[0].is_first else ()), target=y if stages[0].is_last else None, trace=path)
+    return sched.last_stats
+
+
+def test_eval_and_chrome_trace():
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "trace.json")
+        _pool("gloo", 2).run(_eval_and_trace, path)
+        events = json.load(open(path))["traceEvents"]
+        assert {e["pid"] for e in events} == {0, 1}
+        assert sum(e["cat"] == "F" for e in events) == 4 and sum(e["cat"] == "B" for e in events) == 4
+
+
+# ---- bad input: a clear error on every rank, never a hang ----
+
+def _expect_error(fn, pattern):
+    import re
+    try:
+        fn()
+    except ValueError as e:
+        assert re.search(pattern, str(e)), str(e)
+        return str(e)
+    raise AssertionError(f"no error matching {pattern!r}")
+
+
+def _batch_does_not_split(ctx):
+    stages, sched = _build(ctx, "1f1b", _model(4), 4)
+    x, y = _data(0, 6)
+    return _expect_error(lambda: sched.step(*((x,) if stages[0].is_first else ()),
+                                            target=y if stages[0].is_last else None),
+                         r"input 0 has batch size 6, which does not split into 4 micro-batches")
+
+
+def _stage_counts_disagree(ctx):
+    model = _model(4)
+    if ctx.rank == 0:
+        sched = ScheduleGPipe(PipelineStage(split(model, 2, 0), 0, 2), 4, loss_fn=_mse)
+    else:
+        sched = ScheduleInterleaved1F1B([PipelineStage(split(model, 4, s), s, 4) for s in (1, 3)], 4, loss_fn=_mse)
+    x, y = _data(0, 8)
+    return _expect_error(lambda: sched.step(*((x,) if ctx.rank == 0 else ()), target=y if ctx.rank else None),
+                         r"disagree on the number of stages: rank 0 has 2, rank 1 has 4")
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_bad_batch_and_disagreeing_stage_counts_fail_on_every_rank(backend):
+    pool = _pool(backend, 2)
+    pool.run(_batch_does_not_split)
+    pool.run(_stage_counts_disagree)
+
+
+def test_interleaved_with_m_not_a_multiple_of_p():
+    pool = _pool("gloo", 2)
+    pool.run(_interleaved_m3)
+
+
+def _interleaved_m3(ctx):
+    stages = [PipelineStage(split(_model(4), 4, s), s, 4) for s in (ctx.rank, ctx.rank + 2)]
+    _expect_error(lambda: ScheduleInterleaved1F1B(stages, 3, loss_fn=_mse),
+                  r"micro-batches \(3\) to be a multiple of the number of pipeline ranks \(2\)")
+
+
+class _Shrinks(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+        self.calls = 0
+
+    def forward(self, x):
+        self.calls += 1
+        out = self.lin(x)
+        return out if self.calls <= 2 else out[:, :4]  # from the second step on: narrower
+
+
+def _shape_changes(rank, world_size, init_file, backend):
+    from datetime import timedelta
+    import torchpar  # noqa: F401
+    dist.init_process_group(backend, init_method=f"file://{init_file}", rank=rank, world_size=world_size,
+                            timeout=timedelta(seconds=20))
+    try:
+        torch.manual_seed(0)
+        mod = _Shrinks() if rank == 0 else nn.Linear(8, 8)
+        sched = ScheduleGPipe(PipelineStage(mod, rank, 2), 2, loss_fn=_mse)
+        x = torch.randn(4, 8)
+        y = torch.randn(4, 8)
+        sched.step(*((x,) if rank == 0 else ()), target=y if rank else None)  # learns [2, 8]
+        return _expect_error(lambda: sched.step(*((x,) if rank == 0 else ()), target=y if rank else None),
+                             r"stage (0|1).*\(2, 4\).*\(2, 8\)|\(2, 8\).*\(2, 4\)")
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_stage_output_shape_change_fails_on_both_sides(backend):
+    spawn(_shape_changes, 2, backend, timeout=60)
+
+
+# ---- a stage whose layers are tensor-parallel (collectives on another group) ----
+
+class _CopyToTP(torch.autograd.Function):
+    """Identity forward; the input gradient is summed over the tensor-parallel group."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, g):
+        g = g.clone()
+        dist.all_reduce(g, group=ctx.group)
+        return g, None
+
+
+class _ReduceFromTP(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group):
+        x = x.clone()
+        dist.all_reduce(x, group=group)
+        return x
+
+    @staticmethod
+    def backward(ctx, g):
+        return g, None
+
+
+class _Block(nn.Module):
+    def __init__(self, width=8):
+        super().__init__()
+        self.l1, self.l2 = nn.Linear(width, 2 * width), nn.Linear(2 * width, width)
+
+    def forward(self, x):
+        return x + self.l2(torch.tanh(self.l1(x)))
+
+
+class _TPBlock(nn.Module):
+    """_Block with l1 split by output rows and l2 by input columns (Megatron's MLP)."""
+
+    def __init__(self, ref, group):
+        super().__init__()
+        r, n = dist.get_rank(group), dist.get_world_size(group)
+        rows = ref.l1.out_features // n
+        self.group, self.sl = group, slice(r * rows, (r + 1) * rows)
+        self.l1 = nn.Linear(ref.l1.in_features, rows)
+        self.l2 = nn.Linear(rows, ref.l2.out_features, bias=False)
+        with torch.no_grad():
+            self.l1.weight.copy_(ref.l1.weight[self.sl])
+            self.l1.bias.copy_(ref.l1.bias[self.sl])
+            self.l2.weight.copy_(ref.l2.weight[:, self.sl])
+        self.b2 = nn.Parameter(ref.l2.bias.detach().clone())
+
+    def forward(self, x):
+        h = torch.tanh(self.l1(_CopyToTP.apply(x, self.group)))
+        return x + _ReduceFromTP.apply(self.l2(h), self.group) + self.b2
+
+
+def _with_tensor_parallel(ctx, backend, name):
+    """4 ranks: stage 0 on the tensor-parallel pair {0,1}, stage 1 on {2,3}; pipelines {0,2}, {1,3}."""
+    torch.set_num_threads(1)
+    kw = {"backend": "gloo"} if backend == "gloo" else {}
+    tp_groups = [dist.new_group([0, 1], **kw), dist.new_group([2, 3], **kw)]
+    pp_groups = [dist.new_group([0, 2], **kw), dist.new_group([1, 3], **kw)]
+    tp, pp = tp_groups[ctx.rank // 2], pp_groups[ctx.rank % 2]
+    stage_index = ctx.rank // 2
+    torch.manual_seed(0)
+    model = nn.Sequential(_Block(), _Block(), _Block(), _Block())
+    x, y = _data(0, 8)
+    ref, _ = _reference_grads(model, x, y)
+    ref_stage = split(ref, 2, stage_index)
+    local = nn.Sequential(*[_TPBlock(b, tp) for b in split(model, 2, stage_index)])
+    stage = PipelineStage(local, stage_index, 2, group=pp)
+    SCHEDULES[name](stage, 4, loss_fn=_mse).step(*((x,) if stage.is_first else ()),
+                                                   target=y if stage.is_last else None)
+    for mine, theirs in zip(local, ref_stage):
+        torch.testing.assert_close(mine.l1.weight.grad, theirs.l1.weight.grad[mine.sl], rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(mine.l1.bias.grad, theirs.l1.bias.grad[mine.sl], rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(mine.l2.weight.grad, theirs.l2.weight.grad[:, mine.sl], rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(mine.b2.grad, theirs.l2.bias.grad, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("name", ["1f1b", "zb_h1"])
+def test_stages_with_tensor_parallel_layers(backend, name):
+    _pool(backend, 4).run(_with_tensor_parallel, backend, name)

@@ -1,0 +1,347 @@
+"""``python -m torchpar.bench pipeline``: pipeline schedules, ours beside torch's.
+
+Spawns p ranks (``--world-size``, default 2; one thread each) and, in the same ranks, times
+one training step of the same MLP cut into p stages (2p for the interleaved schedules) with
+the same micro-batches and backend:
+
+- ours:  gpipe, 1f1b, interleaved (v=2), zb_h1   (torchpar.parallel.pipeline)
+- torch: torch_gpipe, torch_1f1b, torch_interleaved   (torch.distributed.pipelining)
+
+Per schedule: median step time and throughput (samples/s), the measured bubble (idle time
+over step time per rank, the mean over ranks; torch's from hooks timing its stages' forward
+and backward), and the peak activation memory per rank (bytes of tensors autograd saved and
+still holds, parameters excluded, measured with saved-tensor hooks). ``--plot`` draws the
+timeline of one measured step of each of our schedules. Modes run in interleaved rounds so
+that drift in machine load hits all alike.
+"""
+import argparse
+import copy
+import os
+import statistics
+import sys
+import tempfile
+import time
+from datetime import datetime, timezone
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from torch import nn
+
+from torchpar.bench._report import print_table, pyplot, write_json
+
+OURS = ["gpipe", "1f1b", "interleaved", "zb_h1"]
+THEIRS = ["torch_gpipe", "torch_1f1b", "torch_interleaved"]
+
+
+def _mlp(width, depth):
+    return nn.Sequential(*[nn.Sequential(nn.Linear(width, width), nn.GELU()) for _ in range(depth)])
+
+
+class _SavedBytes:
+    """Bytes of activations autograd holds (saved-tensor hooks; parameters excluded)."""
+
+    def __init__(self, params):
+        self.params = {p.untyped_storage().data_ptr() for p in params}
+        self.refs, self.live, self.peak = {}, 0, 0
+
+    def __enter__(self):
+        self.ctx = torch.autograd.graph.saved_tensors_hooks(self.pack, lambda h: h.t)
+        self.ctx.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        self.ctx.__exit__(*exc)
+
+    def pack(self, t):
+        if t.untyped_storage().data_ptr() in self.params:
+            return _Held(t, None, self)
+        # A view (a micro-batch of the batch) counts its own bytes, not its storage's.
+        key = (t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape))
+        n = self.refs.get(key, 0)
+        if n == 0:
+            self.live += t.numel() * t.element_size()
+            self.peak = max(self.peak, self.live)
+        self.refs[key] = n + 1
+        return _Held(t, key, self)
+
+    def release(self, t, key):
+        self.refs[key] -= 1
+        if self.refs[key] == 0:
+            del self.refs[key]
+            self.live -= t.numel() * t.element_size()
+
+
+class _Held:
+    __slots__ = ("t", "key", "meter")
+
+    def __init__(self, t, key, meter):
+        self.t, self.key, self.meter = t, key, meter
+
+    def __del__(self):
+        if self.key is not None:
+            self.meter.release(self.t, self.key)
+
+
+class _Timed(nn.Module):
+    """Times forward and backward of a torch stage's module (for torch's measured bubble)."""
+
+    def __init__(self, module, clock):
+        super().__init__()
+        self.module, self.clock = module, clock
+        module.register_forward_pre_hook(lambda *a: clock.start())
+        module.register_forward_hook(lambda *a: clock.stop())
+        module.register_full_backward_pre_hook(lambda *a: clock.start())
+        module.register_full_backward_hook(lambda *a: clock.stop())
+
+    def forward(self, x):
+        return self.module(x)
+
+
+class _Clock:
+    def __init__(self):
+        self.busy, self.t0 = 0.0, None
+
+    def start(self):
+        self.t0 = time.perf_counter()
+
+    def stop(self):
+        if self.t0 is not None:
+            self.busy += time.perf_counter() - self.t0
+            self.t0 = None
+
+
+def _steps(args, rank, p):
+    """name -> (step(), stats()) for every schedule, each on its own copy of the model."""
+    import torch.distributed.pipelining as tp
+
+    from torchpar.parallel.pipeline import (PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B,
+                                            ScheduleZeroBubble, split)
+
+    torch.manual_seed(0)
+    model = _mlp(args.width, args.depth)
+    x = torch.randn(args.batch, args.width)
+    y = torch.randn(args.batch, args.width)
+    loss_fn = nn.functional.mse_loss
+    m = args.microbatches
+    out = {}
+
+    def ours(name, cls, v):
+        n = p * v
+        stages = [PipelineStage(split(copy.deepcopy(model), n, s), s, n) for s in range(rank, n, p)]
+        sched = cls(stages, m, loss_fn=loss_fn) if v > 1 else cls(stages[0], m, loss_fn=loss_fn)
+        first, last = stages[0].is_first, any(s.is_last for s in stages)
+        params = [q for s in stages for q in s.submod.parameters()]
+
+        def step(trace=None):
+            for q in params:
+                q.grad = None
+            with _SavedBytes(params) as mem:
+                sched.step(*((x,) if first else ()), target=y if last else None, trace=trace)
+            st = sched.last_stats
+            return st["bubble"], mem.peak
+        out[name] = step
+        out[name].sched = sched
+
+    ours("gpipe", ScheduleGPipe, 1)
+    ours("1f1b", Schedule1F1B, 1)
+    ours("interleaved", ScheduleInterleaved1F1B, 2)
+    ours("zb_h1", ScheduleZeroBubble, 1)
+
+    def theirs(name, cls, v):
+        n = p * v
+        clock = _Clock()
+        mods = [_Timed(split(copy.deepcopy(model), n, s), clock) for s in range(rank, n, p)]
+        stages = [tp.PipelineStage(mod, s, n, torch.device("cpu")) for mod, s in zip(mods, range(rank, n, p))]
+        sched = cls(stages, m, loss_fn=loss_fn) if v > 1 else cls(stages[0], m, loss_fn=loss_fn)
+        first, last = rank == 0, rank == (n - 1) % p
+        params = [q for mod in mods for q in mod.parameters()]
+
+        def step(trace=None):
+            for q in params:
+                q.grad = None
+            clock.busy = 0.0
+            t0 = time.perf_counter()
+            with _SavedBytes(params) as mem:
+                sched.step(*((x,) if first else ()), target=y if last else None)
+            total = time.perf_counter() - t0
+            return 1 - clock.busy / total, mem.peak
+        out[name] = step
+
+    theirs("torch_gpipe", tp.ScheduleGPipe, 1)
+    theirs("torch_1f1b", tp.Schedule1F1B, 1)
+    theirs("torch_interleaved", tp.ScheduleInterleaved1F1B, 2)
+    return out
+
+
+def _rank(rank, backend, init_file, args, queue):
+    torch.set_num_threads(args.threads)
+    import torchpar  # noqa: F401
+
+    dist.init_process_group(backend, init_method=f"file://{init_file}", rank=rank, world_size=args.world_size)
+    try:
+        steps = _steps(args, rank, args.world_size)
+        modes = list(steps)
+        times = {k: [] for k in modes}
+        bubbles = {k: [] for k in modes}
+        peaks = {k: 0 for k in modes}
+        for r in range(args.rounds):
+            for mode in modes[r % len(modes):] + modes[:r % len(modes)]:
+                for _ in range(args.warmup if r == 0 else 0):
+                    steps[mode]()
+                dist.barrier()
+                for _ in range(args.steps):
+                    t0 = time.perf_counter()
+                    bubble, peak = steps[mode]()
+                    times[mode].append(time.perf_counter() - t0)
+                    bubbles[mode].append(bubble)
+                    peaks[mode] = max(peaks[mode], peak)
+        timeline = {}
+        for mode in OURS:  # one more step of each of ours, for the plot
+            dist.barrier()
+            steps[mode]()
+            timeline[mode] = steps[mode].sched.last_events
+        result = {"time_ms": {k: statistics.median(v) * 1e3 for k, v in times.items()},
+                  "bubble": {k: statistics.median(v) for k, v in bubbles.items()},
+                  "peak_bytes": peaks, "timeline": timeline}
+        everyone = [None] * args.world_size
+        dist.all_gather_object(everyone, result)
+        if rank == 0:
+            queue.put(("ok", everyone))
+    except BaseException as e:  # noqa: BLE001 - the parent prints it
+        queue.put(("err", f"rank {rank}: {e!r}"))
+        raise
+    finally:
+        dist.destroy_process_group()
+
+
+def _run(backend, args):
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    with tempfile.TemporaryDirectory(prefix="torchpar-bench-pp-") as tmp:
+        procs = [ctx.Process(target=_rank, args=(r, backend, os.path.join(tmp, "init"), args, queue))
+                 for r in range(args.world_size)]
+        for pr in procs:
+            pr.start()
+        try:
+            status, value = queue.get(timeout=args.timeout)
+        except Exception:  # noqa: BLE001 - a rank hung or died
+            status, value = "err", f"no result within {args.timeout}s"
+        for pr in procs:
+            pr.join(timeout=30)
+            if pr.is_alive():
+                pr.kill()
+    if status != "ok":
+        raise RuntimeError(f"{backend}: {value}")
+    return value
+
+
+def _theory(mode, p, m):
+    from torchpar import _C
+    kind = {"gpipe": "gpipe", "1f1b": "1f1b", "interleaved": "interleaved_1f1b", "zb_h1": "zb_h1",
+            "torch_gpipe": "gpipe", "torch_1f1b": "1f1b", "torch_interleaved": "interleaved_1f1b"}[mode]
+    return _C.pipeline_theoretical_bubble(kind, p, m, 2 if "interleaved" in mode else 1)
+
+
+def _summarise(ranks, args):
+    p, m = args.world_size, args.microbatches
+    rows, summary = [], {}
+    for mode in OURS + THEIRS:
+        t = max(r["time_ms"][mode] for r in ranks)  # a step ends when its slowest rank does
+        bubble = statistics.mean(r["bubble"][mode] for r in ranks)
+        peak = max(r["peak_bytes"][mode] for r in ranks)
+        summary[mode] = {"step_ms": t, "samples_per_s": args.batch / t * 1e3, "bubble": bubble,
+                         "bubble_theory": _theory(mode, p, m), "peak_activation_bytes": peak}
+    base = summary["1f1b"]["step_ms"]
+    for mode, s in summary.items():
+        rows.append([mode, f"{s['step_ms']:.1f}", f"{s['samples_per_s']:.0f}", f"{base / s['step_ms']:.2f}x",
+                     f"{s['bubble']:.3f}", f"{s['bubble_theory']:.3f}", f"{s['peak_activation_bytes'] / 2**20:.2f}"])
+    return summary, rows
+
+
+def _targets(summary, p, m):
+    ours, torch_ = summary["1f1b"], summary["torch_1f1b"]
+    speed = torch_["step_ms"] / ours["step_ms"]
+    within = {k: abs(summary[k]["bubble"] - summary[k]["bubble_theory"]) / summary[k]["bubble_theory"]
+              for k in OURS}
+    mem = summary["1f1b"]["peak_activation_bytes"] / summary["gpipe"]["peak_activation_bytes"]
+    return {
+        "1f1b_vs_torch_1f1b_speedup": (speed, speed >= 1.1),
+        "bubble_rel_error": ({k: round(v, 3) for k, v in within.items()}, all(v <= 0.2 for v in within.values())),
+        "1f1b_over_gpipe_memory": (mem, mem <= p / m + 1e-9),
+        "zb_bubble_below_1f1b": ((summary["zb_h1"]["bubble"], summary["1f1b"]["bubble"]),
+                                 summary["zb_h1"]["bubble"] < summary["1f1b"]["bubble"]),
+    }
+
+
+def _plot(timeline, path, p):
+    plt = pyplot()
+    if plt is None:
+        return
+    colors = {"F": "#4c72b0", "B": "#dd8452", "W": "#55a868", "wait": "#dddddd"}
+    fig, axes = plt.subplots(len(timeline), 1, figsize=(11, 1.0 + 0.9 * p * len(timeline)), squeeze=False)
+    for ax, (mode, per_rank) in zip(axes[:, 0], timeline.items()):
+        for rank, events in enumerate(per_rank):
+            for name, mb, stage, t0, t1 in events:
+                if name == "wait":
+                    continue
+                ax.barh(rank, (t1 - t0) * 1e3, left=t0 * 1e3, color=colors[name], edgecolor="white", linewidth=0.5)
+                if (t1 - t0) * 1e3 > 0.6:
+                    ax.text((t0 + t1) / 2 * 1e3, rank, f"{mb}" if p * 1 == len(per_rank) else f"{mb}",
+                            ha="center", va="center", fontsize=6, color="white")
+        ax.set_yticks(range(len(per_rank)), [f"rank {r}" for r in range(len(per_rank))])
+        ax.invert_yaxis()
+        ax.set_title(f"{mode} (measured; F blue, B orange, W green, gaps idle)", fontsize=9)
+        ax.set_xlabel("ms")
+    fig.tight_layout()
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    fig.savefig(path, dpi=110)
+    print(f"wrote {path}")
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(prog="python -m torchpar.bench pipeline", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--backend", default="torchpar")
+    ap.add_argument("--world-size", type=int, default=2)
+    ap.add_argument("--width", type=int, default=512)
+    ap.add_argument("--depth", type=int, default=8, help="Linear+GELU layers in all (split over the stages)")
+    ap.add_argument("--batch", type=int, default=128)
+    ap.add_argument("--microbatches", type=int, default=8)
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--steps", type=int, default=2, help="timed steps per mode per round")
+    ap.add_argument("--rounds", type=int, default=8)
+    ap.add_argument("--warmup", type=int, default=2)
+    ap.add_argument("--timeout", type=float, default=900)
+    ap.add_argument("--json")
+    ap.add_argument("--plot")
+    args = ap.parse_args(argv)
+    meta = {k: getattr(args, k) for k in ("backend", "world_size", "width", "depth", "batch", "microbatches",
+                                          "threads", "steps", "rounds")}
+    meta["date"] = datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+    meta["torch"] = torch.__version__
+    meta["load_before"] = os.getloadavg()[0]
+    meta["command"] = "python -m torchpar.bench pipeline " + " ".join(argv if argv is not None else sys.argv[1:])
+    ranks = _run(args.backend, args)
+    meta["load_after"] = os.getloadavg()[0]
+    summary, rows = _summarise(ranks, args)
+    print_table(f"Pipeline step, p={args.world_size}, MLP {args.depth}x{args.width}, batch {args.batch} in "
+                f"{args.microbatches} micro-batches, backend {args.backend}, {args.threads} thread(s)/rank, median "
+                f"of {args.steps * args.rounds} steps",
+                ["schedule", "step ms", "samples/s", "vs our 1f1b", "bubble", "theory", "peak act MiB"], rows)
+    targets = _targets(summary, args.world_size, args.microbatches)
+    print("\nissue targets:")
+    for name, (value, ok) in targets.items():
+        print(f"  {name}: {value}  {'met' if ok else 'MISSED'}")
+    print(f"{meta['date']}, torch {meta['torch']}, load average {meta['load_before']:.1f} before, "
+          f"{meta['load_after']:.1f} after (2 cores shared)")
+    if args.json:
+        write_json(args.json, {"meta": meta, "results": summary,
+                               "targets": {k: {"value": v, "met": ok} for k, (v, ok) in targets.items()}})
+    if args.plot:
+        _plot({mode: [r["timeline"][mode] for r in ranks] for mode in OURS}, args.plot, args.world_size)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

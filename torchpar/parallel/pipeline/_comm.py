@@ -1,0 +1,79 @@
+"""What travels between stages besides the tensors themselves: a small header per activation
+message, and tags that keep the three kinds of message apart.
+
+Every activation message is preceded by a header (count, and per tensor dtype,
+requires_grad, shape), so shapes need not be declared: the receiver learns them on the first
+step, and the schedule posts later steps' receives early with the learned shapes (a key made
+from the first stage's input shapes says whether they still hold; variable sequence length
+changes the key: pytorch/pytorch#159942, NVIDIA/Megatron-LM#1066). Checking the header
+against what was posted gives a clear error, instead of a hang, when a stage's output shape
+changes under the same input shape.
+
+Tags: each kind of message to stage s has its own tag, so a receive matches the right send
+even when a rank posts receives of different kinds or stages in another order than its peer
+sends them (point-to-point messages are matched by source and tag in posting order).
+"""
+import zlib
+
+import torch
+
+HEADER_LEN = 64
+DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64, torch.int32,
+          torch.int16, torch.int8, torch.uint8, torch.bool, torch.complex64]
+
+
+def tag_activation(stage):
+    return 3 * stage
+
+
+def tag_header(stage):
+    return 3 * stage + 1
+
+
+def tag_gradient(stage):
+    """Gradient of stage ``stage``'s outputs, sent back to it by stage + 1."""
+    return 3 * stage + 2
+
+
+def spec(t):
+    return (tuple(t.shape), t.dtype, bool(t.requires_grad))
+
+
+def specs(tensors):
+    return [spec(t) for t in tensors]
+
+
+def encode(tensors, stage):
+    h = [len(tensors)]
+    for t in tensors:
+        if t.dtype not in DTYPES:
+            raise TypeError(f"pipeline stage {stage}: cannot send a tensor of dtype {t.dtype}")
+        h += [DTYPES.index(t.dtype), int(t.requires_grad), t.dim(), *t.shape]
+    if len(h) > HEADER_LEN:
+        raise ValueError(f"pipeline stage {stage}: its outputs ({len(tensors)} tensors) need a header of "
+                         f"{len(h)} numbers, more than {HEADER_LEN}")
+    return torch.tensor(h + [0] * (HEADER_LEN - len(h)), dtype=torch.int64)
+
+
+def decode(header):
+    h = header.tolist()
+    out, i = [], 1
+    for _ in range(h[0]):
+        dtype, rg, ndim = DTYPES[h[i]], bool(h[i + 1]), h[i + 2]
+        out.append((tuple(h[i + 3:i + 3 + ndim]), dtype, rg))
+        i += 3 + ndim
+    return out
+
+
+def empty(specs_):
+    return [torch.empty(shape, dtype=dtype) for shape, dtype, _ in specs_]
+
+
+def describe(specs_):
+    return "[" + ", ".join(f"{tuple(s)} {str(d).replace('torch.', '')}" for s, d, _ in specs_) + "]"
+
+
+def key(tensors, train):
+    """A 63-bit number naming the first stage's input shapes (same on every rank)."""
+    text = repr((train, [(tuple(t.shape), str(t.dtype), bool(t.requires_grad)) for t in tensors]))
+    return zlib.crc32(text.encode()) | (len(text) << 32)

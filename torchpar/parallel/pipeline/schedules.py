@@ -1,0 +1,227 @@
+"""Pipeline schedules: the C++ generator (csrc/parallel/pipeline/) gives each rank its ordered
+list of actions; ``Executor.run`` (executor.py) walks it. Nothing here decides an order.
+
+- ``RECV_*`` posts ``irecv``s (and returns at once); a compute waits only on the receives of its
+  own inputs, so a rank never blocks on a receive it could have waited for later (the stall of
+  pytorch/pytorch#172668).
+- ``SEND_*`` posts ``isend``s; they are waited for at the end of the step, so communication
+  overlaps the computes that follow.
+- Gradients are scaled by 1/n_microbatches (the loss of each micro-batch is), as torch's
+  schedules do; ``scale_grads=False`` keeps the sum.
+
+A stage module wrapped in a ``DistributedDataParallel`` (ours or torch's) runs every micro-batch
+under ``no_sync()``; its gradients are then averaged over its data-parallel group once, after
+the last micro-batch, in one all-reduce.
+"""
+import contextlib
+import json
+import time
+from collections import OrderedDict
+
+import torch
+import torch.distributed as dist
+
+from torchpar import _C
+from torchpar.parallel.pipeline import _comm
+from torchpar.parallel.pipeline.executor import Executor
+from torchpar.parallel.pipeline.stage import PipelineStage
+
+_KIND_IDS = {"gpipe": 0, "1f1b": 1, "interleaved_1f1b": 2, "zb_h1": 3, "custom": 4}
+
+
+def _split_batch(tensors, m, what):
+    out = [[] for _ in range(m)]
+    for i, t in enumerate(tensors):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{what} {i} is a {type(t).__name__}, not a tensor")
+        if t.dim() == 0 or t.shape[0] % m != 0:
+            raise ValueError(f"{what} {i} has batch size {t.shape[0] if t.dim() else 'none (0-d)'}, "
+                             f"which does not split into {m} micro-batches")
+        for j, piece in enumerate(t.chunk(m)):
+            out[j].append(piece)
+    return out
+
+
+class _PipelineSchedule:
+    kind = None
+
+    def __init__(self, stages, n_microbatches, loss_fn=None, scale_grads=True, stages_per_rank=1):
+        self.stages = list(stages) if isinstance(stages, (list, tuple)) else [stages]
+        if not self.stages or not all(isinstance(s, PipelineStage) for s in self.stages):
+            raise TypeError(f"{type(self).__name__}: expects PipelineStage objects")
+        self.group = self.stages[0].group
+        self.p = self.stages[0].group_size
+        self.rank = self.stages[0].group_rank
+        self.n_microbatches = n_microbatches
+        self.loss_fn = loss_fn
+        self.scale_grads = scale_grads
+        self.num_stages = self.stages[0].num_stages
+        v = len(self.stages)
+        if v != stages_per_rank or any(s.num_stages != self.num_stages for s in self.stages):
+            raise ValueError(f"{type(self).__name__}: this rank holds {v} stages, the schedule places "
+                             f"{stages_per_rank} per rank")
+        if self.num_stages != self.p * v:
+            raise ValueError(f"{type(self).__name__}: {self.num_stages} stages on {self.p} pipeline ranks with "
+                             f"{v} stage(s) each: needs {self.p * v} stages")
+        self._by_index = {s.stage_index: s for s in self.stages}
+        self.schedule = self._make_schedule(self.p, n_microbatches, v)  # ValueError on every rank alike
+        self._train_actions = self.schedule.actions(self.rank)
+        self._eval_actions = self.schedule.forward_only().actions(self.rank)
+        self._recv_cache = OrderedDict()  # input key -> {stage: input specs}
+        self._send_cache = OrderedDict()  # input key -> {stage: output specs}
+        self.last_stats = None   # step_time, busy, bubble (idle over step time), peak_live
+        self.last_events = None  # (action, microbatch, stage, start, end) of the last step
+
+    def _make_schedule(self, p, m, v):
+        return _C.pipeline_schedule(self.kind, p, m, v)
+
+    # ---- public API ----
+
+    def step(self, *args, target=None, losses=None, trace=None):
+        """One training step over ``args`` (the whole batch, on the first stage's rank) and
+        ``target`` (on the last stage's rank). Returns the last stage's output, else None."""
+        return self._run(self._train_actions, args, target, losses, trace, train=True)
+
+    def eval(self, *args, target=None, losses=None, trace=None):
+        """Forward only (no gradients); losses are computed when a target is given."""
+        with torch.no_grad():
+            return self._run(self._eval_actions, args, target, losses, trace, train=False)
+
+    # ---- one step ----
+
+    def _agree(self, first_mbs, err, train):
+        """All pipeline ranks exchange what they are about to run; any disagreement or local
+        error is raised on every rank before a single activation moves."""
+        key = _comm.key(first_mbs[0], train) if first_mbs else 0
+        row = torch.tensor([self.num_stages, len(self.stages), _KIND_IDS[self.kind], self.n_microbatches,
+                            key, int(err is not None), int(train)], dtype=torch.int64)
+        rows = [torch.empty_like(row) for _ in range(self.p)]
+        dist.all_gather(rows, row, group=self.group)
+        rows = [r.tolist() for r in rows]
+        problems = []
+        if any(r[5] for r in rows):
+            msgs = [None] * self.p
+            dist.all_gather_object(msgs, err, group=self.group)
+            problems += [f"pipeline rank {i}: {m}" for i, m in enumerate(msgs) if m]
+        names = ["number of stages", "stages per rank", "schedule kind", "number of micro-batches", None, None,
+                 "step/eval"]
+        for field, name in enumerate(names):
+            if name and len({r[field] for r in rows}) > 1:
+                problems.append(f"pipeline ranks disagree on the {name}: " +
+                                ", ".join(f"rank {i} has {r[field]}" for i, r in enumerate(rows)))
+        if problems:
+            raise ValueError(f"{type(self).__name__}: " + "; ".join(problems))
+        return rows[0][4]  # rank 0 holds stage 0
+
+    def _run(self, actions, args, target, losses, trace, train):
+        m = self.n_microbatches
+        first = self._by_index.get(0)
+        last = self._by_index.get(self.num_stages - 1)
+        err, first_mbs, targets = None, None, None
+        try:
+            if first is not None:
+                if not args:
+                    raise ValueError("the first stage's rank must pass the batch to step()")
+                first_mbs = _split_batch(args, m, "input")
+            if last is not None and train and self.loss_fn is None:
+                raise ValueError("the last stage needs a loss_fn to train")
+            if last is not None and self.loss_fn is not None and (train or target is not None):
+                if target is None:
+                    raise ValueError("the last stage's rank must pass target= (there is a loss_fn)")
+                targets = _split_batch([target], m, "target")
+        except (ValueError, TypeError) as e:
+            err = str(e)
+        key = self._agree(first_mbs, err, train)
+        for s in self.stages:
+            s.reset()
+        ddp = [s.submod for s in self.stages if train and hasattr(s.submod, "no_sync")]
+        try:
+            with contextlib.ExitStack() as no_sync:
+                for module in ddp:
+                    no_sync.enter_context(module.no_sync())
+                out = Executor(self, key, first_mbs, targets, train).run(actions)
+            for module in ddp:
+                _average_gradients(module)
+        finally:
+            for s in self.stages:
+                s._mbs.clear()
+        outputs, step_losses, stats, events = out
+        self.last_stats = stats
+        self.last_events = events
+        if losses is not None:
+            losses.extend(step_losses)
+        if trace:
+            _write_trace(trace, events, self.rank, self.group)
+        return outputs
+
+
+def _average_gradients(module):
+    """Data-parallel average of a DDP-wrapped stage's gradients, once per step."""
+    group = module.process_group
+    grads = [p.grad for p in module.parameters() if p.grad is not None]
+    if not grads:
+        return
+    flat = torch.cat([g.reshape(-1) for g in grads])
+    dist.all_reduce(flat, group=group)
+    flat /= dist.get_world_size(group)
+    offset = 0
+    for g in grads:
+        g.copy_(flat[offset:offset + g.numel()].view_as(g))
+        offset += g.numel()
+
+
+def _write_trace(path, events, rank, group):
+    """Chrome trace (chrome://tracing, ui.perfetto.dev) of every pipeline rank's actions."""
+    base = time.time()
+    mine = [(name, mb, stage, t0, t1) for name, mb, stage, t0, t1 in events]
+    everyone = [None] * dist.get_world_size(group)
+    dist.all_gather_object(everyone, mine, group=group)
+    if rank != 0:
+        return
+    out = []
+    for r, evs in enumerate(everyone):
+        for name, mb, stage, t0, t1 in evs:
+            out.append({"name": f"{name}{mb}" if name != "wait" else "wait", "cat": name, "ph": "X", "pid": r,
+                        "tid": 0, "ts": t0 * 1e6, "dur": (t1 - t0) * 1e6, "args": {"microbatch": mb, "stage": stage}})
+    with open(path, "w") as f:
+        json.dump({"traceEvents": out, "otherData": {"written": base}}, f)
+
+
+class ScheduleGPipe(_PipelineSchedule):
+    """GPipe (Huang et al. 2019): all forwards, then all backwards; holds m micro-batches."""
+    kind = "gpipe"
+
+
+class Schedule1F1B(_PipelineSchedule):
+    """1F1B (PipeDream-Flush, arXiv:2104.04473): GPipe's bubble with at most p micro-batches live."""
+    kind = "1f1b"
+
+
+class ScheduleZeroBubble(_PipelineSchedule):
+    """ZB-H1 (arXiv:2401.10241): 1F1B with each backward split into input gradient (B) and
+    weight gradient (W); 1F1B's peak memory, a third of its bubble when tF = tB = tW."""
+    kind = "zb_h1"
+
+
+class ScheduleInterleaved1F1B(_PipelineSchedule):
+    """Interleaved 1F1B (arXiv:2104.04473 section 2.2): ``stages`` are this rank's v stages
+    (stage indices r, r + p, ...); the bubble shrinks by v. n_microbatches must be a multiple of p."""
+    kind = "interleaved_1f1b"
+
+    def __init__(self, stages, n_microbatches, loss_fn=None, scale_grads=True):
+        stages = sorted(stages, key=lambda s: s.stage_index)
+        super().__init__(stages, n_microbatches, loss_fn, scale_grads, stages_per_rank=len(stages))
+
+
+class ScheduleFromCSV(_PipelineSchedule):
+    """A custom schedule: ``csv`` is the text (or a path ending in .csv) of
+    ``rank,action,microbatch,stage`` lines (see docs/pipeline.md)."""
+    kind = "custom"
+
+    def __init__(self, stages, n_microbatches, csv, loss_fn=None, scale_grads=True):
+        self._csv = open(csv).read() if isinstance(csv, str) and csv.endswith(".csv") else csv
+        stages = list(stages) if isinstance(stages, (list, tuple)) else [stages]
+        super().__init__(stages, n_microbatches, loss_fn, scale_grads, stages_per_rank=len(stages))
+
+    def _make_schedule(self, p, m, v):
+        return _C.pipeline_schedule_from_csv(self._csv, p, m, v)

@@ -1,0 +1,171 @@
+"""One pipeline stage: a module, where it sits in the pipeline, and the state of the
+micro-batches it has forwarded but not yet backwarded.
+
+Stage ``s`` of ``num_stages`` lives on rank ``s % p`` of the pipeline ``group`` (p ranks; one
+stage per rank, or several with the looped placement of interleaved 1F1B). The module may
+itself run collectives on other groups (tensor-parallel layers, arXiv:1909.08053): the stage
+only calls it, and every rank of a tensor-parallel group runs the same schedule.
+
+Backward, two ways:
+
+- ``backward(mb)``: one ``torch.autograd.backward`` from the stage's outputs; afterwards the
+  stage inputs' ``.grad`` are the gradients to send back.
+- ``backward_input(mb)`` then ``backward_weight(mb)`` (zero bubble, arXiv:2401.10241): B is
+  ``torch.autograd.grad(outputs, inputs + ys, retain_graph=True)`` where ``ys`` are the outputs
+  of every module that owns parameters directly (captured by forward hooks). That one pass
+  computes the input gradients and, on the way, the gradient arriving at each such module.
+  W then runs ``torch.autograd.backward(y, dy, inputs=that module's parameters)`` per module:
+  only the last op of each module is differentiated again, so B + W cost about one backward.
+  Parameters no hook covers (used outside their module, or a module whose output is not a
+  tensor) get theirs from one more backward from the stage outputs restricted to them.
+"""
+import torch
+import torch.distributed as dist
+
+
+def _as_tuple(x):
+    if isinstance(x, torch.Tensor):
+        return (x,)
+    if isinstance(x, (tuple, list)) and all(isinstance(t, torch.Tensor) for t in x):
+        return tuple(x)
+    raise TypeError(f"pipeline stage outputs must be a tensor or a tuple of tensors, got {type(x).__name__}")
+
+
+class _MicroBatch:
+    __slots__ = ("inputs", "outputs", "loss", "captured", "input_grads", "captured_grads")
+
+    def __init__(self, inputs, outputs):
+        self.inputs, self.outputs = inputs, outputs
+        self.loss = None
+        self.captured = []        # [(module, output)] for the B/W split
+        self.input_grads = None
+        self.captured_grads = None
+
+
+class PipelineStage:
+    """``module`` as stage ``stage_index`` of ``num_stages`` on the pipeline ``group`` (default:
+    the world). Shapes and dtypes of the tensors between stages are not given: the schedule
+    learns them on the first step, and again whenever the first stage's input shape changes."""
+
+    def __init__(self, module, stage_index, num_stages, group=None):
+        self.submod = module
+        self.stage_index = stage_index
+        self.num_stages = num_stages
+        self.group = group if group is not None else dist.group.WORLD
+        self.group_rank = dist.get_rank(self.group)
+        self.group_size = dist.get_world_size(self.group)
+        if not 0 <= stage_index < num_stages:
+            raise ValueError(f"PipelineStage: stage_index {stage_index} out of range for {num_stages} stages")
+        if num_stages % self.group_size != 0:
+            raise ValueError(f"PipelineStage: {num_stages} stages do not spread evenly over the "
+                             f"{self.group_size} ranks of the pipeline group")
+        if stage_index % self.group_size != self.group_rank:
+            raise ValueError(f"PipelineStage: stage {stage_index} of {num_stages} belongs on pipeline rank "
+                             f"{stage_index % self.group_size} (looped placement), not on rank {self.group_rank}")
+        self.is_first = stage_index == 0
+        self.is_last = stage_index == num_stages - 1
+        self.prev_rank = (stage_index - 1) % self.group_size  # group ranks of the neighbours
+        self.next_rank = (stage_index + 1) % self.group_size
+        self._mbs = {}
+        self.live = 0          # micro-batches whose activations are held now
+        self.peak_live = 0
+        self._owners = [m for m in module.modules() if any(True for _ in m.parameters(recurse=False))]
+
+    # ---- forward ----
+
+    def forward(self, mb, args, capture=False):
+        """Runs the module on micro-batch ``mb``'s ``args`` and keeps what backward needs."""
+        hooks, captured = [], []
+        if capture and torch.is_grad_enabled():
+            def keep(module, _inputs, output):
+                if isinstance(output, torch.Tensor) and output.requires_grad:
+                    captured.append((module, output))
+            hooks = [m.register_forward_hook(keep) for m in self._owners]
+        try:
+            outputs = _as_tuple(self.submod(*args))
+        finally:
+            for h in hooks:
+                h.remove()
+        if torch.is_grad_enabled():
+            state = _MicroBatch(args, outputs)
+            state.captured = captured
+            self._mbs[mb] = state
+            self.live += 1
+            self.peak_live = max(self.peak_live, self.live)
+        return outputs
+
+    def set_loss(self, mb, loss):
+        self._mbs[mb].loss = loss
+
+    # ---- backward ----
+
+    def _roots(self, mb, output_grads, scale):
+        st = self._mbs[mb]
+        if self.is_last:
+            return [st.loss * scale], [None]
+        pairs = [(o, g) for o, g in zip(st.outputs, output_grads) if o.requires_grad]
+        return [o for o, _ in pairs], [g for _, g in pairs]
+
+    def backward(self, mb, output_grads=None, scale=1.0):
+        """Full backward of ``mb``; returns the gradients of the inputs that require one."""
+        st = self._mbs[mb]
+        roots, grads = self._roots(mb, output_grads, scale)
+        if roots:
+            torch.autograd.backward(roots, grads)
+        out = self._input_grads(st)
+        self._free(mb)
+        return out
+
+    def backward_input(self, mb, output_grads=None, scale=1.0):
+        """B of the split: input gradients now, the weight gradients' inputs kept for W."""
+        st = self._mbs[mb]
+        roots, grads = self._roots(mb, output_grads, scale)
+        wanted = [x for x in st.inputs if x.requires_grad] + [y for _, y in st.captured]
+        if wanted:
+            got = torch.autograd.grad(roots, wanted, grads, retain_graph=True, allow_unused=True)
+        else:
+            got = []
+        n_in = len(wanted) - len(st.captured)
+        st.input_grads = list(got[:n_in])
+        st.captured_grads = list(got[n_in:])
+        st.outputs, st.loss = roots, grads  # W's fallback restarts from here
+        it = iter(st.input_grads)
+        return [(next(it) if x.requires_grad else None) for x in st.inputs]
+
+    def backward_weight(self, mb):
+        """W of the split: parameter gradients, then the micro-batch is freed."""
+        st = self._mbs[mb]
+        covered = set()
+        by_module = {}
+        for (module, y), g in zip(st.captured, st.captured_grads):
+            if g is not None:
+                ys, gs = by_module.setdefault(module, ([], []))
+                ys.append(y)
+                gs.append(g)
+        for module, (ys, gs) in by_module.items():
+            params = [p for p in module.parameters(recurse=False) if p.requires_grad]
+            if params:
+                torch.autograd.backward(ys, gs, inputs=params, retain_graph=True)
+                covered.update(id(p) for p in params)
+        rest = [p for p in self.submod.parameters() if p.requires_grad and id(p) not in covered]
+        roots, grads = st.outputs, st.loss
+        if rest and roots:
+            # Only those of `rest` the outputs depend on: autograd rejects unreachable inputs.
+            reach = torch.autograd.grad(roots, rest, grads, retain_graph=True, allow_unused=True)
+            for p, g in zip(rest, reach):
+                if g is not None:
+                    p.grad = g if p.grad is None else p.grad + g
+        self._free(mb)
+
+    def _input_grads(self, st):
+        return [(x.grad if x.requires_grad else None) for x in st.inputs]
+
+    def _free(self, mb):
+        del self._mbs[mb]
+        self.live -= 1
+
+    def reset(self):
+        """Drops every micro-batch's state (after a step, or after a failed one)."""
+        self._mbs.clear()
+        self.live = 0
+        self.peak_live = 0
