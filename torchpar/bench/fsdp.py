@@ -127,10 +127,16 @@ def _peak_step_bytes(step, model, opt):
     """Highest bytes live during one step: live at its start plus the running sum of the CPU
     allocator's allocation and free events recorded by the profiler."""
     from torch.profiler import ProfilerActivity, profile
+    # Gradients freed inside the step would be blocks the profiler saw no allocation of (their
+    # frees are not reported): free them before it starts, so the step's zero_grad is a no-op.
+    opt.zero_grad(set_to_none=True)
     start = _live_bytes(model, opt)
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
         step()
-    deltas = sorted((e.time_range.start, e.cpu_memory_usage) for e in prof.events() if e.name == "[memory]")
+    # Every allocation and free, from the raw profiler events (prof.events() folds those made
+    # inside an op into that op's totals).
+    deltas = sorted((e.start_ns(), e.nbytes()) for e in prof.profiler.kineto_results.events()
+                    if e.name() == "[memory]")
     running, peak = 0, 0
     for _, d in deltas:
         running += d
