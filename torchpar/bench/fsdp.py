@@ -13,7 +13,8 @@ drift in machine load hits all alike). Peak memory per rank: one step run under 
 with memory profiling, whose allocation events (every CPU tensor allocation and free, the
 systems' own buffers and activations included) give the highest bytes live during the step above
 its start, plus the bytes live at its start (parameters, optimizer state) counted from the
-system's tensors. Both are rank 0's; ratios are against ``torch_fsdp2``.
+system's tensors; and the same for forward and backward alone (without the optimizer step, whose
+peak is the same for systems with the same shard sizes). All are rank 0's; ratios are against ``torch_fsdp2``.
 """
 import argparse
 import copy
@@ -160,11 +161,12 @@ def _rank(rank, backend, init_file, args, queue):
                 for name, make in systems().items() if name in args.systems}
         del base
 
-        def stepper(model, opt):
+        def stepper(model, opt, with_step=True):
             def step():
                 opt.zero_grad(set_to_none=True)
                 F.cross_entropy(model(x).flatten(0, 1), y.flatten()).backward()
-                opt.step()
+                if with_step:
+                    opt.step()
             return step
 
         steps = {name: stepper(*mo) for name, mo in made.items()}
@@ -172,10 +174,14 @@ def _rank(rank, backend, init_file, args, queue):
         for name in names:  # warm up (optimizer state created) and measure memory
             for _ in range(args.warmup):
                 steps[name]()
-        peaks = {}
+        peaks, fwd_bwd = {}, {}
         for name in names:
             dist.barrier()
             peaks[name] = _peak_step_bytes(steps[name], *made[name])
+            # Forward and backward alone: the working set the sharding strategy shapes (the
+            # optimizer step's peak is the same for systems with the same shard sizes).
+            fwd_bwd[name] = _peak_step_bytes(stepper(*made[name], with_step=False), *made[name])
+            made[name][1].zero_grad(set_to_none=True)
         samples = {n: [] for n in names}
         for round_ in range(args.rounds):
             k = round_ % len(names)
@@ -186,7 +192,8 @@ def _rank(rank, backend, init_file, args, queue):
                 samples[name].append(time.perf_counter() - t0)
         if rank == 0:
             queue.put(("ok", {n: {"median_ms": statistics.median(s) * 1e3, "min_ms": min(s) * 1e3,
-                                  "peak_bytes": peaks[n]} for n, s in samples.items()}))
+                                  "peak_bytes": peaks[n], "fwd_bwd_peak_bytes": fwd_bwd[n]}
+                              for n, s in samples.items()}))
     except BaseException as e:  # noqa: BLE001 - the parent prints it
         queue.put(("err", f"rank {rank}: {e!r}"))
         raise
@@ -260,13 +267,15 @@ def main(argv=None):
         rows = []
         for name, v in r.items():
             rows.append([name, f"{v['median_ms']:.0f}", f"{v['min_ms']:.0f}",
-                         f"{v['peak_bytes'] / 2**20:.0f}",
+                         f"{v['peak_bytes'] / 2**20:.0f}", f"{v['fwd_bwd_peak_bytes'] / 2**20:.0f}",
                          f"{v['median_ms'] / ref['median_ms']:.2f}x" if ref else "-",
-                         f"{v['peak_bytes'] / ref['peak_bytes']:.2f}x" if ref else "-"])
+                         f"{v['peak_bytes'] / ref['peak_bytes']:.2f}x" if ref else "-",
+                         f"{v['fwd_bwd_peak_bytes'] / ref['fwd_bwd_peak_bytes']:.2f}x" if ref else "-"])
         print_table(f"{backend}: GPT {meta['params'] / 1e6:.1f}M params ({args.layers}x{args.dim}, vocab "
                     f"{args.vocab}), batch {args.batch}x{args.seq} per rank, world size {args.world_size}, "
                     f"{args.rounds} rounds", ["system", "step ms (median)", "min", "peak MiB/rank",
-                                              "time / torch_fsdp2", "peak / torch_fsdp2"], rows)
+                                              "fwd+bwd peak", "time / torch_fsdp2", "peak / torch_fsdp2",
+                                              "fwd+bwd peak / torch_fsdp2"], rows)
     print(f"\n{meta['date']}, torch {meta['torch']}, load average {meta['load_before']:.1f} before, "
           f"{meta['load_after']:.1f} after (2 cores)")
     if args.json:
