@@ -1,0 +1,124 @@
+// The fully-sharded data-parallel engine (issue 19): the units of one model (fsdp_flat_param.h)
+// and when each is gathered, freed and reduced.
+//
+// A step, with units in the order the first forward ran them (the root first):
+//   forward   pre_forward(u): wait for u's all-gather (or run it), then launch the next unit's,
+//             so that it travels while u computes; post_forward(u): free u's gathered storage
+//             (reshard_after_forward; the root keeps its own, backward needs it at once).
+//   backward  pre_backward(u), when gradients reach u's outputs: gather u again (prefetched),
+//             launch the all-gather of the unit before it; once every parameter of u has its
+//             gradient (AccumulateGrad post-hooks), post_backward(u): free u's storage, pack its
+//             gradients and launch their reduce-scatter, which runs while backward goes on.
+//             One reduce-scatter is in flight at a time: the previous one is waited on before the
+//             next is launched, so packed gradients of at most two units are alive (as torch's
+//             FSDP2 does).
+//   end       a callback queued on the autograd engine: reduce what no hook reached (units whose
+//             outputs or parameters got no gradient), wait for the last reduce-scatter, hand the
+//             shards to the sharded parameters' .grad, free every gathered unit.
+// Every collective is issued in this order on every rank (the program is the same), so no tags or
+// agreement are needed.
+#pragma once
+
+#include "parallel/fsdp_flat_param.h"
+
+#include <torch/csrc/autograd/function.h>
+#include <torch/csrc/autograd/variable.h>
+
+#include <memory>
+#include <mutex>
+#include <optional>
+#include <vector>
+
+namespace torchpar::parallel {
+
+// One entry of the per-step trace, for tests that pin the order of events.
+struct FsdpEvent {
+  enum Kind {
+    kPreForward, kPostForward, kGatherLaunch, kGatherWait, kReshard,
+    kPreBackward, kPostBackward, kReduceScatterLaunch, kReduceScatterWait, kFinalize
+  } kind;
+  int64_t unit;  // -1 for kFinalize
+};
+
+// Bytes of tensors the engine owns, by kind, now and at the step's peak (sampled at every event).
+struct FsdpMemory {
+  int64_t shards = 0;          // master shards (the parameters the optimizer steps)
+  int64_t gathered = 0;        // gathered parameters (and cast shards in flight)
+  int64_t unsharded_grads = 0; // gradients autograd left on the gathered parameters
+  int64_t reduce_buffers = 0;  // packed gradients and reduce-scatter outputs in flight
+  int64_t accumulators = 0;    // no_sync's local gradient sums
+  int64_t sharded_grads = 0;   // .grad of the sharded parameters
+  int64_t total() const {
+    return shards + gathered + unsharded_grads + reduce_buffers + accumulators + sharded_grads;
+  }
+};
+
+class FsdpEngine : public std::enable_shared_from_this<FsdpEngine> {
+ public:
+  // `units` in the order fully_shard made them; `root` indexes the unit whose forward holds the
+  // others'. Installs the gradient hooks on every unit's unsharded parameters (bound already).
+  FsdpEngine(std::vector<std::shared_ptr<FlatParam>> units, int64_t root);
+  ~FsdpEngine();
+
+  FsdpEngine(const FsdpEngine&) = delete;
+  FsdpEngine& operator=(const FsdpEngine&) = delete;
+
+  // Called by the module hooks (torchpar/parallel/fsdp.py).
+  void pre_forward(int64_t unit, bool grad_enabled);
+  // Returns whether u's gathered parameters were freed.
+  bool post_forward(int64_t unit, bool grad_enabled);
+  void pre_backward(int64_t unit);
+
+  // Free every unit's gathered parameters (after a forward without backward, or by the user).
+  void reshard_all();
+
+  std::vector<FsdpEvent> trace() const;
+  std::vector<int64_t> forward_order() const;
+  FsdpMemory memory() const;       // now
+  FsdpMemory peak_memory() const;  // highest total seen since reset_peak_memory()
+  void reset_peak_memory();
+
+ private:
+  struct Unit {
+    std::shared_ptr<FlatParam> flat;
+    size_t pending = 0;             // parameter gradients still to arrive this backward
+    size_t hooked = 0;              // parameters with a gradient hook (those requiring grad)
+    bool needs_backward = false;    // ran forward with grad this step, not reduced yet
+  };
+  struct InFlight {                 // the reduce-scatter running
+    int64_t unit = -1;
+    c10::intrusive_ptr<c10d::Work> work;
+    at::Tensor packed, out;
+  };
+
+  void on_gradient(int64_t unit);
+  void post_backward_locked(int64_t unit);
+  void finalize();
+  void unshard_locked(int64_t unit);
+  void prefetch_locked(int64_t unit);
+  void reshard_locked(int64_t unit);
+  void finish_reduce_scatter_locked();
+  void begin_step_locked();
+  void record(FsdpEvent::Kind kind, int64_t unit);
+  FsdpMemory memory_locked() const;
+  // The unit `step` places after (+1) or before (-1) `unit` in forward order, or -1.
+  int64_t neighbour(int64_t unit, int step) const;
+
+  std::vector<Unit> units_;
+  int64_t root_;
+  using AccumulatorPtr =
+      decltype(torch::autograd::impl::grad_accumulator(std::declval<const at::Tensor&>()));
+  std::vector<AccumulatorPtr> accumulators_;
+  std::vector<uintptr_t> hook_keys_;
+
+  mutable std::mutex mutex_;        // hooks run on autograd's threads
+  std::vector<int64_t> order_;      // forward order, recorded in the first forward
+  std::vector<int64_t> position_;   // unit -> index in order_, -1 if not run
+  bool order_recorded_ = false;
+  bool backward_queued_ = false;    // finalize is queued on the running backward
+  InFlight in_flight_;
+  std::vector<FsdpEvent> trace_;
+  FsdpMemory peak_;
+};
+
+}  // namespace torchpar::parallel

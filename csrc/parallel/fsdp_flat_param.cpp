@@ -1,0 +1,334 @@
+#include "parallel/fsdp_flat_param.h"
+
+#include <c10/core/StorageImpl.h>
+#include <torch/csrc/autograd/variable.h>
+
+#include <algorithm>
+#include <sstream>
+
+// _allgather_base / _reduce_scatter_base: renamed all_gather_single / reduce_scatter_single in
+// recent torch, the old names kept as deprecated aliases; the old names build against every
+// torch the project supports.
+#pragma GCC diagnostic ignored "-Wdeprecated-declarations"
+
+namespace torchpar::parallel {
+
+namespace {
+
+// A tensor of `sizes` at `offset` in `storage`, through a TensorImpl of its own. Unlike set_(),
+// this never touches the storage, which may be freed (0 bytes) when the alias is made.
+at::Tensor alias(const at::Tensor& like, int64_t offset, at::IntArrayRef sizes) {
+  auto t = at::detail::make_tensor<c10::TensorImpl>(c10::Storage(like.storage()), like.key_set(), like.dtype());
+  std::vector<int64_t> strides(sizes.size(), 1);
+  for (int64_t d = static_cast<int64_t>(sizes.size()) - 2; d >= 0; --d) {
+    strides[d] = strides[d + 1] * sizes[d + 1];
+  }
+  t.unsafeGetTensorImpl()->set_sizes_and_strides(sizes, strides, offset);
+  return t;
+}
+
+// Freeing and refilling a storage in place (its StorageImpl, shared by every tensor on it, stays):
+// what lets the tensors autograd saved in forward be valid again in backward.
+void free_storage(const at::Tensor& t) {
+  c10::StorageImpl* s = t.storage().unsafeGetStorageImpl();
+  s->set_data_ptr_noswap(at::DataPtr(nullptr, s->device()));
+  s->set_nbytes(0);
+}
+
+void allocate_storage(const at::Tensor& t, size_t nbytes) {
+  c10::StorageImpl* s = t.storage().unsafeGetStorageImpl();
+  s->set_data_ptr_noswap(s->allocator()->allocate(nbytes));
+  s->set_nbytes(nbytes);
+}
+
+std::string describe(const at::Tensor& row) {
+  // row: dtype code, requires_grad, ndim, sizes..., or -2 everywhere when the rank has no such parameter
+  auto r = row.cpu();
+  const int64_t* v = r.data_ptr<int64_t>();
+  if (v[0] == -2) return "no such parameter";
+  std::ostringstream out;
+  out << "shape [";
+  for (int64_t d = 0; d < v[2]; ++d) out << (d ? ", " : "") << v[3 + d];
+  out << "], " << c10::toString(static_cast<at::ScalarType>(v[0])) << (v[1] ? "" : ", requires_grad=False");
+  return out.str();
+}
+
+}  // namespace
+
+FlatParam::FlatParam(const std::vector<at::Tensor>& params, std::vector<std::string> names,
+                     c10::intrusive_ptr<c10d::ProcessGroup> group, FlatParamOptions options)
+    : names_(std::move(names)), group_(std::move(group)), options_(options) {
+  TORCH_CHECK(group_, "torchpar fully_shard: no process group");
+  TORCH_CHECK(names_.size() == params.size(), "torchpar fully_shard: ", params.size(), " parameters but ",
+              names_.size(), " names");
+  world_ = group_->getSize();
+  rank_ = group_->getRank();
+  // Across ranks first, so that a rank whose model differs fails together with the others.
+  check_same_on_every_rank(params);
+
+  at::TensorOptions opts = params.empty() ? at::TensorOptions().dtype(at::kFloat) : params[0].options();
+  for (size_t i = 0; i < params.size(); ++i) {
+    const at::Tensor& p = params[i];
+    TORCH_CHECK(p.is_floating_point(), "torchpar fully_shard: parameter '", names_[i], "' is ", p.scalar_type(),
+                "; only floating-point parameters can be sharded");
+    TORCH_CHECK(p.scalar_type() == params[0].scalar_type() && p.device() == params[0].device(),
+                "torchpar fully_shard: one unit holds parameters of one dtype and device, but '", names_[i],
+                "' is ", p.scalar_type(), " on ", p.device(), " and '", names_[0], "' ", params[0].scalar_type(),
+                " on ", params[0].device(), "; apply fully_shard to a submodule holding one kind");
+    shapes_.push_back(p.sizes().vec());
+    offsets_.push_back(numel_);
+    numels_.push_back(p.numel());
+    requires_grad_.push_back(p.requires_grad());
+    numel_ += p.numel();
+  }
+  shard_numel_ = (numel_ + world_ - 1) / world_;
+  compute_dtype_ = options_.param_dtype.value_or(opts.dtype().toScalarType());
+  reduce_dtype_ = options_.reduce_dtype.value_or(compute_dtype_);
+
+  at::NoGradGuard no_grad;
+  shard_ = at::zeros({shard_numel_}, opts.requires_grad(false));  // the padding stays zero
+  for (size_t i = 0; i < params.size(); ++i) {
+    auto [start, length] = shard_range(i);
+    if (length > 0) {
+      shard_.narrow(0, offsets_[i] + start - rank_ * shard_numel_, length)
+          .copy_(params[i].detach().reshape(-1).narrow(0, start, length));
+    }
+  }
+  full_ = at::empty({padded_numel()}, opts.dtype(compute_dtype_).requires_grad(false));
+  // The collective writes through this alias, whose version counter is its own: the parameters'
+  // counters (checked when autograd unpacks what it saved) do not move when they are refilled.
+  gather_target_ = alias(full_, 0, {padded_numel()});
+  free_full();
+}
+
+std::pair<int64_t, int64_t> FlatParam::shard_range(size_t i) const {
+  const int64_t lo = std::max(offsets_[i], rank_ * shard_numel_);
+  const int64_t hi = std::min(offsets_[i] + numels_[i], (rank_ + 1) * shard_numel_);
+  return hi > lo ? std::make_pair(lo - offsets_[i], hi - lo) : std::make_pair(int64_t{0}, int64_t{0});
+}
+
+std::vector<at::Tensor> FlatParam::shard_views() const {
+  std::vector<at::Tensor> out;
+  for (size_t i = 0; i < size(); ++i) {
+    auto [start, length] = shard_range(i);
+    const int64_t at = length > 0 ? offsets_[i] + start - rank_ * shard_numel_ : 0;
+    out.push_back(shard_.narrow(0, at, length));
+  }
+  return out;
+}
+
+std::vector<at::Tensor> FlatParam::unsharded_views() const {
+  std::vector<at::Tensor> out;
+  for (size_t i = 0; i < size(); ++i) {
+    out.push_back(alias(full_, offsets_[i], shapes_[i]).requires_grad_(requires_grad_[i]));
+  }
+  return out;
+}
+
+void FlatParam::bind(std::vector<at::Tensor> sharded, std::vector<at::Tensor> unsharded) {
+  TORCH_CHECK(sharded.size() == size() && unsharded.size() == size(), "torchpar fully_shard: bind got ",
+              sharded.size(), " and ", unsharded.size(), " parameters for a unit of ", size());
+  for (size_t i = 0; i < size(); ++i) {
+    TORCH_CHECK(unsharded[i].storage().unsafeGetStorageImpl() == full_.storage().unsafeGetStorageImpl() &&
+                    sharded[i].storage().unsafeGetStorageImpl() == shard_.storage().unsafeGetStorageImpl(),
+                "torchpar fully_shard: parameter '", names_[i], "' is not on the unit's storage");
+  }
+  sharded_ = std::move(sharded);
+  unsharded_ = std::move(unsharded);
+}
+
+bool FlatParam::gathered() const { return padded_numel() == 0 || full_.storage().nbytes() > 0; }
+
+void FlatParam::start_gather() {
+  if (gathered() || gather_work_) {
+    return;
+  }
+  allocate_storage(full_, static_cast<size_t>(padded_numel()) * full_.element_size());
+  gather_input_ = compute_dtype_ == shard_.scalar_type() ? shard_ : shard_.to(compute_dtype_);
+  gather_work_ = group_->_allgather_base(gather_target_, gather_input_);
+}
+
+void FlatParam::wait_gather() {
+  if (!gather_work_) {
+    return;
+  }
+  auto work = std::move(gather_work_);
+  work->wait();
+  gather_input_.reset();
+}
+
+void FlatParam::free_full() {
+  TORCH_CHECK(!gather_work_, "torchpar fully_shard: freeing a unit whose all-gather is in flight");
+  if (padded_numel() > 0) {
+    free_storage(full_);
+  }
+}
+
+at::Tensor FlatParam::take_grads() {
+  at::NoGradGuard no_grad;
+  at::Tensor packed;
+  const bool accumulated = accumulator_.defined();
+  if (accumulated) {
+    packed = std::move(accumulator_);
+  } else {
+    packed = at::empty({padded_numel()}, shard_.options().dtype(reduce_dtype_));
+    packed.narrow(0, numel_, padded_numel() - numel_).zero_();
+  }
+  for (size_t i = 0; i < size(); ++i) {
+    at::Tensor slot = packed.narrow(0, offsets_[i], numels_[i]);
+    at::Tensor grad = unsharded_.empty() ? at::Tensor() : unsharded_[i].grad();
+    if (grad.defined()) {
+      accumulated ? slot.add_(grad.reshape(-1)) : slot.copy_(grad.reshape(-1));
+      unsharded_[i].mutable_grad().reset();
+    } else if (!accumulated) {
+      slot.zero_();
+    }
+  }
+  return packed;
+}
+
+void FlatParam::accumulate_grads_locally() {
+  at::NoGradGuard no_grad;
+  if (!accumulator_.defined()) {
+    accumulator_ = at::zeros({padded_numel()}, shard_.options().dtype(reduce_dtype_));
+  }
+  for (size_t i = 0; i < unsharded_.size(); ++i) {
+    if (unsharded_[i].grad().defined()) {
+      accumulator_.narrow(0, offsets_[i], numels_[i]).add_(unsharded_[i].grad().reshape(-1));
+      unsharded_[i].mutable_grad().reset();
+    }
+  }
+}
+
+std::pair<c10::intrusive_ptr<c10d::Work>, at::Tensor> FlatParam::start_reduce_scatter(at::Tensor& packed) {
+  at::Tensor out = at::empty({shard_numel_}, packed.options());
+  c10d::ReduceScatterOptions opts;
+  opts.reduceOp = c10d::ReduceOp::SUM;  // then divided by the world size: gloo has no AVG
+  return {group_->_reduce_scatter_base(out, packed, opts), out};
+}
+
+void FlatParam::deliver_grads(const at::Tensor& reduced) {
+  at::NoGradGuard no_grad;
+  reduced.div_(static_cast<double>(world_));
+  for (size_t i = 0; i < sharded_.size(); ++i) {
+    if (!requires_grad_[i]) {
+      continue;
+    }
+    auto [start, length] = shard_range(i);
+    at::Tensor g = reduced.narrow(0, length > 0 ? offsets_[i] + start - rank_ * shard_numel_ : 0, length);
+    if (g.scalar_type() != shard_.scalar_type()) {
+      g = g.to(shard_.scalar_type());
+    }
+    at::Tensor& grad = sharded_[i].mutable_grad();
+    if (grad.defined()) {
+      grad.add_(g);
+    } else {
+      grad = g;
+    }
+  }
+}
+
+std::vector<at::Tensor> FlatParam::gather_full_params() {
+  at::NoGradGuard no_grad;
+  at::Tensor flat = at::empty({padded_numel()}, shard_.options());
+  if (padded_numel() > 0) {
+    group_->_allgather_base(flat, shard_)->wait();
+  }
+  std::vector<at::Tensor> out;
+  for (size_t i = 0; i < size(); ++i) {
+    out.push_back(flat.narrow(0, offsets_[i], numels_[i]).view(shapes_[i]).clone());
+  }
+  return out;
+}
+
+void FlatParam::load_full_param(size_t i, const at::Tensor& value) {
+  TORCH_CHECK(i < size(), "torchpar fully_shard: no parameter ", i);
+  TORCH_CHECK(value.sizes() == at::IntArrayRef(shapes_[i]), "torchpar fully_shard: the state_dict's '", names_[i],
+              "' has shape ", value.sizes(), " but the model's parameter has ", at::IntArrayRef(shapes_[i]));
+  at::NoGradGuard no_grad;
+  auto [start, length] = shard_range(i);
+  if (length > 0) {
+    shard_.narrow(0, offsets_[i] + start - rank_ * shard_numel_, length)
+        .copy_(value.detach().reshape(-1).narrow(0, start, length));
+  }
+}
+
+int64_t FlatParam::shard_bytes() const { return static_cast<int64_t>(shard_.nbytes()); }
+
+int64_t FlatParam::full_bytes() const {
+  int64_t bytes = static_cast<int64_t>(full_.storage().nbytes());
+  if (gather_input_.defined() && !gather_input_.is_same(shard_)) {
+    bytes += static_cast<int64_t>(gather_input_.nbytes());
+  }
+  return bytes;
+}
+
+int64_t FlatParam::unsharded_grad_bytes() const {
+  int64_t bytes = 0;
+  for (const auto& p : unsharded_) {
+    if (p.grad().defined()) bytes += static_cast<int64_t>(p.grad().nbytes());
+  }
+  return bytes;
+}
+
+int64_t FlatParam::accumulator_bytes() const {
+  return accumulator_.defined() ? static_cast<int64_t>(accumulator_.nbytes()) : 0;
+}
+
+int64_t FlatParam::sharded_grad_bytes(std::vector<const void*>& seen) const {
+  int64_t bytes = 0;
+  for (const auto& p : sharded_) {
+    const at::Tensor& g = p.grad();
+    if (!g.defined()) continue;
+    const void* key = g.storage().unsafeGetStorageImpl();
+    if (std::find(seen.begin(), seen.end(), key) == seen.end()) {
+      seen.push_back(key);
+      bytes += static_cast<int64_t>(g.storage().nbytes());
+    }
+  }
+  return bytes;
+}
+
+void FlatParam::check_same_on_every_rank(const std::vector<at::Tensor>& params) {
+  const at::Device device = params.empty() ? at::Device(at::kCPU) : params[0].device();
+  const auto i64 = at::TensorOptions().dtype(at::kLong);
+  int64_t ndim = 0;
+  for (const auto& p : params) ndim = std::max<int64_t>(ndim, p.dim());
+  auto all_gather = [&](const at::Tensor& t) {
+    std::vector<at::Tensor> in{t.to(device)};
+    std::vector<std::vector<at::Tensor>> out(1);
+    for (int64_t r = 0; r < world_; ++r) out[0].push_back(at::empty_like(in[0]));
+    group_->allgather(out, in)->wait();
+    for (auto& o : out[0]) o = o.cpu();
+    return out[0];
+  };
+  auto heads = all_gather(at::tensor({static_cast<int64_t>(params.size()), ndim}, i64));
+  int64_t rows = 0, width = 0;
+  for (const auto& h : heads) {
+    rows = std::max(rows, h[0].item<int64_t>());
+    width = std::max(width, 3 + h[1].item<int64_t>());
+  }
+  at::Tensor sig = at::full({rows, width}, -2, i64);
+  for (size_t i = 0; i < params.size(); ++i) {
+    const at::Tensor& p = params[i];
+    sig[i].fill_(-1);
+    sig[i][0] = static_cast<int64_t>(p.scalar_type());
+    sig[i][1] = static_cast<int64_t>(p.requires_grad());
+    sig[i][2] = p.dim();
+    for (int64_t d = 0; d < p.dim(); ++d) sig[i][3 + d] = p.size(d);
+  }
+  auto sigs = all_gather(sig);
+  for (int64_t i = 0; i < rows; ++i) {
+    for (int64_t r = 1; r < world_; ++r) {
+      if (!at::equal(sigs[r][i], sigs[0][i])) {
+        const std::string name = i < static_cast<int64_t>(params.size()) ? names_[i] : "#" + std::to_string(i);
+        TORCH_CHECK(false, "torchpar fully_shard: the parameters differ across ranks at parameter ", i, " ('", name,
+                    "' on rank ", rank_, "): rank 0 has ", describe(sigs[0][i]), ", rank ", r, " has ",
+                    describe(sigs[r][i]), " (", heads[0][0].item<int64_t>(), " and ", heads[r][0].item<int64_t>(),
+                    " parameters in this unit). Every rank must wrap the same model.");
+      }
+    }
+  }
+}
+
+}  // namespace torchpar::parallel

@@ -1,0 +1,133 @@
+// One fully_shard unit's parameters as a flat parameter (ZeRO-3; Rajbhandari et al. 2020,
+// arXiv:1910.02054; FSDP, Zhao et al. 2023, arXiv:2304.11277; issue 19).
+//
+// The unit's parameters are laid back to back in one flat vector, padded at the end so that it
+// divides into world_size equal shards. Rank r keeps shard r in the master dtype (`shard_`); what
+// the user and the optimizer see of parameter i is the piece of it inside shard r: a 1-D view of
+// `shard_` (possibly empty). For forward and backward the shards are all-gathered into `full`
+// storage (in the compute dtype), of which each parameter has a full-shaped tensor; freeing that
+// storage (resizing it to 0 bytes) and refilling it later keeps the same tensors valid, so the
+// ones autograd saved in forward read the refilled values in backward.
+//
+// FlatParam knows the layout and moves bytes; when to gather, free and reduce is fsdp_engine.h's.
+#pragma once
+
+#include <ATen/ATen.h>
+#include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
+
+#include <cstdint>
+#include <optional>
+#include <string>
+#include <vector>
+
+namespace torchpar::parallel {
+
+struct FlatParamOptions {
+  // dtype of the gathered parameters that forward and backward compute with; nullopt: the
+  // parameters' own (the master dtype).
+  std::optional<at::ScalarType> param_dtype;
+  // dtype gradients are packed and reduce-scattered in; nullopt: the compute dtype.
+  std::optional<at::ScalarType> reduce_dtype;
+  bool reshard_after_forward = true;
+};
+
+class FlatParam {
+ public:
+  // `params` are the unit's distinct parameters, full and identical in shape and dtype on every
+  // rank (checked here, with one collective, naming the first that differs); `names` their names
+  // for messages.
+  FlatParam(const std::vector<at::Tensor>& params, std::vector<std::string> names,
+            c10::intrusive_ptr<c10d::ProcessGroup> group, FlatParamOptions options);
+
+  FlatParam(const FlatParam&) = delete;
+  FlatParam& operator=(const FlatParam&) = delete;
+
+  // ---- layout ----
+  size_t size() const { return names_.size(); }
+  const std::string& name(size_t i) const { return names_[i]; }
+  int64_t world_size() const { return world_; }
+  int64_t rank() const { return rank_; }
+  int64_t numel() const { return numel_; }              // without padding
+  int64_t padded_numel() const { return shard_numel_ * world_; }
+  int64_t shard_numel() const { return shard_numel_; }
+  // Parameter i's elements in the flat vector: [offset, offset + numel).
+  int64_t offset(size_t i) const { return offsets_[i]; }
+  // Parameter i's part of this rank's shard: [start, start + length) of its flattened elements.
+  std::pair<int64_t, int64_t> shard_range(size_t i) const;
+  const std::vector<int64_t>& shape(size_t i) const { return shapes_[i]; }
+  at::ScalarType master_dtype() const { return shard_.scalar_type(); }
+  at::ScalarType compute_dtype() const { return compute_dtype_; }
+  at::ScalarType reduce_dtype() const { return reduce_dtype_; }
+  const FlatParamOptions& options() const { return options_; }
+
+  // ---- tensors handed to Python once, which wraps them in nn.Parameter and binds them ----
+  // Parameter i's piece of this rank's shard, a 1-D view of the master shard.
+  std::vector<at::Tensor> shard_views() const;
+  // Parameter i full-shaped on the gathered storage (leaves; requires_grad as the original).
+  std::vector<at::Tensor> unsharded_views() const;
+  // The nn.Parameter objects made from those: the ones the optimizer steps (sharded) and the ones
+  // forward uses (unsharded). Their storages are the ones above.
+  void bind(std::vector<at::Tensor> sharded, std::vector<at::Tensor> unsharded);
+  const std::vector<at::Tensor>& sharded_params() const { return sharded_; }
+  const std::vector<at::Tensor>& unsharded_params() const { return unsharded_; }
+
+  // ---- parameters: gather and free ----
+  bool gathered() const;                  // the full storage holds memory
+  void start_gather();                    // allocate it and launch the all-gather (async)
+  bool gather_in_flight() const { return static_cast<bool>(gather_work_); }
+  void wait_gather();
+  void free_full();                       // release the full storage (reshard)
+
+  // ---- gradients ----
+  // The unit's unsharded gradients packed in the reduce dtype (padded, zeros where a parameter
+  // got none), plus what no_sync steps accumulated; each unsharded .grad is released as it is
+  // copied, so that the packed copy and the gradients are not both whole at once.
+  at::Tensor take_grads();
+  // no_sync: add the unsharded gradients into the local accumulator instead (full size, reduce
+  // dtype), releasing them.
+  void accumulate_grads_locally();
+  // Reduce-scatter `packed` (sum) into this rank's shard; returns the work and the output.
+  std::pair<c10::intrusive_ptr<c10d::Work>, at::Tensor> start_reduce_scatter(at::Tensor& packed);
+  // Divide the summed shard by the world size and hand it to the sharded parameters' .grad
+  // (assigned as views of `reduced` when .grad is undefined, added otherwise).
+  void deliver_grads(const at::Tensor& reduced);
+  bool requires_grad_sync = true;
+
+  // ---- checkpoints ----
+  // Every parameter full-shaped in the master dtype (a collective: every rank calls it).
+  std::vector<at::Tensor> gather_full_params();
+  // Copy this rank's piece of parameter i out of the full tensor `value` (no communication).
+  void load_full_param(size_t i, const at::Tensor& value);
+
+  // ---- memory the unit holds now, in bytes, by kind ----
+  int64_t shard_bytes() const;
+  int64_t full_bytes() const;             // gathered storage (+ the cast shard being sent)
+  int64_t unsharded_grad_bytes() const;
+  int64_t accumulator_bytes() const;
+  // Storages behind the sharded parameters' .grad, added to `seen` (shared storages once).
+  int64_t sharded_grad_bytes(std::vector<const void*>& seen) const;
+
+ private:
+  void check_same_on_every_rank(const std::vector<at::Tensor>& params);
+
+  std::vector<std::string> names_;
+  std::vector<std::vector<int64_t>> shapes_;
+  std::vector<int64_t> offsets_;
+  std::vector<int64_t> numels_;
+  std::vector<bool> requires_grad_;
+  c10::intrusive_ptr<c10d::ProcessGroup> group_;
+  FlatParamOptions options_;
+  int64_t world_ = 1, rank_ = 0;
+  int64_t numel_ = 0, shard_numel_ = 0;
+  at::ScalarType compute_dtype_, reduce_dtype_;
+
+  at::Tensor shard_;          // this rank's shard, master dtype, [shard_numel]
+  at::Tensor full_;           // [padded_numel], compute dtype; its storage is freed and refilled
+  at::Tensor gather_target_;  // full_'s storage through its own TensorImpl (see start_gather)
+  at::Tensor gather_input_;   // the shard in the compute dtype, alive while the gather runs
+  c10::intrusive_ptr<c10d::Work> gather_work_;
+  at::Tensor accumulator_;    // no_sync's local gradient sum, [padded_numel], reduce dtype
+  std::vector<at::Tensor> sharded_, unsharded_;
+};
+
+}  // namespace torchpar::parallel

@@ -1,0 +1,26 @@
+"""Smoke test of ``python -m torchpar.bench fsdp`` on a tiny GPT: it runs both systems on both
+backends and writes its report (the numbers are the bench's business, not a test's)."""
+import json
+import subprocess
+import sys
+
+import pytest
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
+
+
+def test_fsdp_bench_writes_its_report(tmp_path):
+    out = tmp_path / "fsdp.json"
+    proc = subprocess.run(
+        [sys.executable, "-m", "torchpar.bench", "fsdp", "--dim", "32", "--layers", "2", "--heads", "2",
+         "--vocab", "128", "--seq", "8", "--rounds", "1", "--json", str(out), "--plot", str(tmp_path / "fsdp.png")],
+        capture_output=True, text=True, timeout=280)
+    assert proc.returncode == 0, proc.stderr
+    assert "time / torch_fsdp2" in proc.stdout
+    assert (tmp_path / "fsdp.png").stat().st_size > 0
+    results = json.loads(out.read_text())["results"]
+    assert set(results) == {"torchpar", "gloo"}
+    for per_backend in results.values():
+        assert {"fsdp", "torch_fsdp2"} <= set(per_backend)
+        for row in per_backend.values():
+            assert row["median_ms"] > 0 and row["peak_bytes"] > 0 and row["fwd_bwd_peak_bytes"] > 0

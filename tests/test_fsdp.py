@@ -1,0 +1,443 @@
+"""torchpar.parallel.fully_shard against single-process training, torch's FSDP2, and its own engine
+trace (issue 19).
+
+Every multi-rank test runs on the torchpar backend and on gloo, at world sizes 2 and 4. Each rank
+trains on its part of a batch; the reference trains on the whole batch in one process (each rank
+computes it locally from the same seeds). Unit sizes are odd, so flat parameters are padded and
+shard boundaries cut through parameters.
+"""
+import copy
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+
+import torchpar
+from harness import get_pool
+from torchpar.parallel import FSDPModule, MixedPrecision, fully_shard
+from torchpar.parallel.fsdp import Shard
+
+BACKENDS = ["torchpar", "gloo"]
+WORLD_SIZES = [2, 4]
+multi_rank = pytest.mark.parametrize("world_size", WORLD_SIZES)
+on_backends = pytest.mark.parametrize("backend", BACKENDS)
+
+
+def _pool(backend, world_size):
+    if backend == "torchpar" and not hasattr(torchpar._C, "ProcessGroupTorchpar"):
+        pytest.skip("the torchpar backend is not built in this tree")
+    return get_pool(world_size, backend)
+
+
+# ---- a small residual network of blocks, identical on every rank (seeded) ----
+
+class Block(nn.Module):
+    def __init__(self, d):
+        super().__init__()
+        self.ln = nn.LayerNorm(d)
+        self.fc1 = nn.Linear(d, 2 * d)
+        self.fc2 = nn.Linear(2 * d, d)
+
+    def forward(self, x):
+        return x + self.fc2(torch.tanh(self.fc1(self.ln(x))))
+
+
+class Net(nn.Module):
+    def __init__(self, d=7, depth=3, seed=0):
+        super().__init__()
+        torch.manual_seed(seed)
+        self.inp = nn.Linear(5, d)
+        self.blocks = nn.ModuleList(Block(d) for _ in range(depth))
+        self.out = nn.Linear(d, 3)
+
+    def forward(self, x):
+        x = self.inp(x)
+        for b in self.blocks:
+            x = b(x)
+        return self.out(x)
+
+
+def _shard_model(model, group, **kwargs):
+    for b in model.blocks:
+        fully_shard(b, group, **kwargs)
+    return fully_shard(model, group, **kwargs)
+
+
+def _batch(step, n):
+    g = torch.Generator().manual_seed(1000 + step)
+    return torch.randn(n, 5, generator=g), torch.randn(n, 3, generator=g)
+
+
+def _part(t, ctx):
+    return t.chunk(ctx.world_size)[ctx.rank]
+
+
+def _loss(out, y):
+    return ((out.float() - y) ** 2).mean()
+
+
+def _assert_matches(sd, ref, step, rtol=1e-5, atol=1e-6):
+    ref_sd = ref.state_dict()
+    assert list(sd) == list(ref_sd)
+    for name, value in sd.items():
+        torch.testing.assert_close(value, ref_sd[name], rtol=rtol, atol=atol,
+                                   msg=lambda m: f"step {step}, {name}: {m}")
+
+
+def _setup(ctx):
+    torch.set_num_threads(1)  # up to 4 ranks share 2 cores
+
+
+# ---- training equals single-process training ----
+
+def _train_vs_single_process(ctx, reshard_after_forward, steps=3):
+    _setup(ctx)
+    model = Net()
+    ref = copy.deepcopy(model)
+    _shard_model(model, ctx.pg, reshard_after_forward=reshard_after_forward)
+    # The optimizer sees this rank's pieces: 1-D, together 1/W of each unit (padding aside).
+    units = [m._fsdp.flat for m in model.modules() if isinstance(m, FSDPModule)]
+    assert all(p.dim() == 1 for p in model.parameters())
+    assert sum(p.numel() for p in model.parameters()) <= sum(u.shard_numel for u in units)
+    assert sum(u.numel for u in units) == sum(p.numel() for p in ref.parameters())
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+    losses = []
+    for step in range(steps):
+        x, y = _batch(step, 2 * ctx.world_size)
+        opt.zero_grad()
+        loss = _loss(model(_part(x, ctx)), _part(y, ctx))
+        loss.backward()
+        opt.step()
+        ref_opt.zero_grad()
+        _loss(ref(x), y).backward()
+        ref_opt.step()
+        losses.append(loss.item())
+        _assert_matches(model.state_dict(), ref, step)
+    return losses
+
+
+@on_backends
+@multi_rank
+@pytest.mark.parametrize("reshard_after_forward", [True, False], ids=["reshard", "keep"])
+def test_training_equals_single_process(backend, world_size, reshard_after_forward):
+    _pool(backend, world_size).run(_train_vs_single_process, reshard_after_forward)
+
+
+# ---- same as torch's FSDP2 (torch.distributed.fsdp.fully_shard), gloo on CPU ----
+
+def _train_vs_torch_fsdp2(ctx, steps=3):
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.fsdp import fully_shard as torch_fully_shard
+
+    _setup(ctx)
+    ours, theirs = Net(), Net()
+    _shard_model(ours, ctx.pg)
+    mesh = DeviceMesh.from_group(ctx.pg, "cpu")
+    for b in theirs.blocks:
+        torch_fully_shard(b, mesh=mesh)
+    torch_fully_shard(theirs, mesh=mesh)
+    opts = [torch.optim.Adam(m.parameters(), lr=1e-2) for m in (ours, theirs)]
+    for step in range(steps):
+        x, y = _batch(step, 2 * ctx.world_size)
+        for m, o in zip((ours, theirs), opts):
+            o.zero_grad()
+            _loss(m(_part(x, ctx)), _part(y, ctx)).backward()
+            o.step()
+        full = {n: p.full_tensor() for n, p in theirs.named_parameters()}
+        ours_sd = ours.state_dict()
+        assert list(ours_sd) == list(full)
+        for n in full:
+            torch.testing.assert_close(ours_sd[n], full[n], rtol=1e-5, atol=1e-6,
+                                       msg=lambda m: f"step {step}, {n}: {m}")
+
+
+@multi_rank
+def test_matches_torch_fsdp2_step_for_step(world_size):
+    _pool("gloo", world_size).run(_train_vs_torch_fsdp2)
+
+
+# ---- prefetch order and overlap, from the engine's events ----
+
+def _step_trace(ctx):
+    _setup(ctx)
+    model = _shard_model(Net(depth=4), ctx.pg)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    for step in range(2):  # the first records the forward order; the second prefetches by it
+        x, y = _batch(step, 2 * ctx.world_size)
+        opt.zero_grad()
+        _loss(model(_part(x, ctx)), _part(y, ctx)).backward()
+        opt.step()
+    return model.fsdp_engine.forward_order(), model.fsdp_engine.trace()
+
+
+@on_backends
+def test_prefetch_and_reduce_scatter_overlap_in_engine_trace(backend):
+    order, trace = _pool(backend, 2).run(_step_trace)[0]
+    # The root (unit 0: input and output layers) first, then blocks 1..4 as forward ran them.
+    assert order == [0, 1, 2, 3, 4]
+    ev = [tuple(e) for e in trace]
+    at = {e: i for i, e in enumerate(ev)}   # last occurrence of each event
+
+    def first(e):
+        return ev.index(e)
+
+    blocks = order[1:]
+    for u, nxt in zip(blocks, blocks[1:]):
+        # Forward: the next block's all-gather is launched before this block's forward ends and
+        # waited for only when the next block starts: it travelled while this one computed.
+        assert first(("pre_forward", u)) < first(("all_gather_launch", nxt)) < first(("post_forward", u))
+        assert first(("post_forward", u)) < first(("all_gather_wait", nxt))
+        assert first(("reshard", u)) < first(("pre_forward", nxt))  # freed after its forward
+    back = list(reversed(blocks))
+    # Backward: the root's pre-backward prefetches the last block; each block prefetches the one
+    # before it in forward order.
+    assert at[("pre_backward", 0)] < at[("all_gather_launch", back[0])] < at[("pre_backward", back[0])]
+    for u, nxt in zip(back, back[1:]):
+        assert at[("pre_backward", u)] < at[("all_gather_launch", nxt)] < at[("post_backward", u)]
+        # The reduce-scatter of u is launched when its backward ends and waited for only after
+        # the next unit's backward has run: it overlapped that computation.
+        assert at[("post_backward", u)] < at[("reduce_scatter_launch", u)] < at[("pre_backward", nxt)]
+        assert at[("post_backward", nxt)] < at[("reduce_scatter_wait", u)]
+    # Every unit reduced once, the last wait before the end-of-backward callback finishes.
+    for u in order:
+        assert ev.count(("reduce_scatter_launch", u)) == 1 and ev.count(("reduce_scatter_wait", u)) == 1
+    end = at[("finalize", -1)]
+    assert at[("reduce_scatter_wait", 0)] < end
+    assert all(kind == "reshard" for kind, _ in ev[end + 1:])  # then only freeing is left
+
+
+# ---- reshard_after_forward frees the gathered storage ----
+
+def _storage_sizes(ctx, reshard_after_forward):
+    _setup(ctx)
+    model = _shard_model(Net(), ctx.pg, reshard_after_forward=reshard_after_forward)
+    units = [m for m in model.modules() if isinstance(m, FSDPModule)]
+
+    def gathered_bytes():
+        return [sum(p.untyped_storage().nbytes() for p in u._fsdp.unsharded[:1]) for u in units]
+
+    before = gathered_bytes()
+    x, y = _batch(0, 2 * ctx.world_size)
+    loss = _loss(model(_part(x, ctx)), _part(y, ctx))
+    after_forward = gathered_bytes()
+    loss.backward()
+    after_backward = gathered_bytes()
+    full = [4 * u._fsdp.flat.padded_numel for u in units]
+    return before, after_forward, after_backward, full
+
+
+@on_backends
+@pytest.mark.parametrize("reshard_after_forward", [True, False], ids=["reshard", "keep"])
+def test_reshard_after_forward_frees_gathered_storage(backend, reshard_after_forward):
+    before, fwd, bwd, full = _pool(backend, 2).run(_storage_sizes, reshard_after_forward)[0]
+    assert before == [0] * len(full)
+    # The root keeps its parameters for backward; blocks free theirs unless told not to.
+    assert fwd[0] == full[0]
+    assert fwd[1:] == ([0] * (len(full) - 1) if reshard_after_forward else full[1:])
+    assert bwd == [0] * len(full)
+
+
+# ---- gradient accumulation without communication ----
+
+def _no_sync_accumulation(ctx, use_context):
+    _setup(ctx)
+    model = Net()
+    ref = copy.deepcopy(model)
+    _shard_model(model, ctx.pg)
+    micro = [_batch(s, 2 * ctx.world_size) for s in range(3)]
+    for i, (x, y) in enumerate(micro):
+        last = i == len(micro) - 1
+        if use_context and not last:
+            with model.no_sync():
+                _loss(model(_part(x, ctx)), _part(y, ctx)).backward()
+        else:
+            model.set_requires_gradient_sync(last)
+            _loss(model(_part(x, ctx)), _part(y, ctx)).backward()
+        if not last:  # nothing reduced yet
+            assert all(p.grad is None for p in model.parameters())
+        _loss(ref(x), y).backward()
+    # This rank's pieces of the summed gradients.
+    for u in (m._fsdp for m in model.modules() if isinstance(m, FSDPModule)):
+        for _, _, i, name in u.sites:
+            p = u.sharded[i]
+            start, length = u.flat.shard_range(i)
+            expected = ref.get_parameter(_full_name(model, u, name)).grad.reshape(-1)[start:start + length]
+            torch.testing.assert_close(p.grad, expected, rtol=1e-5, atol=1e-6, msg=lambda m: f"{name}: {m}")
+
+
+def _full_name(model, unit, name):
+    for prefix, m in model.named_modules():
+        if isinstance(m, FSDPModule) and m._fsdp is unit:
+            return f"{prefix}.{name}" if prefix else name
+    raise KeyError(name)
+
+
+@on_backends
+@multi_rank
+@pytest.mark.parametrize("use_context", [True, False], ids=["no_sync", "set_requires_gradient_sync"])
+def test_accumulation_without_sync_equals_synced_sum(backend, world_size, use_context):
+    _pool(backend, world_size).run(_no_sync_accumulation, use_context)
+
+
+# ---- state_dict: full and sharded forms ----
+
+def _train_and_save(ctx, steps=2):
+    _setup(ctx)
+    model = _shard_model(Net(), ctx.pg)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    for step in range(steps):
+        x, y = _batch(step, 2 * ctx.world_size)
+        opt.zero_grad()
+        _loss(model(_part(x, ctx)), _part(y, ctx)).backward()
+        opt.step()
+    full = model.state_dict()
+    # Into the unsharded model: the same function.
+    plain = Net(seed=1)
+    plain.load_state_dict(full)
+    x, _ = _batch(9, 4)
+    with torch.no_grad():
+        torch.testing.assert_close(plain(x), model(x))
+    # The sharded form loads back at the same world size.
+    sharded = model.sharded_state_dict()
+    assert all(isinstance(v, Shard) for v in sharded.values())
+    other = _shard_model(Net(seed=2), ctx.pg)
+    other.load_state_dict(sharded)
+    _assert_matches(other.state_dict(), plain, "sharded")
+    return {k: v.clone() for k, v in full.items()}, sharded
+
+
+def _load_full(ctx, full):
+    _setup(ctx)
+    model = _shard_model(Net(seed=3), ctx.pg)
+    model.load_state_dict(full)
+    plain = Net(seed=4)
+    plain.load_state_dict(full)
+    _assert_matches(model.state_dict(), plain, "loaded")
+    x, _ = _batch(9, 4)
+    with torch.no_grad():
+        torch.testing.assert_close(model(x), plain(x))
+
+
+def _load_sharded_elsewhere(ctx, sharded):
+    _setup(ctx)
+    model = _shard_model(Net(seed=3), ctx.pg)
+    try:
+        model.load_state_dict(sharded)
+    except ValueError as e:
+        return str(e)
+    return None
+
+
+@on_backends
+def test_state_dict_round_trips_across_world_sizes(backend):
+    full, sharded = _pool(backend, 2).run(_train_and_save)[0]
+    _pool(backend, 4).run(_load_full, full)   # saved at 2 ranks, loaded at 4
+    errors = _pool(backend, 4).run(_load_sharded_elsewhere, sharded)
+    assert all(e and "rank 0 of 2" in e and "of 4" in e and "inp.weight" in e for e in errors), errors
+
+
+# ---- O2 mixed precision: bfloat16 compute, float32 master shards and reduction ----
+
+def _bf16_vs_master_reference(ctx, steps=3):
+    _setup(ctx)
+    model = Net()
+    master = copy.deepcopy(model)                # the float32 master weights, one process
+    policy = MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    _shard_model(model, ctx.pg, mixed_precision=policy)
+    assert all(p.dtype == torch.float32 for p in model.parameters())
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    ref_opt = torch.optim.SGD(master.parameters(), lr=0.1)
+    for step in range(steps):
+        x, y = _batch(step, 2 * ctx.world_size)
+        opt.zero_grad()
+        out = model(_part(x, ctx))
+        assert out.dtype == torch.bfloat16
+        _loss(out, _part(y, ctx)).backward()
+        assert all(p.grad.dtype == torch.float32 for p in model.parameters())
+        opt.step()
+        # Reference: a bfloat16 copy of the master weights computes each rank's part; the parts'
+        # gradients are averaged in float32 and step the float32 master.
+        ref_opt.zero_grad()
+        for r in range(ctx.world_size):
+            low = copy.deepcopy(master).to(torch.bfloat16)
+            _loss(low(x.chunk(ctx.world_size)[r].bfloat16()), y.chunk(ctx.world_size)[r]).backward()
+            for p, q in zip(master.parameters(), low.parameters()):
+                g = q.grad.float() / ctx.world_size
+                p.grad = g if p.grad is None else p.grad + g
+        ref_opt.step()
+        _assert_matches(model.state_dict(), master, step, rtol=1e-4, atol=1e-5)
+
+
+@on_backends
+@multi_rank
+def test_bf16_mixed_precision_matches_float32_master_reference(backend, world_size):
+    _pool(backend, world_size).run(_bf16_vs_master_reference)
+
+
+# ---- bad input: a clear error on every rank ----
+
+def _differing_models(ctx):
+    _setup(ctx)
+    model = Net(d=7 if ctx.rank == 0 else 6)
+    try:
+        fully_shard(model.blocks[0], ctx.pg)
+    except RuntimeError as e:
+        return str(e)
+    return None
+
+
+def _load_other_model(ctx):
+    _setup(ctx)
+    model = _shard_model(Net(), ctx.pg)
+    bad = Net(d=6).state_dict()
+    try:
+        model.load_state_dict(bad)
+    except ValueError as e:
+        return str(e)
+    return None
+
+
+@on_backends
+def test_bad_input_raises_on_every_rank(backend):
+    errors = _pool(backend, 2).run(_differing_models)
+    assert all(e and "differ across ranks" in e and "'ln.weight'" in e and "[7]" in e and "[6]" in e
+               for e in errors), errors
+    errors = _pool(backend, 2).run(_load_other_model)
+    assert all(e and "'inp.weight'" in e and "[6, 5]" in e and "[7, 5]" in e for e in errors), errors
+
+
+# ---- memory: parameters + gradients + optimizer state per rank ----
+
+def _peak_memory(ctx, depth=16, d=16):
+    _setup(ctx)
+    model = _shard_model(Net(d=d, depth=depth), ctx.pg)
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    engine = model.fsdp_engine if model.fsdp_engine is not None else None
+
+    def step(step_index):
+        x, y = _batch(step_index, 2 * ctx.world_size)
+        opt.zero_grad(set_to_none=True)
+        _loss(model(_part(x, ctx)), _part(y, ctx)).backward()
+        opt.step()
+
+    step(0)  # the optimizer state exists from here on
+    engine = model.fsdp_engine
+    engine.reset_peak_memory()
+    step(1)
+    opt_bytes = sum(v.nbytes for s in opt.state.values() for v in s.values()
+                    if isinstance(v, torch.Tensor) and v.numel() > 1)
+    measured = engine.peak_memory()["total"] + opt_bytes
+    units = [m._fsdp.flat for m in model.modules() if isinstance(m, FSDPModule)]
+    padded = sum(u.padded_numel for u in units)
+    # Analytic: 1/W of parameters, gradients and Adam's two states (4 x 4 bytes per element),
+    # plus the largest unit unsharded (its parameters and gradients, 2 x 4 bytes per element).
+    analytic = 16 * padded // ctx.world_size + 8 * max(u.padded_numel for u in units)
+    return measured, analytic, engine.peak_memory()
+
+
+@pytest.mark.parametrize("world_size", WORLD_SIZES)
+def test_peak_memory_is_the_shard_share_plus_one_unit(world_size):
+    measured, analytic, breakdown = _pool("torchpar", world_size).run(_peak_memory)[0]
+    assert analytic <= measured <= 1.10 * analytic, (measured, analytic, breakdown)

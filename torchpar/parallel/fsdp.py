@@ -1,0 +1,249 @@
+"""Fully sharded data parallelism (ZeRO-3; Rajbhandari et al. 2020, arXiv:1910.02054; FSDP, Zhao
+et al. 2023, arXiv:2304.11277; issue 19): ``fully_shard(module)``, applied bottom-up per block as
+with torch's FSDP2, then once on the whole model.
+
+Each ``fully_shard`` call makes one unit of the parameters of ``module`` that no sharded submodule
+owns: a flat parameter, padded to a multiple of the group size, of which each rank keeps a 1/W
+shard. The module's parameters are then that rank's pieces: plain ``nn.Parameter`` 1-D views of
+the shard (possibly empty), not DTensors. A flat shard cuts through parameters, so a rank's piece
+of one is a contiguous run of its flattened elements with no tensor shape of its own; a DTensor
+would claim a placement (``Shard(0)``) that is not true of it. Optimizers that act element by
+element (SGD, Adam, AdamW, ...) step these pieces exactly as they would the whole parameters;
+anything that needs a whole parameter (norm clipping, per-matrix methods) needs a collective.
+
+The engine is C++ (``torchpar._C.FsdpEngine`` and ``FlatParam``, csrc/parallel/fsdp_*): it
+gathers and frees the units, prefetches the next unit's all-gather in the order the first forward
+ran them (reversed in backward), packs gradients and reduce-scatters them while backward goes on.
+This file installs the module hooks that call it and swaps the module's registered parameters
+between the pieces (outside forward) and the gathered ones (inside). It uses the public c10d API
+only (all-gather into a tensor, reduce-scatter of a tensor), so it runs on torchpar, gloo and nccl.
+"""
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.utils._pytree import tree_flatten, tree_map
+
+from torchpar import _C
+
+
+class FSDPModule:
+    """Mixed into the class of every module ``fully_shard`` wraps (as torch's FSDP2 does), so
+    that the module keeps its type and gains these methods."""
+
+    def set_requires_gradient_sync(self, requires_gradient_sync, *, recurse=True):
+        """With False, backward leaves each unit's gradients summed locally and unsharded (a full-
+        size float accumulator per unit, in the reduce dtype): a rank cannot keep only its shard
+        of a sum whose other terms are on other ranks without communicating. The first backward
+        with True reduce-scatters that sum with its own gradients."""
+        for m in self.modules() if recurse else [self]:
+            if isinstance(m, FSDPModule):
+                m._fsdp.flat.requires_grad_sync = bool(requires_gradient_sync)
+
+    @contextmanager
+    def no_sync(self):
+        """Backward passes inside accumulate gradients without communication (see
+        ``set_requires_gradient_sync``); the first backward after it reduces the sum."""
+        units = [m._fsdp.flat for m in self.modules() if isinstance(m, FSDPModule)]
+        old = [u.requires_grad_sync for u in units]
+        self.set_requires_gradient_sync(False)
+        try:
+            yield
+        finally:
+            for u, flag in zip(units, old):
+                u.requires_grad_sync = flag
+
+    def sharded_state_dict(self):
+        """``state_dict()`` with each sharded parameter as a ``Shard`` (this rank's piece, no
+        communication) instead of the full tensor. It loads back with ``load_state_dict`` into a
+        model wrapped the same way over the same number of ranks."""
+        units = [m._fsdp for m in self.modules() if isinstance(m, FSDPModule)]
+        for u in units:
+            u.sharded_form = True
+        try:
+            return self.state_dict()
+        finally:
+            for u in units:
+                u.sharded_form = False
+
+    @property
+    def fsdp_engine(self):
+        """The C++ engine of the model this unit belongs to (made at the root's first forward):
+        ``trace()``, ``forward_order()``, ``memory()``, ``peak_memory()``."""
+        return self._fsdp.engine
+
+
+@dataclass
+class Shard:
+    """One rank's piece of a parameter in a ``sharded_state_dict``: elements
+    [start, start + local.numel()) of the flattened parameter of shape ``shape``."""
+    local: torch.Tensor
+    shape: tuple
+    start: int
+    world_size: int
+    rank: int
+
+
+class _Unit:
+    """Python-side state of one unit: where its parameters are registered, and its two sets of
+    parameter objects (the pieces, the gathered)."""
+
+    def __init__(self, flat, sites, sharded, unsharded, param_dtype):
+        self.flat = flat
+        self.sites = sites            # (module, attribute, parameter index, name relative to the unit)
+        self.sharded = sharded
+        self.unsharded = unsharded
+        self.param_dtype = param_dtype
+        self.engine = None
+        self.index = None
+        self.sharded_form = False
+
+    def register(self, params):
+        for module, attr, i, _ in self.sites:
+            module._parameters[attr] = params[i]
+
+
+_CLASSES = {}
+
+
+def fully_shard(module, group=None, reshard_after_forward=True, mixed_precision=None):
+    """Shard the parameters of ``module`` not owned by an already sharded submodule over
+    ``group`` (default: the world), as torch's ``torch.distributed.fsdp.fully_shard``. Every rank
+    must wrap the same model in the same order (checked: shapes, dtypes; one collective per call).
+    ``mixed_precision``: a ``torchpar.parallel.MixedPrecision``; the shards stay in
+    ``master_dtype``, forward and backward run on parameters gathered in ``param_dtype`` (floating
+    inputs are cast to it), gradients are reduce-scattered in ``reduce_dtype``. Build the
+    optimizer afterwards, on ``module.parameters()``. Returns ``module``."""
+    group = group if group is not None else dist.group.WORLD
+    if group is None:
+        raise RuntimeError("torchpar fully_shard: call torch.distributed.init_process_group first")
+    if isinstance(module, FSDPModule):
+        raise ValueError(f"torchpar fully_shard: {type(module).__name__} is already sharded")
+    sites, params, index = [], [], {}
+
+    def walk(mod, prefix):
+        for attr, p in mod._parameters.items():
+            if p is not None:
+                if id(p) not in index:
+                    index[id(p)] = len(params)
+                    params.append((prefix + attr, p))
+                sites.append((mod, attr, index[id(p)], prefix + attr))
+        for name, child in mod._modules.items():
+            if child is not None and not isinstance(child, FSDPModule):
+                walk(child, f"{prefix}{name}.")
+
+    walk(module, "")
+    mp = mixed_precision
+    param_dtype = mp.param_dtype if mp is not None else None
+    reduce_dtype = (mp.reduce_dtype or param_dtype) if mp is not None else None
+    tensors = [p if mp is None or p.dtype == mp.master_dtype
+               else p.detach().to(mp.master_dtype).requires_grad_(p.requires_grad) for _, p in params]
+    flat = _C.FlatParam(tensors, [n for n, _ in params], group, reshard_after_forward, param_dtype, reduce_dtype)
+    sharded = [nn.Parameter(v, requires_grad=p.requires_grad) for v, (_, p) in zip(flat.shard_views(), params)]
+    unsharded = [nn.Parameter(v, requires_grad=p.requires_grad) for v, (_, p) in zip(flat.unsharded_views(), params)]
+    flat.bind(sharded, unsharded)
+    unit = _Unit(flat, sites, sharded, unsharded, param_dtype)
+    unit.register(sharded)
+
+    cls = type(module)
+    if cls not in _CLASSES:
+        _CLASSES[cls] = type(f"FSDP{cls.__name__}", (FSDPModule, cls), {})
+    module.__class__ = _CLASSES[cls]
+    module._fsdp = unit
+    module.register_forward_pre_hook(_pre_forward, prepend=True, with_kwargs=True)
+    module.register_forward_hook(_post_forward)
+    module.register_state_dict_post_hook(_state_dict_hook)
+    module.register_load_state_dict_pre_hook(_load_state_dict_pre_hook)
+    return module
+
+
+def _lazy_init(root):
+    """At the first forward of a unit outside any other: it is a root; it and every unit below
+    it without an engine share one (the root first, so the engine knows the order to record)."""
+    units = [m._fsdp for m in root.modules() if isinstance(m, FSDPModule) and m._fsdp.engine is None]
+    engine = _C.FsdpEngine([u.flat for u in units], 0)
+    for i, u in enumerate(units):
+        u.engine, u.index = engine, i
+
+
+def _pre_forward(module, args, kwargs):
+    unit = module._fsdp
+    if unit.engine is None:
+        _lazy_init(module)
+    unit.engine.pre_forward(unit.index, torch.is_grad_enabled())
+    unit.register(unit.unsharded)
+    if unit.param_dtype is not None:
+        def cast(x):
+            return x.to(unit.param_dtype) if isinstance(x, torch.Tensor) and x.is_floating_point() else x
+        args, kwargs = tree_map(cast, (args, kwargs))
+    return args, kwargs
+
+
+def _post_forward(module, args, output):
+    unit = module._fsdp
+    grad = torch.is_grad_enabled()
+    unit.engine.post_forward(unit.index, grad)
+    unit.register(unit.sharded)
+    tensors = [t for t in tree_flatten(output)[0] if isinstance(t, torch.Tensor) and t.requires_grad]
+    if grad and tensors:
+        # Runs when the first gradient reaches the unit's outputs, before its backward: gather
+        # the unit again and prefetch the next one in backward order.
+        engine, index = unit.engine, unit.index
+        torch.autograd.graph.register_multi_grad_hook(
+            tensors, lambda grads: engine.pre_backward(index), mode="any")
+    return output
+
+
+def _state_dict_hook(module, state_dict, prefix, local_metadata):
+    """Each of the unit's parameters under its usual key: the full tensor (gathered, a collective:
+    every rank calls state_dict()), or this rank's ``Shard`` in ``sharded_state_dict()``."""
+    unit = module._fsdp
+    flat = unit.flat
+    if unit.sharded_form:
+        values = []
+        for i, p in enumerate(unit.sharded):
+            start, _ = flat.shard_range(i)
+            values.append(Shard(p.detach().clone(), tuple(flat.shape(i)), start, flat.world_size, flat.rank))
+    else:
+        values = flat.gather_full_params()
+    for _, _, i, name in unit.sites:
+        if prefix + name in state_dict:
+            state_dict[prefix + name] = values[i]
+
+
+def _load_state_dict_pre_hook(module, state_dict, prefix, local_metadata, strict, missing_keys,
+                              unexpected_keys, error_msgs):
+    """Full tensors (from a model sharded over any number of ranks, or never sharded): each rank
+    copies its piece, no communication. ``Shard``s: checked to be this rank's piece of this
+    layout. Then the entry becomes the piece, which nn.Module's loader copies onto itself."""
+    unit = module._fsdp
+    flat = unit.flat
+    for _, _, i, name in unit.sites:
+        key = prefix + name
+        if key not in state_dict:
+            continue  # reported as missing by nn.Module's loader
+        value = state_dict[key]
+        if isinstance(value, Shard):
+            start, length = flat.shard_range(i)
+            if value.world_size != flat.world_size or value.rank != flat.rank:
+                raise ValueError(
+                    f"torchpar fully_shard: '{key}' is a shard saved by rank {value.rank} of "
+                    f"{value.world_size}, but this is rank {flat.rank} of {flat.world_size}; a sharded "
+                    "state_dict loads only at the same world size (save state_dict(), the full form, "
+                    "to move a checkpoint across world sizes)")
+            if tuple(value.shape) != tuple(flat.shape(i)) or (value.start, value.local.numel()) != (start, length):
+                raise ValueError(
+                    f"torchpar fully_shard: '{key}' is elements [{value.start}, {value.start + value.local.numel()}) "
+                    f"of shape {list(value.shape)}, but this rank holds [{start}, {start + length}) of shape "
+                    f"{flat.shape(i)}: the model is wrapped differently from the one that saved it")
+            value = value.local
+        elif isinstance(value, torch.Tensor):
+            if tuple(value.shape) != tuple(flat.shape(i)):
+                raise ValueError(
+                    f"torchpar fully_shard: the state_dict's '{key}' has shape {list(value.shape)}, but "
+                    f"the model's parameter has shape {flat.shape(i)}")
+            flat.load_full_param(i, value)
+            value = unit.sharded[i].detach()
+        state_dict[key] = value
