@@ -9,9 +9,10 @@ NPROC   ?= 2
 # cpp_extension puts ccache in front of g++ by itself when it is on PATH (setting
 # CXX="ccache g++" here would wrap it twice: "ccache: Could not find compiler").
 export MAX_JOBS ?= $(NPROC)
-# Paths under /work hashed relative to the build directory, so git worktrees of the project
-# share one ccache.
+# Paths hashed relative to the build directory, and (-g builds) the build directory left out
+# of the hash, so git worktrees of the project share one ccache.
 export CCACHE_BASEDIR ?= $(abspath $(CURDIR)/..)
+export CCACHE_NOHASHDIR ?= 1
 
 SOURCES := setup.py $(shell find csrc -name '*.cpp' -o -name '*.h' -o -name '*.cu' 2>/dev/null)
 
