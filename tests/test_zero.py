@@ -437,3 +437,30 @@ def _zero2_no_sync_and_unused(ctx, backend):
 @on_backends
 def test_zero2_accumulates_under_no_sync_and_skips_unused_parameters(backend):
     _pool(backend, 2).run(_zero2_no_sync_and_unused, backend)
+
+
+def _o2_load_when_a_rank_owns_nothing(ctx, backend):
+    """Review finding: load_state_dict all-gathered only on ranks owning an O2 master, so a
+    rank owning no parameter (2 parameters, 4 ranks) skipped the collective the others ran."""
+    torch.set_num_threads(1)
+    group = _group(ctx, backend)
+    policy = MixedPrecision(param_dtype=torch.bfloat16)
+    torch.manual_seed(0)
+    model = nn.Linear(4, 3).to(torch.bfloat16)
+    opt = ZeroRedundancyOptimizer(model.parameters(), torch.optim.AdamW, group, lr=1e-2,
+                                  mixed_precision=policy)
+    assert bool(opt._local) == (ctx.rank < 2)  # weight and bias: ranks 2 and 3 own nothing
+    sd = {"state": {}, "param_groups": opt._groups_for_saving()}
+    opt.load_state_dict(sd)
+    x = torch.randn(2, 4, generator=torch.Generator().manual_seed(ctx.rank)).to(torch.bfloat16)
+    model(x).float().sum().backward()
+    opt.step()
+    return [p.detach().clone() for p in model.parameters()]
+
+
+@on_backends
+def test_o2_load_state_dict_when_a_rank_owns_no_parameter(backend):
+    results = _pool(backend, 4).run(_o2_load_when_a_rank_owns_nothing, backend, timeout=30)
+    for r in results[1:]:
+        for p, q in zip(r, results[0]):
+            assert torch.equal(p, q)

@@ -241,12 +241,13 @@ class ZeroRedundancyOptimizer(Optimizer):
             i += n
         # The local optimizer numbers its parameters in self._local's order, group by group.
         self.optim.load_state_dict({"state": local_state, "param_groups": local_groups})
-        if any(self._masters[k] is not params[k] for k in self._local):
-            with torch.no_grad():  # parameters follow the loaded masters everywhere
-                for k in self._local:
-                    if self._masters[k] is not params[k]:
-                        params[k].copy_(self._masters[k])
-                self._gather()
+        with torch.no_grad():  # parameters follow the loaded masters everywhere
+            for k in self._local:
+                if self._masters[k] is not params[k]:
+                    params[k].copy_(self._masters[k])
+        # On every rank, whatever it owns: a rank owning no master (or no parameter at all)
+        # that skipped this all-gather would leave the others waiting in it.
+        self._gather()
 
     def _check_loadable(self, state_dict, params):
         meta = state_dict.get("zero")
