@@ -464,3 +464,20 @@ def test_o2_load_state_dict_when_a_rank_owns_no_parameter(backend):
     for r in results[1:]:
         for p, q in zip(r, results[0]):
             assert torch.equal(p, q)
+
+
+def _zero2_join(ctx, backend):
+    """Review finding: a joined rank shadowed the reduce-scatters but not the optimizer's
+    all-gather (and dropped the gradients of the parameters it owns), so the ranks still
+    training hung in step(). Until join is supported, every rank refuses it up front."""
+    ddp, opt = _wrap(ctx, _group(ctx, backend), _mlp(), 2)
+    with pytest.raises(NotImplementedError, match="join.*shard_gradients=True"):
+        with ddp.join():
+            pass
+    with ddp.join(enable=False):  # a disabled join is a no-op, as in torch
+        pass
+
+
+@on_backends
+def test_zero2_join_is_refused_on_every_rank(backend):
+    _pool(backend, 2).run(_zero2_join, backend, timeout=30)
