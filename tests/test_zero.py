@@ -481,3 +481,19 @@ def _zero2_join(ctx, backend):
 @on_backends
 def test_zero2_join_is_refused_on_every_rank(backend):
     _pool(backend, 2).run(_zero2_join, backend, timeout=30)
+
+
+def _wrong_shard_on_one_rank(ctx, backend):
+    """Review finding: a sharded state_dict meant for another rank raised on that rank only,
+    while the others went on into load_state_dict's parameter all-gather and hung."""
+    _, opt = _wrap(ctx, _group(ctx, backend), _mlp(), 1)
+    objs = [opt.sharded_state_dict()]
+    dist.broadcast_object_list(objs, src=0, group=_group(ctx, backend))  # rank 0's shard for all
+    match = "rank 0's shard" if ctx.rank != 0 else "failed on rank 1"
+    with pytest.raises(ValueError, match=match):
+        opt.load_state_dict(objs[0])
+
+
+@on_backends
+def test_load_state_dict_error_on_one_rank_raises_on_every_rank(backend):
+    _pool(backend, 2).run(_wrong_shard_on_one_rank, backend, timeout=30)

@@ -212,7 +212,7 @@ class ZeroRedundancyOptimizer(Optimizer):
         """On every rank, the same consolidated state_dict (or a plain optimizer's): each rank
         keeps its shard of it. A ``sharded_state_dict`` loads only at its own world size and rank."""
         params = self._params()
-        self._check_loadable(state_dict, params)
+        self._check_loadable_everywhere(state_dict, params)
         state = state_dict["state"]
         local_state, local_groups, i = {}, [], 0
         position = {k: i for i, k in enumerate(self._local)}  # in the local optimizer's numbering
@@ -248,6 +248,24 @@ class ZeroRedundancyOptimizer(Optimizer):
         # On every rank, whatever it owns: a rank owning no master (or no parameter at all)
         # that skipped this all-gather would leave the others waiting in it.
         self._gather()
+
+    def _check_loadable_everywhere(self, state_dict, params):
+        """``_check_loadable`` on every rank, then raise on all of them if it failed on any:
+        each rank may load a different (sharded) state_dict, and a rank raising alone would
+        leave the others waiting in the all-gather at the end of ``load_state_dict``."""
+        error = None
+        try:
+            self._check_loadable(state_dict, params)
+        except Exception as e:  # noqa: BLE001 (a malformed dict: KeyError, IndexError too)
+            error = e
+        device = params[0].device if params else torch.device("cpu")
+        failed = torch.tensor([self.rank if error is not None else -1], device=device)
+        dist.all_reduce(failed, op=dist.ReduceOp.MAX, group=self.process_group)
+        if error is not None:
+            raise error
+        if failed.item() >= 0:
+            raise ValueError(f"torchpar ZeRO: load_state_dict failed on rank {int(failed.item())} "
+                             f"(see its error); every rank must load a state_dict it accepts")
 
     def _check_loadable(self, state_dict, params):
         meta = state_dict.get("zero")
