@@ -497,3 +497,26 @@ def _wrong_shard_on_one_rank(ctx, backend):
 @on_backends
 def test_load_state_dict_error_on_one_rank_raises_on_every_rank(backend):
     _pool(backend, 2).run(_wrong_shard_on_one_rank, backend, timeout=30)
+
+
+def _sharded_state_dict_other_layout(ctx, backend):
+    """Review finding: a sharded_state_dict loaded into an optimizer sharded differently (same
+    world size, another bucket_cap_mb) silently gave the parameters a rank now owns, but did
+    not then, fresh state. The saved ownership is checked instead."""
+    group = _group(ctx, backend)
+    model = _mlp()
+    opt = ZeroRedundancyOptimizer(model.parameters(), torch.optim.AdamW, group, lr=1e-2,
+                                  bucket_cap_mb=0.0002)
+    model(torch.randn(2, 6)).sum().backward()
+    opt.step()
+    saved = opt.sharded_state_dict()
+    other = ZeroRedundancyOptimizer(model.parameters(), torch.optim.AdamW, group, lr=1e-2)
+    assert other._local != opt._local  # one bucket instead of several: other shards
+    with pytest.raises(ValueError, match="own(s|ed) parameters"):
+        other.load_state_dict(saved)
+    opt.load_state_dict(saved)  # the same layout still loads
+
+
+@on_backends
+def test_sharded_state_dict_from_another_layout_is_refused(backend):
+    _pool(backend, 2).run(_sharded_state_dict_other_layout, backend, timeout=30)

@@ -206,7 +206,7 @@ class ZeroRedundancyOptimizer(Optimizer):
     def sharded_state_dict(self):
         """This rank's shard only (no communication); loads back only at the same world size."""
         return {"state": self._local_state(), "param_groups": self._groups_for_saving(),
-                "zero": {"world_size": self.world_size, "rank": self.rank}}
+                "zero": {"world_size": self.world_size, "rank": self.rank, "owned": list(self._local)}}
 
     def load_state_dict(self, state_dict):
         """On every rank, the same consolidated state_dict (or a plain optimizer's): each rank
@@ -274,6 +274,15 @@ class ZeroRedundancyOptimizer(Optimizer):
                 f"torchpar ZeRO: this state_dict is rank {meta['rank']}'s shard of a group of "
                 f"{meta['world_size']} ranks; this is rank {self.rank} of {self.world_size}. Save "
                 f"with consolidate_state_dict() and state_dict() to load at another world size.")
+        # The same world size may still shard differently (another bucket_cap_mb, ZeRO-1 vs
+        # DDP's ZeRO-2 layout): the parameters this rank owns now would silently get no state.
+        if meta is not None and "owned" in meta and sorted(meta["owned"]) != sorted(self._local):
+            raise ValueError(
+                f"torchpar ZeRO: this sharded state_dict holds the state of the parameters rank "
+                f"{self.rank} owned when it was saved ({len(meta['owned'])} of them); this optimizer "
+                f"shards differently and this rank owns parameters {sorted(self._local)[:8]}... Load "
+                f"with the same layout (bucket_cap_mb, DDP shard_gradients), or save the "
+                f"consolidated state_dict.")
         saved = state_dict["param_groups"]
         sizes = [len(g["params"]) for g in self.param_groups]
         if [len(g["params"]) for g in saved] != sizes:
