@@ -437,3 +437,86 @@ def _zero2_no_sync_and_unused(ctx, backend):
 @on_backends
 def test_zero2_accumulates_under_no_sync_and_skips_unused_parameters(backend):
     _pool(backend, 2).run(_zero2_no_sync_and_unused, backend)
+
+
+def _o2_load_when_a_rank_owns_nothing(ctx, backend):
+    """Review finding: load_state_dict all-gathered only on ranks owning an O2 master, so a
+    rank owning no parameter (2 parameters, 4 ranks) skipped the collective the others ran."""
+    torch.set_num_threads(1)
+    group = _group(ctx, backend)
+    policy = MixedPrecision(param_dtype=torch.bfloat16)
+    torch.manual_seed(0)
+    model = nn.Linear(4, 3).to(torch.bfloat16)
+    opt = ZeroRedundancyOptimizer(model.parameters(), torch.optim.AdamW, group, lr=1e-2,
+                                  mixed_precision=policy)
+    assert bool(opt._local) == (ctx.rank < 2)  # weight and bias: ranks 2 and 3 own nothing
+    sd = {"state": {}, "param_groups": opt._groups_for_saving()}
+    opt.load_state_dict(sd)
+    x = torch.randn(2, 4, generator=torch.Generator().manual_seed(ctx.rank)).to(torch.bfloat16)
+    model(x).float().sum().backward()
+    opt.step()
+    return [p.detach().clone() for p in model.parameters()]
+
+
+@on_backends
+def test_o2_load_state_dict_when_a_rank_owns_no_parameter(backend):
+    results = _pool(backend, 4).run(_o2_load_when_a_rank_owns_nothing, backend, timeout=30)
+    for r in results[1:]:
+        for p, q in zip(r, results[0]):
+            assert torch.equal(p, q)
+
+
+def _zero2_join(ctx, backend):
+    """Review finding: a joined rank shadowed the reduce-scatters but not the optimizer's
+    all-gather (and dropped the gradients of the parameters it owns), so the ranks still
+    training hung in step(). Until join is supported, every rank refuses it up front."""
+    ddp, opt = _wrap(ctx, _group(ctx, backend), _mlp(), 2)
+    with pytest.raises(NotImplementedError, match="join.*shard_gradients=True"):
+        with ddp.join():
+            pass
+    with ddp.join(enable=False):  # a disabled join is a no-op, as in torch
+        pass
+
+
+@on_backends
+def test_zero2_join_is_refused_on_every_rank(backend):
+    _pool(backend, 2).run(_zero2_join, backend, timeout=30)
+
+
+def _wrong_shard_on_one_rank(ctx, backend):
+    """Review finding: a sharded state_dict meant for another rank raised on that rank only,
+    while the others went on into load_state_dict's parameter all-gather and hung."""
+    _, opt = _wrap(ctx, _group(ctx, backend), _mlp(), 1)
+    objs = [opt.sharded_state_dict()]
+    dist.broadcast_object_list(objs, src=0, group=_group(ctx, backend))  # rank 0's shard for all
+    match = "rank 0's shard" if ctx.rank != 0 else "failed on rank 1"
+    with pytest.raises(ValueError, match=match):
+        opt.load_state_dict(objs[0])
+
+
+@on_backends
+def test_load_state_dict_error_on_one_rank_raises_on_every_rank(backend):
+    _pool(backend, 2).run(_wrong_shard_on_one_rank, backend, timeout=30)
+
+
+def _sharded_state_dict_other_layout(ctx, backend):
+    """Review finding: a sharded_state_dict loaded into an optimizer sharded differently (same
+    world size, another bucket_cap_mb) silently gave the parameters a rank now owns, but did
+    not then, fresh state. The saved ownership is checked instead."""
+    group = _group(ctx, backend)
+    model = _mlp()
+    opt = ZeroRedundancyOptimizer(model.parameters(), torch.optim.AdamW, group, lr=1e-2,
+                                  bucket_cap_mb=0.0002)
+    model(torch.randn(2, 6)).sum().backward()
+    opt.step()
+    saved = opt.sharded_state_dict()
+    other = ZeroRedundancyOptimizer(model.parameters(), torch.optim.AdamW, group, lr=1e-2)
+    assert other._local != opt._local  # one bucket instead of several: other shards
+    with pytest.raises(ValueError, match="own(s|ed) parameters"):
+        other.load_state_dict(saved)
+    opt.load_state_dict(saved)  # the same layout still loads
+
+
+@on_backends
+def test_sharded_state_dict_from_another_layout_is_refused(backend):
+    _pool(backend, 2).run(_sharded_state_dict_other_layout, backend, timeout=30)

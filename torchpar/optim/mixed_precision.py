@@ -27,6 +27,11 @@ class MixedPrecisionOptimizer(ZeroRedundancyOptimizer):
     def _partition(self, start):
         return [], set(range(start, len(self._params())))  # every rank owns everything
 
+    def _check_loadable_everywhere(self, state_dict, params):
+        # No all-gather follows a load here, so no rank can be left waiting: check locally,
+        # without a collective (a load on one rank alone stays possible).
+        self._check_loadable(state_dict, params)
+
     def consolidate_state_dict(self, to=0):
         pass  # every rank holds the whole state
 

@@ -206,13 +206,13 @@ class ZeroRedundancyOptimizer(Optimizer):
     def sharded_state_dict(self):
         """This rank's shard only (no communication); loads back only at the same world size."""
         return {"state": self._local_state(), "param_groups": self._groups_for_saving(),
-                "zero": {"world_size": self.world_size, "rank": self.rank}}
+                "zero": {"world_size": self.world_size, "rank": self.rank, "owned": list(self._local)}}
 
     def load_state_dict(self, state_dict):
         """On every rank, the same consolidated state_dict (or a plain optimizer's): each rank
         keeps its shard of it. A ``sharded_state_dict`` loads only at its own world size and rank."""
         params = self._params()
-        self._check_loadable(state_dict, params)
+        self._check_loadable_everywhere(state_dict, params)
         state = state_dict["state"]
         local_state, local_groups, i = {}, [], 0
         position = {k: i for i, k in enumerate(self._local)}  # in the local optimizer's numbering
@@ -241,12 +241,31 @@ class ZeroRedundancyOptimizer(Optimizer):
             i += n
         # The local optimizer numbers its parameters in self._local's order, group by group.
         self.optim.load_state_dict({"state": local_state, "param_groups": local_groups})
-        if any(self._masters[k] is not params[k] for k in self._local):
-            with torch.no_grad():  # parameters follow the loaded masters everywhere
-                for k in self._local:
-                    if self._masters[k] is not params[k]:
-                        params[k].copy_(self._masters[k])
-                self._gather()
+        with torch.no_grad():  # parameters follow the loaded masters everywhere
+            for k in self._local:
+                if self._masters[k] is not params[k]:
+                    params[k].copy_(self._masters[k])
+        # On every rank, whatever it owns: a rank owning no master (or no parameter at all)
+        # that skipped this all-gather would leave the others waiting in it.
+        self._gather()
+
+    def _check_loadable_everywhere(self, state_dict, params):
+        """``_check_loadable`` on every rank, then raise on all of them if it failed on any:
+        each rank may load a different (sharded) state_dict, and a rank raising alone would
+        leave the others waiting in the all-gather at the end of ``load_state_dict``."""
+        error = None
+        try:
+            self._check_loadable(state_dict, params)
+        except Exception as e:  # noqa: BLE001 (a malformed dict: KeyError, IndexError too)
+            error = e
+        device = params[0].device if params else torch.device("cpu")
+        failed = torch.tensor([self.rank if error is not None else -1], device=device)
+        dist.all_reduce(failed, op=dist.ReduceOp.MAX, group=self.process_group)
+        if error is not None:
+            raise error
+        if failed.item() >= 0:
+            raise ValueError(f"torchpar ZeRO: load_state_dict failed on rank {int(failed.item())} "
+                             f"(see its error); every rank must load a state_dict it accepts")
 
     def _check_loadable(self, state_dict, params):
         meta = state_dict.get("zero")
@@ -255,6 +274,15 @@ class ZeroRedundancyOptimizer(Optimizer):
                 f"torchpar ZeRO: this state_dict is rank {meta['rank']}'s shard of a group of "
                 f"{meta['world_size']} ranks; this is rank {self.rank} of {self.world_size}. Save "
                 f"with consolidate_state_dict() and state_dict() to load at another world size.")
+        # The same world size may still shard differently (another bucket_cap_mb, ZeRO-1 vs
+        # DDP's ZeRO-2 layout): the parameters this rank owns now would silently get no state.
+        if meta is not None and "owned" in meta and sorted(meta["owned"]) != sorted(self._local):
+            raise ValueError(
+                f"torchpar ZeRO: this sharded state_dict holds the state of the parameters rank "
+                f"{self.rank} owned when it was saved ({len(meta['owned'])} of them); this optimizer "
+                f"shards differently and this rank owns parameters {sorted(self._local)[:8]}... Load "
+                f"with the same layout (bucket_cap_mb, DDP shard_gradients), or save the "
+                f"consolidated state_dict.")
         saved = state_dict["param_groups"]
         sizes = [len(g["params"]) for g in self.param_groups]
         if [len(g["params"]) for g in saved] != sizes:

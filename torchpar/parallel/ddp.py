@@ -174,6 +174,14 @@ class DistributedDataParallel(nn.Module, Joinable):
             raise NotImplementedError(
                 "torchpar DDP: join(divide_by_initial_world_size=False) is not supported; "
                 "gradients are always divided by the group's size")
+        if enable and self.shard_gradients:
+            # A joined rank reduce-scatters zeros into a scratch shard, so the gradients of the
+            # parameters it owns are lost, and it never enters the optimizer's all-gather: the
+            # ranks still training would hang in step(). Refused on every rank instead.
+            raise NotImplementedError(
+                "torchpar DDP: join() with shard_gradients=True is not supported (a joined rank "
+                "would miss the ZeroRedundancyOptimizer's all-gather); give every rank the same "
+                "number of batches, or use shard_gradients=False")
         return Join([self], enable, throw_on_early_termination)
 
     def join_hook(self, **kwargs):
