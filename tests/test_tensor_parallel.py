@@ -275,3 +275,28 @@ def test_bad_input_raises_on_every_rank(backend):
         assert "sequence length" in messages[7] and "(3, 2)" in messages[7]
         assert "different sizes" in messages[8]
         assert "different sizes" in messages[9]
+
+
+# ---- review findings: each case below failed before its fix ----
+
+def _all_targets_ignored(ctx, backend):
+    # A micro-batch of padding only: F.cross_entropy's mean is nan (0/0) but its gradient is
+    # zero; a nan gradient here would poison every weight after one step.
+    group = group_for(ctx, backend)
+    rank, tp = dist.get_rank(group), dist.get_world_size(group)
+    torch.manual_seed(5)
+    logits, target = torch.randn(4, 8), torch.full((4,), -100)
+    for smoothing in (0.0, 0.1):
+        ld = _leaf(logits)
+        want = F.cross_entropy(ld, target, label_smoothing=smoothing)
+        want.backward()
+        lt = _leaf(logits.chunk(tp, -1)[rank])
+        got = vocab_parallel_cross_entropy(lt, target, group, label_smoothing=smoothing)
+        assert got.isnan() and want.isnan()
+        got.backward()
+        assert torch.equal(lt.grad, ld.grad.chunk(tp, -1)[rank]), lt.grad
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_cross_entropy_all_targets_ignored_has_zero_grad(backend):
+    get_pool(2).run(_all_targets_ignored, backend)

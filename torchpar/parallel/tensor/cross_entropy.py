@@ -56,7 +56,9 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
             grad = grad - ctx.label_smoothing / ctx.vocab
         hit = (held & valid).unsqueeze(-1).to(grad.dtype) * (1 - ctx.label_smoothing)
         grad = grad.scatter_add(-1, local_target.unsqueeze(-1), -hit)
-        grad = grad * (grad_loss * valid).unsqueeze(-1)
+        # where, not a product: with every target ignored the mean's grad_loss is inf (1/0), and
+        # inf * 0 is nan; F.cross_entropy gives ignored tokens a zero gradient whatever grad_loss is.
+        grad = grad * torch.where(valid, grad_loss, 0.0).unsqueeze(-1)
         return grad.to(ctx.dtype), None, None, None, None
 
 
