@@ -300,3 +300,19 @@ def _all_targets_ignored(ctx, backend):
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_cross_entropy_all_targets_ignored_has_zero_grad(backend):
     get_pool(2).run(_all_targets_ignored, backend)
+
+
+def _mlp_from_dense_other_activation(ctx, backend):
+    # from_dense must compute the dense module's function or refuse: ParallelMLP's activation is
+    # the exact (erf) GeLU, so a ReLU or tanh-GeLU MLP is an error, not a silent substitution.
+    group = group_for(ctx, backend)
+    for act in (nn.ReLU(), nn.GELU(approximate="tanh"), nn.SiLU()):
+        dense = nn.Sequential(nn.Linear(8, 16), act, nn.Linear(16, 8))
+        with pytest.raises(TypeError, match=type(act).__name__):
+            ParallelMLP.from_dense(dense, group)
+    ParallelMLP.from_dense(nn.Sequential(nn.Linear(8, 16), nn.GELU(), nn.Dropout(0.1), nn.Linear(16, 8)), group)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_mlp_from_dense_refuses_other_activations(backend):
+    get_pool(2).run(_mlp_from_dense_other_activation, backend)
