@@ -103,7 +103,9 @@ def _bad_plans(ctx, backend):
                       ({"blocks.*.mlp": "colwise"}, TypeError),
                       ({"tok_emb": "rowwise"}, TypeError),
                       ({"blocks.*.attn.q_proj": "sequence"}, TypeError),
-                      ({"lm_head": "diagonal"}, ValueError)):
+                      ({"lm_head": "diagonal"}, ValueError),
+                      # two entries giving one module different styles: not "the last one wins"
+                      ({"blocks.*.mlp.fc1": "colwise", "blocks.0.mlp.fc1": "rowwise"}, ValueError)):
         with pytest.raises(exc) as info:
             parallelize(model, plan, group)
         messages.append(str(info.value))
@@ -119,6 +121,7 @@ def test_bad_plan_names_the_entry(backend):
         assert "'tok_emb'" in messages[2] and "Embedding" in messages[2]
         assert "'blocks.0.attn.q_proj'" in messages[3] and "Linear" in messages[3]
         assert "'diagonal'" in messages[4]
+        assert "'blocks.0.mlp.fc1'" in messages[5] and "'blocks.*.mlp.fc1'" in messages[5], messages[5]
 
 
 # ---- tp=2 x dp=2 on 4 ranks: tp inner (ranks 2d, 2d+1), dp outer; groups from explicit

@@ -63,13 +63,21 @@ def parallelize(model: nn.Module, plan: dict, group=None) -> nn.Module:
             raise ValueError(f"parallelize: plan entry {pattern!r} has style {style!r}; styles are {STYLES}")
     sequence_parallel = "sequence" in plan.values()
     named = dict(model.named_modules())
-    todo = []
+    todo, entry_of = [], {}
     for pattern, style in plan.items():
         hits = [n for n in named if n and _matches(pattern, n)]
         if not hits:
             raise ValueError(f"parallelize: plan entry {pattern!r} ({style}) matches no module of "
                              f"{type(model).__name__}")
-        todo += [(n, style) for n in hits]
+        for n in hits:
+            if n in entry_of:  # converted once only; two styles for one module is ambiguous
+                first, first_style = entry_of[n]
+                if first_style != style:
+                    raise ValueError(f"parallelize: module {n!r} is matched by plan entries {first!r} "
+                                     f"({first_style}) and {pattern!r} ({style})")
+                continue
+            entry_of[n] = (pattern, style)
+            todo.append((n, style))
     for name, style in todo:  # every check above first, so a bad plan changes nothing
         module = named[name]
         need = {"colwise": nn.Linear, "rowwise": nn.Linear, "vocab": nn.Embedding,
