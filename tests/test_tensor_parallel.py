@@ -316,3 +316,27 @@ def _mlp_from_dense_other_activation(ctx, backend):
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_mlp_from_dense_refuses_other_activations(backend):
     get_pool(2).run(_mlp_from_dense_other_activation, backend)
+
+
+def _row_sequence_mismatch(ctx, backend):
+    # A RowParallelLinear used on its own (input_is_parallel=True, its default): ranks whose
+    # sequence lengths differ used to reach the all-reduce / reduce-scatter with different sizes
+    # (gloo aborts the process). Inside ParallelMLP / ParallelSelfAttention the column layer
+    # before it has checked the same sizes already.
+    group = group_for(ctx, backend)
+    rank = dist.get_rank(group)
+    messages = []
+    for sp in (False, True):
+        row = RowParallelLinear(8, 8, group=group, sequence_parallel=sp)
+        with pytest.raises(ValueError, match="different sizes") as info:
+            row(torch.randn(4 + 2 * rank, 2, 4))
+        messages.append(str(info.value))
+    t = torch.ones(3)
+    dist.all_reduce(t, group=group)
+    return messages
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_row_linear_sequence_mismatch_raises_on_every_rank(backend):
+    for messages in get_pool(2).run(_row_sequence_mismatch, backend):
+        assert all("RowParallelLinear input" in m and "rank 1: [6, 2, 4]" in m for m in messages), messages

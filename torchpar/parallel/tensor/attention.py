@@ -66,6 +66,7 @@ class ParallelSelfAttention(nn.Module):
         self.qkv = ColumnParallelLinear.from_dense(qkv, self.group, sequence_parallel=sequence_parallel)
         self.proj = RowParallelLinear.from_dense(proj, self.group, sequence_parallel=sequence_parallel,
                                                  skip_bias_add=True)
+        self.proj.check_input_sizes = False  # qkv has checked them: proj's input derives from qkv's output
 
     def _interleave(self, q, k, v):
         # [q_0; k_0; v_0; q_1; k_1; v_1; ...]: ColumnParallelLinear's row block r is then the

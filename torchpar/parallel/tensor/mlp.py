@@ -33,6 +33,7 @@ class ParallelMLP(nn.Module):
                                                    skip_bias_add=True)
         self.fc2 = RowParallelLinear.from_dense(fc2, self.group, sequence_parallel=sequence_parallel,
                                                 skip_bias_add=True)
+        self.fc2.check_input_sizes = False  # fc1 has checked them: fc2's input is fc1's output
         self.dropout = dropout
 
     @classmethod
