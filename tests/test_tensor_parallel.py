@@ -340,3 +340,16 @@ def _row_sequence_mismatch(ctx, backend):
 def test_row_linear_sequence_mismatch_raises_on_every_rank(backend):
     for messages in get_pool(2).run(_row_sequence_mismatch, backend):
         assert all("RowParallelLinear input" in m and "rank 1: [6, 2, 4]" in m for m in messages), messages
+
+
+def _attention_from_dense_add_zero_attn(ctx, backend):
+    # add_zero_attn appends a zero key and value that ParallelSelfAttention does not have: the
+    # shard would compute other numbers than the dense module, so from_dense must refuse it.
+    group = group_for(ctx, backend)
+    with pytest.raises(TypeError, match="add_zero_attn"):
+        ParallelSelfAttention.from_dense(nn.MultiheadAttention(8, 2, add_zero_attn=True), group)
+
+
+@pytest.mark.parametrize("backend", ["torchpar"])
+def test_attention_from_dense_refuses_add_zero_attn(backend):
+    get_pool(2).run(_attention_from_dense_add_zero_attn, backend)

@@ -18,9 +18,10 @@ from torchpar.parallel.tensor.linear import ColumnParallelLinear, RowParallelLin
 def _dense_projections(module):
     """(Wq, Wk, Wv, bq, bk, bv, out_proj, num_heads) of a dense attention block, or TypeError."""
     if isinstance(module, nn.MultiheadAttention):
-        if module.batch_first or not module._qkv_same_embed_dim or module.bias_k is not None:
+        if (module.batch_first or not module._qkv_same_embed_dim or module.bias_k is not None
+                or module.add_zero_attn):
             raise TypeError("ParallelSelfAttention.from_dense: nn.MultiheadAttention must have "
-                            "batch_first=False ([s, b, h]), no kdim/vdim and no add_bias_kv")
+                            "batch_first=False ([s, b, h]), no kdim/vdim, no add_bias_kv and no add_zero_attn")
         w = module.in_proj_weight.chunk(3, 0)
         b = module.in_proj_bias.chunk(3, 0) if module.in_proj_bias is not None else (None,) * 3
         return (*w, *b, module.out_proj, module.num_heads)
