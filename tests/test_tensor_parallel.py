@@ -353,3 +353,21 @@ def _attention_from_dense_add_zero_attn(ctx, backend):
 @pytest.mark.parametrize("backend", ["torchpar"])
 def test_attention_from_dense_refuses_add_zero_attn(backend):
     get_pool(2).run(_attention_from_dense_add_zero_attn, backend)
+
+
+def _cross_entropy_target_mismatch_on_one_rank(ctx, backend):
+    # Only rank 1's target disagrees with its logits: it used to raise alone, before the shape
+    # check's collective, leaving rank 0 inside it. Every rank must raise, and the group live on.
+    group = group_for(ctx, backend)
+    rank = dist.get_rank(group)
+    with pytest.raises(ValueError, match="target") as info:
+        vocab_parallel_cross_entropy(torch.randn(4, 8), torch.zeros(4 + rank, dtype=torch.long), group)
+    t = torch.ones(3)
+    dist.all_reduce(t, group=group)
+    return str(info.value)
+
+
+@pytest.mark.parametrize("backend", ["torchpar"])  # gloo aborts the process on the old mismatch
+def test_cross_entropy_target_mismatch_on_one_rank_raises_everywhere(backend):
+    for message in get_pool(2).run(_cross_entropy_target_mismatch_on_one_rank, backend):
+        assert "different sizes" in message and "rank 1: [5]" in message, message

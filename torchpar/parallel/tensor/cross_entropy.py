@@ -73,14 +73,17 @@ def vocab_parallel_cross_entropy(logits, target, group=None, label_smoothing=0.0
     ``target``).
     """
     group = comm.resolve_group(group)
-    if logits.shape[:-1] != target.shape:
-        raise ValueError(f"vocab_parallel_cross_entropy: logits {tuple(logits.shape)} and target "
-                         f"{tuple(target.shape)} disagree (logits must be target's shape plus the vocabulary)")
     if not 0.0 <= label_smoothing <= 1.0:
         raise ValueError(f"vocab_parallel_cross_entropy: label_smoothing must be in [0, 1], got {label_smoothing}")
     if reduction not in ("mean", "sum", "none"):
         raise ValueError(f"vocab_parallel_cross_entropy: reduction must be 'mean', 'sum' or 'none', got {reduction!r}")
+    # The shapes agree across ranks before any check that depends on them: a rank raising alone
+    # would leave the others inside the next collective.
+    comm.check_same_sizes(target, group, "vocab_parallel_cross_entropy target")
     comm.check_same_sizes(logits, group, "vocab_parallel_cross_entropy logits")
+    if logits.shape[:-1] != target.shape:
+        raise ValueError(f"vocab_parallel_cross_entropy: logits {tuple(logits.shape)} and target "
+                         f"{tuple(target.shape)} disagree (logits must be target's shape plus the vocabulary)")
     loss = _VocabParallelCrossEntropy.apply(logits, target, group, float(label_smoothing), ignore_index)
     if reduction == "none":
         return loss
