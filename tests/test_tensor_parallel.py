@@ -371,3 +371,20 @@ def _cross_entropy_target_mismatch_on_one_rank(ctx, backend):
 def test_cross_entropy_target_mismatch_on_one_rank_raises_everywhere(backend):
     for message in get_pool(2).run(_cross_entropy_target_mismatch_on_one_rank, backend):
         assert "different sizes" in message and "rank 1: [5]" in message, message
+
+
+def _cross_entropy_target_out_of_range(ctx, backend):
+    # F.cross_entropy raises for a target outside [0, V); the vocabulary-parallel loss used to
+    # count it as a logit of 0 on every rank and return a finite, meaningless loss.
+    group = group_for(ctx, backend)
+    rank, tp = dist.get_rank(group), dist.get_world_size(group)
+    target = torch.tensor([1, 40, -100, 3])
+    with pytest.raises(IndexError, match="40"):
+        vocab_parallel_cross_entropy(torch.randn(4, 16).chunk(tp, -1)[rank], target, group)
+    t = torch.ones(3)
+    dist.all_reduce(t, group=group)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_cross_entropy_target_out_of_range_raises(backend):
+    get_pool(2).run(_cross_entropy_target_out_of_range, backend)

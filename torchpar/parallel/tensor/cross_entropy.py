@@ -29,18 +29,25 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         local_target = (target - start).masked_fill(~held, 0)
         target_logit = x.gather(-1, local_target.unsqueeze(-1)).squeeze(-1).masked_fill(~held, 0.0)
         exp = x.exp()
+        # The last row counts the ranks holding each target: 0 for a target outside [0, V),
+        # found in the same all-reduce, so every rank sees it and raises alike.
         stats = [exp.sum(-1), target_logit]
         if label_smoothing > 0:
             stats.append(x.sum(-1))
+        stats.append(held.to(x.dtype))
         stats = torch.stack(stats)
         if tp > 1:
             dist.all_reduce(stats, group=group)
+        valid = target != ignore_index
+        unheld = valid & (stats[-1] == 0)
+        if unheld.any():
+            raise IndexError(f"vocab_parallel_cross_entropy: target {target[unheld][0].item()} is out of "
+                             f"bounds for the vocabulary of {vocab} (and is not ignore_index {ignore_index})")
         log_z = stats[0].log()
         loss = log_z - stats[1]
         if label_smoothing > 0:
             # F.cross_entropy's smoothing: (1 - e) * nll + e * mean over the vocabulary of -log p.
             loss = (1 - label_smoothing) * loss + label_smoothing * (log_z - stats[2] / vocab)
-        valid = target != ignore_index
         loss = loss.masked_fill(~valid, 0.0)
 
         softmax = exp.div_(stats[0].unsqueeze(-1))  # in place: the only [.., V/tp] buffer kept
