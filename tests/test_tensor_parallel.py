@@ -275,3 +275,116 @@ def test_bad_input_raises_on_every_rank(backend):
         assert "sequence length" in messages[7] and "(3, 2)" in messages[7]
         assert "different sizes" in messages[8]
         assert "different sizes" in messages[9]
+
+
+# ---- review findings: each case below failed before its fix ----
+
+def _all_targets_ignored(ctx, backend):
+    # A micro-batch of padding only: F.cross_entropy's mean is nan (0/0) but its gradient is
+    # zero; a nan gradient here would poison every weight after one step.
+    group = group_for(ctx, backend)
+    rank, tp = dist.get_rank(group), dist.get_world_size(group)
+    torch.manual_seed(5)
+    logits, target = torch.randn(4, 8), torch.full((4,), -100)
+    for smoothing in (0.0, 0.1):
+        ld = _leaf(logits)
+        want = F.cross_entropy(ld, target, label_smoothing=smoothing)
+        want.backward()
+        lt = _leaf(logits.chunk(tp, -1)[rank])
+        got = vocab_parallel_cross_entropy(lt, target, group, label_smoothing=smoothing)
+        assert got.isnan() and want.isnan()
+        got.backward()
+        assert torch.equal(lt.grad, ld.grad.chunk(tp, -1)[rank]), lt.grad
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_cross_entropy_all_targets_ignored_has_zero_grad(backend):
+    get_pool(2).run(_all_targets_ignored, backend)
+
+
+def _mlp_from_dense_other_activation(ctx, backend):
+    # from_dense must compute the dense module's function or refuse: ParallelMLP's activation is
+    # the exact (erf) GeLU, so a ReLU or tanh-GeLU MLP is an error, not a silent substitution.
+    group = group_for(ctx, backend)
+    for act in (nn.ReLU(), nn.GELU(approximate="tanh"), nn.SiLU()):
+        dense = nn.Sequential(nn.Linear(8, 16), act, nn.Linear(16, 8))
+        with pytest.raises(TypeError, match=type(act).__name__):
+            ParallelMLP.from_dense(dense, group)
+    ParallelMLP.from_dense(nn.Sequential(nn.Linear(8, 16), nn.GELU(), nn.Dropout(0.1), nn.Linear(16, 8)), group)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_mlp_from_dense_refuses_other_activations(backend):
+    get_pool(2).run(_mlp_from_dense_other_activation, backend)
+
+
+def _row_sequence_mismatch(ctx, backend):
+    # A RowParallelLinear used on its own (input_is_parallel=True, its default): ranks whose
+    # sequence lengths differ used to reach the all-reduce / reduce-scatter with different sizes
+    # (gloo aborts the process). Inside ParallelMLP / ParallelSelfAttention the column layer
+    # before it has checked the same sizes already.
+    group = group_for(ctx, backend)
+    rank = dist.get_rank(group)
+    messages = []
+    for sp in (False, True):
+        row = RowParallelLinear(8, 8, group=group, sequence_parallel=sp)
+        with pytest.raises(ValueError, match="different sizes") as info:
+            row(torch.randn(4 + 2 * rank, 2, 4))
+        messages.append(str(info.value))
+    t = torch.ones(3)
+    dist.all_reduce(t, group=group)
+    return messages
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_row_linear_sequence_mismatch_raises_on_every_rank(backend):
+    for messages in get_pool(2).run(_row_sequence_mismatch, backend):
+        assert all("RowParallelLinear input" in m and "rank 1: [6, 2, 4]" in m for m in messages), messages
+
+
+def _attention_from_dense_add_zero_attn(ctx, backend):
+    # add_zero_attn appends a zero key and value that ParallelSelfAttention does not have: the
+    # shard would compute other numbers than the dense module, so from_dense must refuse it.
+    group = group_for(ctx, backend)
+    with pytest.raises(TypeError, match="add_zero_attn"):
+        ParallelSelfAttention.from_dense(nn.MultiheadAttention(8, 2, add_zero_attn=True), group)
+
+
+@pytest.mark.parametrize("backend", ["torchpar"])
+def test_attention_from_dense_refuses_add_zero_attn(backend):
+    get_pool(2).run(_attention_from_dense_add_zero_attn, backend)
+
+
+def _cross_entropy_target_mismatch_on_one_rank(ctx, backend):
+    # Only rank 1's target disagrees with its logits: it used to raise alone, before the shape
+    # check's collective, leaving rank 0 inside it. Every rank must raise, and the group live on.
+    group = group_for(ctx, backend)
+    rank = dist.get_rank(group)
+    with pytest.raises(ValueError, match="target") as info:
+        vocab_parallel_cross_entropy(torch.randn(4, 8), torch.zeros(4 + rank, dtype=torch.long), group)
+    t = torch.ones(3)
+    dist.all_reduce(t, group=group)
+    return str(info.value)
+
+
+@pytest.mark.parametrize("backend", ["torchpar"])  # gloo aborts the process on the old mismatch
+def test_cross_entropy_target_mismatch_on_one_rank_raises_everywhere(backend):
+    for message in get_pool(2).run(_cross_entropy_target_mismatch_on_one_rank, backend):
+        assert "different sizes" in message and "rank 1: [5]" in message, message
+
+
+def _cross_entropy_target_out_of_range(ctx, backend):
+    # F.cross_entropy raises for a target outside [0, V); the vocabulary-parallel loss used to
+    # count it as a logit of 0 on every rank and return a finite, meaningless loss.
+    group = group_for(ctx, backend)
+    rank, tp = dist.get_rank(group), dist.get_world_size(group)
+    target = torch.tensor([1, 40, -100, 3])
+    with pytest.raises(IndexError, match="40"):
+        vocab_parallel_cross_entropy(torch.randn(4, 16).chunk(tp, -1)[rank], target, group)
+    t = torch.ones(3)
+    dist.all_reduce(t, group=group)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_cross_entropy_target_out_of_range_raises(backend):
+    get_pool(2).run(_cross_entropy_target_out_of_range, backend)

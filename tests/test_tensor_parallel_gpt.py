@@ -103,7 +103,9 @@ def _bad_plans(ctx, backend):
                       ({"blocks.*.mlp": "colwise"}, TypeError),
                       ({"tok_emb": "rowwise"}, TypeError),
                       ({"blocks.*.attn.q_proj": "sequence"}, TypeError),
-                      ({"lm_head": "diagonal"}, ValueError)):
+                      ({"lm_head": "diagonal"}, ValueError),
+                      # two entries giving one module different styles: not "the last one wins"
+                      ({"blocks.*.mlp.fc1": "colwise", "blocks.0.mlp.fc1": "rowwise"}, ValueError)):
         with pytest.raises(exc) as info:
             parallelize(model, plan, group)
         messages.append(str(info.value))
@@ -119,6 +121,7 @@ def test_bad_plan_names_the_entry(backend):
         assert "'tok_emb'" in messages[2] and "Embedding" in messages[2]
         assert "'blocks.0.attn.q_proj'" in messages[3] and "Linear" in messages[3]
         assert "'diagonal'" in messages[4]
+        assert "'blocks.0.mlp.fc1'" in messages[5] and "'blocks.*.mlp.fc1'" in messages[5], messages[5]
 
 
 # ---- tp=2 x dp=2 on 4 ranks: tp inner (ranks 2d, 2d+1), dp outer; groups from explicit
@@ -157,3 +160,33 @@ def _tp_dp_training(ctx, backend, sp, steps):
 @pytest.mark.parametrize("backend", BACKENDS + ["device_mesh"])
 def test_tp2_dp2_with_ddp_trains_like_one_process(backend, sp):
     get_pool(4).run(_tp_dp_training, backend, sp, 3)
+
+
+# ---- tied weights (GPT-2's lm_head.weight is tok_emb.weight) ----
+
+def _tied_gpt(ctx, backend):
+    group = group_for(ctx, backend)
+    rank, tp = dist.get_rank(group), dist.get_world_size(group)
+    torch.manual_seed(0)
+    dense = GPT(VOCAB)
+    dense.lm_head.weight = dense.tok_emb.weight
+    model = parallelize(copy.deepcopy(dense), gpt_plan(False), group)
+    # The vocab embedding and the colwise head shard the same rows: the tie survives.
+    assert model.lm_head.weight is model.tok_emb.weight
+    idx, target = _data(0)
+    dense_loss(dense(idx), target).backward()
+    vocab_parallel_cross_entropy(model(idx), target, group).backward()
+    torch.testing.assert_close(model.tok_emb.weight.grad, dense.tok_emb.weight.grad.chunk(tp, 0)[rank],
+                               **tolerances(torch.float32))
+    # A weight shared by modules sharded differently (or one not sharded) cannot stay tied.
+    bad = GPT(VOCAB)
+    bad.blocks[1].attn.q_proj.weight = bad.blocks[0].attn.q_proj.weight
+    with pytest.raises(ValueError, match="shared") as info:
+        parallelize(bad, {"blocks.0.attn.q_proj": "colwise"}, group)
+    return str(info.value)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_parallelize_keeps_tied_weights(backend):
+    for message in get_pool(2).run(_tied_gpt, backend):
+        assert "'blocks.0.attn.q_proj'" in message and "'blocks.1.attn.q_proj'" in message, message

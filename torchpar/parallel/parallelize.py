@@ -47,6 +47,39 @@ def _convert(name, module, style, group, sequence_parallel):
     return mark_sequence_parallel(module, group, name)
 
 
+def _sharding(style, param_name):
+    # How the converted module holds its part of a parameter: modules that share (tie) a
+    # parameter, as GPT-2's lm_head and token embedding do, can keep sharing it only when
+    # every one of them holds the same part.
+    if style in ("colwise", "vocab"):
+        return "split along dim 0"
+    if style == "rowwise":
+        return "split along dim 1" if param_name == "weight" else "replicated"
+    return "unchanged"
+
+
+def _shared_parameters(named, style_of):
+    """[(holders, sharding)] for each parameter held by several modules, holders being
+    [(module name, parameter name)]; a ValueError naming them unless all shard it alike."""
+    holders = {}
+    for name, module in named.items():
+        for pname, p in module._parameters.items():
+            if p is not None:
+                holders.setdefault(id(p), []).append((name, pname))
+    shared = []
+    for hs in holders.values():
+        if len(hs) < 2:
+            continue
+        kinds = {_sharding(style_of.get(n), pn) for n, pn in hs}
+        if len(kinds) > 1:
+            where = ", ".join(f"{n!r}.{pn} ({style_of.get(n, 'not in the plan')})" for n, pn in hs)
+            raise ValueError(f"parallelize: a parameter shared by {where} would be sharded differently "
+                             f"in each ({', '.join(sorted(kinds))}); modules sharing a parameter need "
+                             f"the same style")
+        shared.append((hs, kinds.pop()))
+    return shared
+
+
 def parallelize(model: nn.Module, plan: dict, group=None) -> nn.Module:
     """Replaces, in place, each module of ``model`` whose name matches a key of ``plan`` (glob
     patterns over dotted names, e.g. ``"blocks.*.attn.q_proj"``) by its tensor-parallel form
@@ -55,7 +88,10 @@ def parallelize(model: nn.Module, plan: dict, group=None) -> nn.Module:
 
     Every rank must call it with the same model (same seed or checkpoint) and plan. An entry
     matching no module, an unknown style or a module that cannot take its style is a
-    ValueError/TypeError naming it, raised on every rank before any collective.
+    ValueError/TypeError naming it, raised on every rank before any collective. Tied
+    parameters (an ``lm_head`` sharing the token embedding's weight) stay tied when every module
+    holding them shards them alike ("vocab" and "colwise" both split the vocabulary rows);
+    otherwise it is a ValueError naming the modules.
     """
     group = comm.resolve_group(group)
     for pattern, style in plan.items():
@@ -63,13 +99,21 @@ def parallelize(model: nn.Module, plan: dict, group=None) -> nn.Module:
             raise ValueError(f"parallelize: plan entry {pattern!r} has style {style!r}; styles are {STYLES}")
     sequence_parallel = "sequence" in plan.values()
     named = dict(model.named_modules())
-    todo = []
+    todo, entry_of = [], {}
     for pattern, style in plan.items():
         hits = [n for n in named if n and _matches(pattern, n)]
         if not hits:
             raise ValueError(f"parallelize: plan entry {pattern!r} ({style}) matches no module of "
                              f"{type(model).__name__}")
-        todo += [(n, style) for n in hits]
+        for n in hits:
+            if n in entry_of:  # converted once only; two styles for one module is ambiguous
+                first, first_style = entry_of[n]
+                if first_style != style:
+                    raise ValueError(f"parallelize: module {n!r} is matched by plan entries {first!r} "
+                                     f"({first_style}) and {pattern!r} ({style})")
+                continue
+            entry_of[n] = (pattern, style)
+            todo.append((n, style))
     for name, style in todo:  # every check above first, so a bad plan changes nothing
         module = named[name]
         need = {"colwise": nn.Linear, "rowwise": nn.Linear, "vocab": nn.Embedding,
@@ -78,8 +122,15 @@ def parallelize(model: nn.Module, plan: dict, group=None) -> nn.Module:
             names = ", ".join(t.__name__ for t in need) if style == "sequence" else need.__name__
             raise TypeError(f"parallelize: module {name!r} is a {type(module).__name__}; style {style!r} "
                             f"needs an {names}")
+    shared = _shared_parameters(named, dict(todo))
     for name, style in todo:
         parent_name, _, attr = name.rpartition(".")
         parent = model.get_submodule(parent_name)
         setattr(parent, attr, _convert(name, named[name], style, group, sequence_parallel))
+    for holders, sharding in shared:  # each converted module made its own copy: tie them again
+        if sharding != "unchanged":
+            (first, first_param), *rest = holders
+            param = getattr(model.get_submodule(first), first_param)
+            for name, pname in rest:
+                setattr(model.get_submodule(name), pname, param)
     return model

@@ -18,9 +18,10 @@ from torchpar.parallel.tensor.linear import ColumnParallelLinear, RowParallelLin
 def _dense_projections(module):
     """(Wq, Wk, Wv, bq, bk, bv, out_proj, num_heads) of a dense attention block, or TypeError."""
     if isinstance(module, nn.MultiheadAttention):
-        if module.batch_first or not module._qkv_same_embed_dim or module.bias_k is not None:
+        if (module.batch_first or not module._qkv_same_embed_dim or module.bias_k is not None
+                or module.add_zero_attn):
             raise TypeError("ParallelSelfAttention.from_dense: nn.MultiheadAttention must have "
-                            "batch_first=False ([s, b, h]), no kdim/vdim and no add_bias_kv")
+                            "batch_first=False ([s, b, h]), no kdim/vdim, no add_bias_kv and no add_zero_attn")
         w = module.in_proj_weight.chunk(3, 0)
         b = module.in_proj_bias.chunk(3, 0) if module.in_proj_bias is not None else (None,) * 3
         return (*w, *b, module.out_proj, module.num_heads)
@@ -66,6 +67,7 @@ class ParallelSelfAttention(nn.Module):
         self.qkv = ColumnParallelLinear.from_dense(qkv, self.group, sequence_parallel=sequence_parallel)
         self.proj = RowParallelLinear.from_dense(proj, self.group, sequence_parallel=sequence_parallel,
                                                  skip_bias_add=True)
+        self.proj.check_input_sizes = False  # qkv has checked them: proj's input derives from qkv's output
 
     def _interleave(self, q, k, v):
         # [q_0; k_0; v_0; q_1; k_1; v_1; ...]: ColumnParallelLinear's row block r is then the

@@ -29,18 +29,25 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         local_target = (target - start).masked_fill(~held, 0)
         target_logit = x.gather(-1, local_target.unsqueeze(-1)).squeeze(-1).masked_fill(~held, 0.0)
         exp = x.exp()
+        # The last row counts the ranks holding each target: 0 for a target outside [0, V),
+        # found in the same all-reduce, so every rank sees it and raises alike.
         stats = [exp.sum(-1), target_logit]
         if label_smoothing > 0:
             stats.append(x.sum(-1))
+        stats.append(held.to(x.dtype))
         stats = torch.stack(stats)
         if tp > 1:
             dist.all_reduce(stats, group=group)
+        valid = target != ignore_index
+        unheld = valid & (stats[-1] == 0)
+        if unheld.any():
+            raise IndexError(f"vocab_parallel_cross_entropy: target {target[unheld][0].item()} is out of "
+                             f"bounds for the vocabulary of {vocab} (and is not ignore_index {ignore_index})")
         log_z = stats[0].log()
         loss = log_z - stats[1]
         if label_smoothing > 0:
             # F.cross_entropy's smoothing: (1 - e) * nll + e * mean over the vocabulary of -log p.
             loss = (1 - label_smoothing) * loss + label_smoothing * (log_z - stats[2] / vocab)
-        valid = target != ignore_index
         loss = loss.masked_fill(~valid, 0.0)
 
         softmax = exp.div_(stats[0].unsqueeze(-1))  # in place: the only [.., V/tp] buffer kept
@@ -56,7 +63,9 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
             grad = grad - ctx.label_smoothing / ctx.vocab
         hit = (held & valid).unsqueeze(-1).to(grad.dtype) * (1 - ctx.label_smoothing)
         grad = grad.scatter_add(-1, local_target.unsqueeze(-1), -hit)
-        grad = grad * (grad_loss * valid).unsqueeze(-1)
+        # where, not a product: with every target ignored the mean's grad_loss is inf (1/0), and
+        # inf * 0 is nan; F.cross_entropy gives ignored tokens a zero gradient whatever grad_loss is.
+        grad = grad * torch.where(valid, grad_loss, 0.0).unsqueeze(-1)
         return grad.to(ctx.dtype), None, None, None, None
 
 
@@ -71,14 +80,17 @@ def vocab_parallel_cross_entropy(logits, target, group=None, label_smoothing=0.0
     ``target``).
     """
     group = comm.resolve_group(group)
-    if logits.shape[:-1] != target.shape:
-        raise ValueError(f"vocab_parallel_cross_entropy: logits {tuple(logits.shape)} and target "
-                         f"{tuple(target.shape)} disagree (logits must be target's shape plus the vocabulary)")
     if not 0.0 <= label_smoothing <= 1.0:
         raise ValueError(f"vocab_parallel_cross_entropy: label_smoothing must be in [0, 1], got {label_smoothing}")
     if reduction not in ("mean", "sum", "none"):
         raise ValueError(f"vocab_parallel_cross_entropy: reduction must be 'mean', 'sum' or 'none', got {reduction!r}")
+    # The shapes agree across ranks before any check that depends on them: a rank raising alone
+    # would leave the others inside the next collective.
+    comm.check_same_sizes(target, group, "vocab_parallel_cross_entropy target")
     comm.check_same_sizes(logits, group, "vocab_parallel_cross_entropy logits")
+    if logits.shape[:-1] != target.shape:
+        raise ValueError(f"vocab_parallel_cross_entropy: logits {tuple(logits.shape)} and target "
+                         f"{tuple(target.shape)} disagree (logits must be target's shape plus the vocabulary)")
     loss = _VocabParallelCrossEntropy.apply(logits, target, group, float(label_smoothing), ignore_index)
     if reduction == "none":
         return loss

@@ -120,7 +120,11 @@ class RowParallelLinear(nn.Module):
         self.input_is_parallel = input_is_parallel
         self.sequence_parallel = sequence_parallel and self.tp > 1
         self.skip_bias_add = skip_bias_add
-        self.check_input_sizes = not input_is_parallel
+        # One tiny all-gather per call, as ColumnParallelLinear's: ranks whose sequence lengths
+        # differ would otherwise reach the all-reduce / reduce-scatter with different sizes (gloo
+        # aborts the process). ParallelMLP and ParallelSelfAttention turn it off on their row
+        # layer, whose input comes from a column layer that has checked the same sizes.
+        self.check_input_sizes = True
         if _weight is None:
             dense = _dense_linear(in_features, out_features, bias, dtype)
             _weight, _bias = dense.weight, dense.bias
@@ -155,9 +159,9 @@ class RowParallelLinear(nn.Module):
         return comm.copy_to_region(self.bias, self.group)
 
     def forward(self, input):
+        if self.check_input_sizes:
+            comm.check_same_sizes(input, self.group, "RowParallelLinear input")
         if not self.input_is_parallel:
-            if self.check_input_sizes:
-                comm.check_same_sizes(input, self.group, "RowParallelLinear input")
             input = comm.scatter_to_region(input, self.group)
         partial = F.linear(input, self.weight)
         if self.sequence_parallel:

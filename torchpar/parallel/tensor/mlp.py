@@ -33,6 +33,7 @@ class ParallelMLP(nn.Module):
                                                    skip_bias_add=True)
         self.fc2 = RowParallelLinear.from_dense(fc2, self.group, sequence_parallel=sequence_parallel,
                                                 skip_bias_add=True)
+        self.fc2.check_input_sizes = False  # fc1 has checked them: fc2's input is fc1's output
         self.dropout = dropout
 
     @classmethod
@@ -44,6 +45,13 @@ class ParallelMLP(nn.Module):
         if len(linears) != 2 or linears[0].out_features != linears[1].in_features:
             raise TypeError(f"ParallelMLP.from_dense: {type(module).__name__} must hold exactly two "
                             f"nn.Linear (hidden -> ffn -> hidden); found {[tuple(l.weight.shape) for l in linears]}")
+        # ParallelMLP always applies the exact GeLU: any other leaf module (another activation, a
+        # norm) would be silently dropped, so the shard would not compute what the dense module does.
+        for name, m in module.named_modules():
+            exact_gelu = isinstance(m, nn.GELU) and m.approximate == "none"
+            if next(m.children(), None) is None and not (exact_gelu or isinstance(m, (nn.Linear, nn.Dropout, nn.Identity))):
+                raise TypeError(f"ParallelMLP.from_dense: {type(module).__name__} holds {name!r} ({m!r}); "
+                                f"only nn.Linear, an exact nn.GELU() and nn.Dropout are supported")
         if dropout is None:
             dropouts = [m.p for m in module.modules() if isinstance(m, nn.Dropout)]
             dropout = dropouts[0] if dropouts else 0.0
