@@ -5,6 +5,7 @@
 #include <algorithm>
 #include <numeric>
 
+#include "backend/sparse.h"
 #include "backend/tensors.h"
 #include "collectives/collectives.h"
 #include "common/error.h"
@@ -179,6 +180,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupTorchpar::enqueue(OpType type, const 
                                                              std::vector<at::Tensor> outputs, Task task,
                                                              std::chrono::milliseconds timeout, bool async_op) {
   auto work = c10::make_intrusive<Work>(getRank(), type, name, std::move(outputs));
+  ++issued_;
   if (coalescing_) coalesced_.push_back(work);  // endCoalescing's work waits for it too
   Queued item{work, name, std::move(task), timeout_for(timeout)};
   {
@@ -238,7 +240,7 @@ void ProcessGroupTorchpar::execute(Queued& item, bool caller_blocks) {
     item.task(comm);
   } catch (...) {
     bool fatal = false;
-    error = describe_failure(item.name, seq, std::current_exception(), &fatal);
+    error = describe_failure(item.name, seq, item.timeout, std::current_exception(), &fatal);
     if (fatal) {
       transport_->abort(message_of(error));
       std::lock_guard<std::mutex> lock(mu_);
@@ -249,6 +251,7 @@ void ProcessGroupTorchpar::execute(Queued& item, bool caller_blocks) {
 }
 
 std::exception_ptr ProcessGroupTorchpar::describe_failure(const char* op, uint64_t seq,
+                                                          std::chrono::milliseconds timeout,
                                                           std::exception_ptr error, bool* fatal) const {
   *fatal = true;
   std::string what = message_of(error);
@@ -260,6 +263,9 @@ std::exception_ptr ProcessGroupTorchpar::describe_failure(const char* op, uint64
     // A peer that gave up on the group hangs up after saying why (over TCP, in the store).
     std::string why = transport_->abort_reason();
     if (!why.empty()) what = why;
+  } catch (const TimeoutError&) {
+    // " Timed out " is the shape gloo's message has, and what users and PyTorch's tests match.
+    what = "Timed out after " + std::to_string(timeout.count()) + " ms: " + what;
   } catch (...) {
   }
   std::string msg = std::string("torchpar ") + op + " failed on rank " + std::to_string(getRank()) + "/" +
@@ -287,6 +293,11 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupTorchpar::broadcast(std::vector<at::T
 
 c10::intrusive_ptr<c10d::Work> ProcessGroupTorchpar::allreduce(std::vector<at::Tensor>& tensors,
                                                                const c10d::AllreduceOptions& opts) {
+  if (tensors.size() == 1 && tensors[0].defined() && tensors[0].is_sparse()) {
+    at::Tensor t = tensors[0];
+    check_sparse_allreduce(t, opts.reduceOp);
+    return enqueue(OpType::ALLREDUCE, "all_reduce", {t}, [t](Comm& c) { sparse_allreduce_sum(c, t); }, opts);
+  }
   check_single(tensors, "all_reduce");
   at::Tensor t = tensors[0];
   auto op = reduce_op(opts.reduceOp, "all_reduce", t.scalar_type());
@@ -423,11 +434,26 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupTorchpar::_allgather_base(at::Tensor&
 c10::intrusive_ptr<c10d::Work> ProcessGroupTorchpar::allgather_coalesced(
     std::vector<std::vector<at::Tensor>>& outputs, std::vector<at::Tensor>& inputs,
     const c10d::AllgatherOptions& opts) {
-  TORCH_CHECK(outputs.size() == inputs.size(), "torchpar all_gather_coalesced: ", outputs.size(),
-              " output lists for ", inputs.size(), " inputs");
+  // torch's layout: outputs[r][i] receives rank r's inputs[i] (one inner list per rank).
+  TORCH_CHECK(static_cast<int>(outputs.size()) == getSize(), "torchpar all_gather_coalesced: ",
+              outputs.size(), " output lists for a group of size ", getSize(),
+              "; expected one list per rank, each with one tensor per input");
+  for (size_t r = 0; r < outputs.size(); ++r) {
+    TORCH_CHECK(outputs[r].size() == inputs.size(), "torchpar all_gather_coalesced: output list ", r, " has ",
+                outputs[r].size(), " tensors for ", inputs.size(), " inputs");
+  }
+  check_tensors(inputs, "all_gather_coalesced", "input");
+  for (size_t r = 0; r < outputs.size(); ++r) {
+    for (size_t i = 0; i < inputs.size(); ++i) {
+      const std::string what = "output[" + std::to_string(r) + "][" + std::to_string(i) + "]";
+      check_tensor(outputs[r][i], "all_gather_coalesced", what);
+      check_same_type_and_size(inputs[i], outputs[r][i], "all_gather_coalesced", what);
+    }
+  }
   std::vector<c10::intrusive_ptr<Work>> parts;
   for (size_t i = 0; i < inputs.size(); ++i) {
-    std::vector<std::vector<at::Tensor>> o{outputs[i]};
+    std::vector<std::vector<at::Tensor>> o(1);
+    for (auto& per_rank : outputs) o[0].push_back(per_rank[i]);
     std::vector<at::Tensor> in{inputs[i]};
     parts.push_back(c10::static_intrusive_pointer_cast<Work>(allgather(o, in, opts)));
   }

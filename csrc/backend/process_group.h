@@ -15,6 +15,7 @@
 #include <torch/csrc/distributed/c10d/Backend.hpp>
 #include <torch/csrc/distributed/c10d/Store.hpp>
 
+#include <atomic>
 #include <condition_variable>
 #include <deque>
 #include <functional>
@@ -45,6 +46,19 @@ class ProcessGroupTorchpar : public c10d::Backend {
   c10::intrusive_ptr<c10d::Work> endCoalescing() override;
   void shutdown() override;
   void abort() override;
+
+  // c10d's sequence number: how many collectives this rank has issued on the group, the
+  // same on every rank while they are in step (ProcessGroupWrapper's debug checks compare
+  // them; torch calls setSequenceNumberForGroup on new groups). Point-to-point is not
+  // counted: only the two ranks of a pair take part in it.
+  void setSequenceNumberForGroup() override { issued_ = 0; }
+  uint64_t getSequenceNumberForGroup() override { return issued_; }
+
+  // Rank 0 waits up to `opts.timeout` for every other rank to reach the barrier, then
+  // releases them; a rank that does not arrive in time is named in the error rank 0 raises
+  // (the first one late, or with `wait_all_ranks` all of them). The other ranks fail if
+  // rank 0 does not release them in time. Runs on the caller's thread, beside the queue.
+  void monitoredBarrier(const c10d::BarrierOptions& opts, bool wait_all_ranks = false) override;
 
   // "shm" or "tcp".
   std::string transport_name() const { return transport_->name(); }
@@ -124,8 +138,8 @@ class ProcessGroupTorchpar : public c10d::Backend {
   void execute(Queued& item, bool caller_blocks);
   c10::intrusive_ptr<Work> post_p2p(bool is_send, at::Tensor& tensor, int peer, int tag);
   void run_worker();
-  std::exception_ptr describe_failure(const char* op, uint64_t seq, std::exception_ptr error,
-                                      bool* fatal) const;
+  std::exception_ptr describe_failure(const char* op, uint64_t seq, std::chrono::milliseconds timeout,
+                                      std::exception_ptr error, bool* fatal) const;
   std::chrono::milliseconds timeout_for(std::chrono::milliseconds requested) const;
 
   const std::string group_name_;
@@ -143,6 +157,9 @@ class ProcessGroupTorchpar : public c10d::Backend {
   std::vector<char> scratch_;       // the same; staging of the point-to-point collectives
   std::exception_ptr group_error_;  // first fatal error; guarded by mu_
   std::thread worker_;
+
+  std::atomic<uint64_t> issued_{0};  // collectives issued, for getSequenceNumberForGroup
+  uint64_t monitored_barriers_ = 0;  // caller thread: tells apart the monitored barriers' messages
 
   bool coalescing_ = false;  // caller thread only
   std::vector<c10::intrusive_ptr<Work>> coalesced_;
