@@ -138,6 +138,20 @@ def test_ddp_sparse_gradients(transport):
     pool(2, transport).run(_ddp_sparse_embedding)
 
 
+def _torchpar_ddp_refuses_sparse(ctx):
+    model = nn.Sequential(nn.Embedding(10, 4, sparse=True), nn.Linear(4, 2))
+    with pytest.raises(ValueError, match="'0' produce sparse gradients"):
+        torchpar.parallel.DistributedDataParallel(model, process_group=ctx.pg)
+    dist.all_reduce(torch.ones(1), group=ctx.pg)  # nothing was left half-done
+    return True
+
+
+def test_torchpar_ddp_refuses_sparse_gradients_clearly(transport):
+    # torchpar's own DDP reduces dense buckets only; it says so before any collective
+    # (it used to fail inside backward with an internal assertion of ATen's).
+    assert all(pool(2, transport).run(_torchpar_ddp_refuses_sparse))
+
+
 # ------------------------------------------------------------ barrier timeout message
 
 def _barrier_timeout(rank, world_size, init_file, transport):

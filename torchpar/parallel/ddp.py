@@ -62,6 +62,16 @@ class DistributedDataParallel(nn.Module, Joinable):
         if mixed_precision is not None:
             raise NotImplementedError("torchpar DDP: mixed_precision is not supported; use "
                                       "grad_reduce_dtype to reduce low-precision gradients in float32")
+        sparse = [name for name, m in module.named_modules()
+                  if isinstance(m, (torch.nn.Embedding, torch.nn.EmbeddingBag)) and m.sparse]
+        if sparse:
+            # The reducer reduces flat dense buckets; torch's DDP gives sparse gradients buckets
+            # of their own, and over a torchpar group it reduces them with torchpar's sparse
+            # all_reduce (issue 23). Refused here, on every rank, before any collective.
+            raise ValueError(f"torchpar DDP: {', '.join(repr(n) for n in sparse)} produce sparse gradients "
+                             "(sparse=True), which torchpar's DDP does not reduce; use sparse=False, or "
+                             "torch.nn.parallel.DistributedDataParallel, which reduces sparse gradients "
+                             "over a torchpar group")
         self.device, self.output_device = _single_device(module, device_ids, output_device)
         self.dim = dim
         self.static_graph = static_graph
