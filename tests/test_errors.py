@@ -108,7 +108,11 @@ def _bad_arguments(ctx):
     # torch routes meta tensors to its own no-op kernels; call the backend directly.
     backend = ctx.pg._get_backend(torch.device("cpu"))
     expect_error(lambda: backend.allreduce([torch.ones(4, device="meta")]), "is on meta", "CPU tensors only")
-    expect_error(lambda: backend.allreduce([torch.ones(4).to_sparse()]), "dense")
+    # Sparse tensors: all_reduce SUM only (as gloo; tests/test_conformance_fixes.py).
+    expect_error(lambda: backend.broadcast([torch.ones(4).to_sparse()]), "dense")
+    sparse_max = dist.AllreduceOptions()
+    sparse_max.reduceOp = dist.ReduceOp.MAX
+    expect_error(lambda: backend.allreduce([torch.ones(4).to_sparse()], sparse_max), "sparse", "only SUM")
     expect_error(lambda: backend.send([t], ctx.rank, 0), "itself")
     expect_error(lambda: backend.send([t], ctx.world_size, 0), "invalid destination rank")
     still_usable(ctx)

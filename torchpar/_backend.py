@@ -1,4 +1,8 @@
-"""Registration of the ``"torchpar"`` backend with torch.distributed."""
+"""Registration of the ``"torchpar"`` backend with torch.distributed, and the calls torch
+reaches only for its own backends."""
+from datetime import timedelta
+
+import torch
 import torch.distributed as dist
 
 from torchpar import _C
@@ -26,3 +30,33 @@ def register_backend():
     dist.Backend.register_backend(
         BACKEND_NAME, _create_backend, extended_api=True, devices=["cpu", "cuda"]
     )
+
+
+def monitored_barrier(group=None, timeout=None, wait_all_ranks=False):
+    """``torch.distributed.monitored_barrier`` for torchpar groups (issue 23).
+
+    torch's function refuses every backend but gloo by name
+    (``get_backend(group) != "gloo"`` raises ValueError) before it reaches the backend,
+    although c10d lets any backend implement ``monitoredBarrier``. torchpar does (in C++,
+    csrc/backend/monitored_barrier.cpp); this reaches it through the group's backend object.
+
+    Rank 0 waits up to ``timeout`` (default: the group's) for every other rank; a rank that
+    does not arrive is named in rank 0's error ("Rank 1 failed to pass monitoredBarrier in
+    1000 ms"; with ``wait_all_ranks=True`` every late rank: "Ranks 1, 3 failed ..."). The
+    other ranks raise if rank 0 does not release them in time. Groups of other backends go
+    to torch's function unchanged.
+    """
+    c10d = dist.distributed_c10d
+    if group is not None and c10d._rank_not_in_group(group):
+        return None  # not a member: nothing to wait for, as torch's function
+    pg = group if group is not None else c10d._get_default_group()
+    if dist.get_backend(pg) != BACKEND_NAME:
+        return c10d.monitored_barrier(group, timeout=timeout, wait_all_ranks=wait_all_ranks)
+    if isinstance(timeout, (int, float)):
+        timeout = timedelta(seconds=timeout)
+    backend = pg._get_backend(torch.device("cpu"))
+    if not hasattr(backend, "monitored_barrier"):  # wrapped (TORCH_DISTRIBUTED_DEBUG=DETAIL)
+        return pg.monitored_barrier(timeout, wait_all_ranks=wait_all_ranks)
+    if timeout is None:
+        return backend.monitored_barrier(wait_all_ranks=wait_all_ranks)
+    return backend.monitored_barrier(timeout, wait_all_ranks=wait_all_ranks)

@@ -15,17 +15,13 @@
 #include <torch/csrc/distributed/c10d/Backend.hpp>
 #include <torch/csrc/distributed/c10d/Store.hpp>
 
-#include <condition_variable>
-#include <deque>
-#include <functional>
+#include <atomic>
 #include <memory>
-#include <mutex>
 #include <string>
-#include <thread>
 #include <vector>
 
+#include "backend/queue.h"
 #include "backend/work.h"
-#include "collectives/comm.h"
 #include "common/env.h"
 #include "transport/rendezvous.h"
 #include "transport/shm/shm_transport.h"
@@ -45,6 +41,19 @@ class ProcessGroupTorchpar : public c10d::Backend {
   c10::intrusive_ptr<c10d::Work> endCoalescing() override;
   void shutdown() override;
   void abort() override;
+
+  // c10d's sequence number: how many collectives this rank has issued on the group, the
+  // same on every rank while they are in step (ProcessGroupWrapper's debug checks compare
+  // them; torch calls setSequenceNumberForGroup on new groups). Point-to-point is not
+  // counted: only the two ranks of a pair take part in it.
+  void setSequenceNumberForGroup() override { issued_ = 0; }
+  uint64_t getSequenceNumberForGroup() override { return issued_; }
+
+  // Rank 0 waits up to `opts.timeout` for every other rank to reach the barrier, then
+  // releases them; a rank that does not arrive in time is named in the error rank 0 raises
+  // (the first one late, or with `wait_all_ranks` all of them). The other ranks fail if
+  // rank 0 does not release them in time. Runs on the caller's thread, beside the queue.
+  void monitoredBarrier(const c10d::BarrierOptions& opts, bool wait_all_ranks = false) override;
 
   // "shm" or "tcp".
   std::string transport_name() const { return transport_->name(); }
@@ -101,31 +110,19 @@ class ProcessGroupTorchpar : public c10d::Backend {
   c10::intrusive_ptr<c10d::Work> recvAnysource(std::vector<at::Tensor>& tensors, int tag) override;
 
  private:
-  using Task = std::function<void(collectives::Comm&)>;
-  struct Queued {
-    c10::intrusive_ptr<Work> work;
-    const char* name;
-    Task task;
-    std::chrono::milliseconds timeout;
-  };
-
-  // Queues the collective for the worker; a blocking call (async_op=False) finding the
-  // queue idle runs it on the calling thread instead, sparing two thread hand-offs.
-  template <typename Options>
-  c10::intrusive_ptr<c10d::Work> enqueue(c10d::OpType type, const char* name,
-                                         std::vector<at::Tensor> outputs, Task task,
-                                         const Options& opts) {
-    return enqueue(type, name, std::move(outputs), std::move(task), opts.timeout, opts.asyncOp);
+  // Every collective of the c10d surface: `Op` (backend/ops.h) checks its arguments here, on
+  // the calling thread, and runs in the group's queue.
+  template <typename Op, typename Options, typename... Args>
+  c10::intrusive_ptr<c10d::Work> submit(const Options& opts, Args&&... args) {
+    Op op(std::forward<Args>(args)..., opts, getRank(), getSize());
+    auto work = c10::make_intrusive<Work>(getRank(), Op::kType, Op::kName, op.outputs());
+    ++issued_;
+    if (coalescing_) coalesced_.push_back(work);  // endCoalescing's work waits for it too
+    queue_->submit(work, Op::kName, [op = std::move(op)](collectives::Comm& c) { op.run(c); },
+                   timeout_for(opts.timeout), opts.asyncOp);
+    return work;
   }
-  c10::intrusive_ptr<c10d::Work> enqueue(c10d::OpType type, const char* name,
-                                         std::vector<at::Tensor> outputs, Task task,
-                                         std::chrono::milliseconds timeout, bool async_op);
-  // Runs a collective; `caller_blocks` when the caller is waiting for it (inline execution).
-  void execute(Queued& item, bool caller_blocks);
   c10::intrusive_ptr<Work> post_p2p(bool is_send, at::Tensor& tensor, int peer, int tag);
-  void run_worker();
-  std::exception_ptr describe_failure(const char* op, uint64_t seq, std::exception_ptr error,
-                                      bool* fatal) const;
   std::chrono::milliseconds timeout_for(std::chrono::milliseconds requested) const;
 
   const std::string group_name_;
@@ -133,16 +130,10 @@ class ProcessGroupTorchpar : public c10d::Backend {
   Config config_;
   std::unique_ptr<Rendezvous> rendezvous_;  // the TCP transport reports aborts through it
   std::unique_ptr<Transport> transport_;
+  std::unique_ptr<CollectiveQueue> queue_;
 
-  std::mutex mu_;
-  std::condition_variable cv_;
-  std::deque<Queued> queue_;
-  bool stopping_ = false;
-  bool busy_ = false;  // a collective is running (on the worker or inline)
-  uint64_t next_seq_ = 0;           // only the thread running a collective (busy_) touches it
-  std::vector<char> scratch_;       // the same; staging of the point-to-point collectives
-  std::exception_ptr group_error_;  // first fatal error; guarded by mu_
-  std::thread worker_;
+  std::atomic<uint64_t> issued_{0};  // collectives issued, for getSequenceNumberForGroup
+  uint64_t monitored_barriers_ = 0;  // caller thread: tells apart the monitored barriers' messages
 
   bool coalescing_ = false;  // caller thread only
   std::vector<c10::intrusive_ptr<Work>> coalesced_;

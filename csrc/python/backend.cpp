@@ -15,6 +15,17 @@ TORCHPAR_PYBIND(backend) {
            }),
            py::arg("store"), py::arg("rank"), py::arg("size"), py::arg("timeout"), py::arg("group_name"),
            py::call_guard<py::gil_scoped_release>())
+      // torch's dist.monitored_barrier accepts gloo groups only (it checks the name); this is
+      // torchpar's monitoredBarrier reached through the group's backend object.
+      .def(
+          "monitored_barrier",
+          [](torchpar::ProcessGroupTorchpar& self, std::chrono::milliseconds timeout, bool wait_all_ranks) {
+            c10d::BarrierOptions opts;
+            opts.timeout = timeout;
+            self.monitoredBarrier(opts, wait_all_ranks);
+          },
+          py::arg("timeout") = c10d::kUnsetTimeout, py::arg("wait_all_ranks") = false,
+          py::call_guard<py::gil_scoped_release>())
       .def_property_readonly("segment_name", &torchpar::ProcessGroupTorchpar::segment_name)
       .def_property_readonly("transport", &torchpar::ProcessGroupTorchpar::transport_name);
 }

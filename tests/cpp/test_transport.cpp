@@ -14,6 +14,8 @@
 
 #include "collectives/collectives.h"
 #include "common/error.h"
+#include "transport/connect.h"
+#include "transport/records.h"
 #include "transport/shm/shm_transport.h"
 #include "transport/tcp/tcp_transport.h"
 
@@ -225,6 +227,70 @@ TEST(Collectives, AbsentPeerTimesOut) {
     EXPECT_THROW(collectives::allreduce(c, &x, 1, c10::ScalarType::Float, collectives::ReduceOp::kSum),
                  TimeoutError);
   });
+}
+
+// ---------------------------------------------------------------------------------------
+// Rendezvous records and set-up (transport/records.h, transport/connect.h)
+
+TEST(Records, EachRoundTripsThroughItsEncoding) {
+  HostIdentity id{"node-7", "0b1e-boot", "4026531836"};
+  EXPECT_EQ(HostIdentity::decode(id.encode()), id);
+  EXPECT_EQ(HostIdentity::local(), HostIdentity::local());
+
+  Contact c{29500, id, {"10.0.0.7", "192.168.1.3"}};
+  Contact back = Contact::decode(c.encode());
+  EXPECT_EQ(back.port, 29500);
+  EXPECT_EQ(back.host, id);
+  EXPECT_EQ(back.addresses, c.addresses);
+  EXPECT_TRUE(Contact::decode(Contact{1, id, {}}.encode()).addresses.empty());
+
+  AbortNotice n{3, "rank 3 aborted group '1' | with a bar in the reason"};
+  AbortNotice nb = AbortNotice::decode(n.encode());
+  EXPECT_EQ(nb.rank, 3);
+  EXPECT_EQ(nb.reason, n.reason);
+
+  EXPECT_THROW(HostIdentity::decode("only-one-field"), Error);
+}
+
+TEST(Connect, DifferentSettingsAreRefusedOnEveryRank) {
+  MemoryRendezvous rv;
+  std::vector<std::string> errors(2);
+  std::vector<std::thread> ranks;
+  for (int r = 0; r < 2; ++r) {
+    ranks.emplace_back([&, r] {
+      Config config = small_config();
+      config.p2p_chunk_bytes = r == 0 ? 4096 : 8192;
+      try {
+        connect(rv, r, 2, config, std::chrono::milliseconds(5000));
+      } catch (const UsageError& e) {
+        errors[r] = e.what();
+      }
+    });
+  }
+  for (auto& t : ranks) t.join();
+  for (int r = 0; r < 2; ++r) {
+    EXPECT_NE(errors[r].find("TORCHPAR_P2P_CHUNK_BYTES differs between rank 0 (4096) and rank 1 (8192)"),
+              std::string::npos)
+        << errors[r];
+  }
+}
+
+TEST(Connect, RanksOfOneHostShareMemoryUnlessTcpIsAskedFor) {
+  for (const std::string kind : {"auto", "tcp"}) {
+    MemoryRendezvous rv;
+    std::vector<std::string> names(2);
+    std::vector<std::thread> ranks;
+    for (int r = 0; r < 2; ++r) {
+      ranks.emplace_back([&, r] {
+        Config config = small_config();
+        config.transport = kind;
+        names[r] = connect(rv, r, 2, config, std::chrono::milliseconds(5000))->name();
+      });
+    }
+    for (auto& t : ranks) t.join();
+    EXPECT_EQ(names[0], kind == "tcp" ? "tcp" : "shm");
+    EXPECT_EQ(names[1], names[0]);
+  }
 }
 
 }  // namespace

@@ -76,6 +76,16 @@ class DistributedDataParallel(nn.Module, Joinable):
         self.process_group = process_group if process_group is not None else dist.group.WORLD
         if self.process_group is None:
             raise RuntimeError("torchpar DDP: call torch.distributed.init_process_group first")
+        sparse = [name for name, m in module.named_modules()
+                  if isinstance(m, (torch.nn.Embedding, torch.nn.EmbeddingBag)) and m.sparse]
+        if sparse:
+            # The reducer reduces flat dense buckets; torch's DDP gives sparse gradients buckets
+            # of their own, and over a torchpar group it reduces them with torchpar's sparse
+            # all_reduce (issue 23). Refused here, on every rank, before any collective.
+            raise ValueError(f"torchpar DDP: {', '.join(repr(n) for n in sparse)} produce sparse gradients "
+                             "(sparse=True), which torchpar's DDP does not reduce; use sparse=False, or "
+                             "torch.nn.parallel.DistributedDataParallel, which reduces sparse gradients "
+                             "over a torchpar group")
         self.mixed_precision = mixed_precision
         if mixed_precision is not None:
             grad_reduce_dtype = _apply_mixed_precision(module, mixed_precision, grad_reduce_dtype)

@@ -10,11 +10,10 @@
 #include <thread>
 
 #include "common/error.h"
+#include "transport/store_keys.h"
 
 namespace torchpar::shm {
 namespace {
-
-const char* kSegmentKey = "torchpar/shm/segment";
 
 std::string unique_segment_name() {
   std::random_device rd;
@@ -70,9 +69,9 @@ void ShmTransport::map_segment(Rendezvous& rendezvous, const Config& config,
     header_->ring_bytes = layout.ring_bytes;
     header_->oneshot_max_bytes = static_cast<uint64_t>(config.oneshot_max_bytes);
     header_->magic = kMagic;
-    rendezvous.set(kSegmentKey, segment_.name());
+    rendezvous.set(store_keys::kShmSegment, segment_.name());
   } else {
-    segment_ = Segment::open(rendezvous.get(kSegmentKey));
+    segment_ = Segment::open(rendezvous.get(store_keys::kShmSegment));
     header_ = reinterpret_cast<SegmentHeader*>(segment_.data());
     TP_CHECK(segment_.size() >= layout.total && header_->magic == kMagic &&
                  header_->world == static_cast<uint32_t>(size_),

@@ -10,12 +10,12 @@
 #include <sstream>
 
 #include "common/error.h"
-#include "transport/host.h"
+#include "transport/records.h"
+#include "transport/store_keys.h"
 
 namespace torchpar::tcp {
 namespace {
 
-const char* kAbortKey = "torchpar/tcp/abort";
 constexpr uint64_t kHelloMagic = 0x7470617274637031ULL;  // "tpartcp1"
 
 // The first bytes each way on every connection: who is calling whom, for which group.
@@ -34,33 +34,6 @@ bool transient(int err) {
   return err == ECONNREFUSED || err == ETIMEDOUT || err == EAGAIN || err == ECONNRESET || err == EINTR ||
          err == ECONNABORTED;
 }
-
-// What each rank publishes: "port|host identity|addr,addr,..."
-struct Contact {
-  uint16_t port = 0;
-  std::string host;
-  std::vector<std::string> addresses;
-
-  std::string encode() const {
-    std::string out = std::to_string(port) + "|" + host + "|";
-    for (size_t i = 0; i < addresses.size(); ++i) out += (i ? "," : "") + addresses[i];
-    return out;
-  }
-  static Contact decode(const std::string& text) {
-    // The host identity itself contains '|': the port is before the first, the addresses
-    // after the last.
-    Contact c;
-    size_t first = text.find('|'), last = text.rfind('|');
-    TP_CHECK(first != std::string::npos && last > first, "malformed TCP contact '", text, "'");
-    c.port = static_cast<uint16_t>(std::stoul(text.substr(0, first)));
-    c.host = text.substr(first + 1, last - first - 1);
-    std::istringstream list(text.substr(last + 1));
-    for (std::string a; std::getline(list, a, ',');) {
-      if (!a.empty()) c.addresses.push_back(a);
-    }
-    return c;
-  }
-};
 
 // Why a connection ended: `err` 0 for an orderly close (end of stream).
 std::string hung_up(int err) {
@@ -100,20 +73,20 @@ void TcpTransport::connect_all(Rendezvous& rendezvous, const Config& config,
   if (rank_ == 0) {
     std::random_device rd;
     token = (static_cast<uint64_t>(rd()) << 32) | rd();
-    rendezvous.set("torchpar/tcp/token", std::to_string(token));
+    rendezvous.set(store_keys::kTcpToken, std::to_string(token));
   } else {
-    token = std::stoull(rendezvous.get("torchpar/tcp/token"));
+    token = std::stoull(rendezvous.get(store_keys::kTcpToken));
   }
-  Contact mine{port, host_identity(), local_addresses(config.socket_ifname)};
-  rendezvous.set("torchpar/tcp/" + std::to_string(rank_), mine.encode());
+  Contact mine{port, HostIdentity::local(), local_addresses(config.socket_ifname)};
+  rendezvous.set(store_keys::tcp_contact(rank_), mine.encode());
 
   // The higher rank of each pair calls the lower one: connect to every lower rank (their
   // listeners queue us), then answer every higher one.
   for (int peer = 0; peer < rank_; ++peer) {
-    Contact theirs = Contact::decode(rendezvous.get("torchpar/tcp/" + std::to_string(peer)));
+    Contact theirs = Contact::decode(rendezvous.get(store_keys::tcp_contact(peer)));
     std::vector<std::string> candidates = std::move(theirs.addresses);
     if (theirs.host == mine.host) candidates.insert(candidates.begin(), "127.0.0.1");
-    TP_CHECK(!candidates.empty(), "rank ", peer, " (host ", theirs.host.substr(0, theirs.host.find('|')),
+    TP_CHECK(!candidates.empty(), "rank ", peer, " (host ", theirs.host.hostname,
              ") published no IPv4 address to connect to; set TORCHPAR_SOCKET_IFNAME on it");
     call(peer, std::move(candidates), theirs.port, token, deadline);
   }
@@ -270,12 +243,12 @@ void TcpTransport::check_peer(int peer) {
 std::string TcpTransport::abort_reason() {
   std::string why;
   try {
-    if (!rendezvous_.try_get(kAbortKey, &why)) return "";
+    if (!rendezvous_.try_get(store_keys::kTcpAbort, &why)) return "";
   } catch (const std::exception&) {
     return "";  // the store went down with its host (often rank 0's)
   }
-  size_t bar = why.find('|');
-  return "the group was aborted by rank " + why.substr(0, bar) + ": " + why.substr(bar + 1);
+  const AbortNotice notice = AbortNotice::decode(why);
+  return "the group was aborted by rank " + std::to_string(notice.rank) + ": " + notice.reason;
 }
 
 void TcpTransport::abort(const std::string& reason) {
@@ -284,7 +257,7 @@ void TcpTransport::abort(const std::string& reason) {
     if (aborted_.empty()) aborted_ = reason;
   }
   try {
-    rendezvous_.set_once(kAbortKey, std::to_string(rank_) + "|" + reason);
+    rendezvous_.set_once(store_keys::kTcpAbort, AbortNotice{rank_, reason}.encode());
   } catch (const std::exception&) {
     // The store may be gone (the job is ending); peers then see the connection end.
   }

@@ -1,0 +1,69 @@
+// The collectives of one group, run one at a time in the order they were issued: every rank
+// must execute them in the same order. A worker thread runs what async_op=True queued; a
+// blocking call finding the queue idle runs on the calling thread instead, sparing two
+// thread hand-offs. A failure that breaks the group (anything but bad input every rank saw
+// alike) fails that collective and every later one at once, with the first error.
+#pragma once
+
+#include <c10/util/intrusive_ptr.h>
+
+#include <chrono>
+#include <condition_variable>
+#include <deque>
+#include <exception>
+#include <functional>
+#include <mutex>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "backend/work.h"
+#include "collectives/comm.h"
+#include "common/env.h"
+#include "transport/transport.h"
+
+namespace torchpar {
+
+class CollectiveQueue {
+ public:
+  using Task = std::function<void(collectives::Comm&)>;
+
+  CollectiveQueue(Transport& transport, const Config& config, int rank, int size, std::string group_name);
+  ~CollectiveQueue() { stop(); }
+
+  // Runs `task` in its turn and completes `work` with its outcome. Throws at once if the
+  // queue has been stopped.
+  void submit(c10::intrusive_ptr<Work> work, const char* name, Task task, std::chrono::milliseconds timeout,
+              bool async_op);
+  // Runs what was already queued, then ends the worker (idempotent).
+  void stop();
+
+ private:
+  struct Queued {
+    c10::intrusive_ptr<Work> work;
+    const char* name;
+    Task task;
+    std::chrono::milliseconds timeout;
+  };
+
+  void run_worker();
+  // Runs a collective; `caller_blocks` when the caller is waiting for it (inline execution).
+  void execute(Queued& item, bool caller_blocks);
+
+  Transport& transport_;
+  const Config& config_;
+  const int rank_, size_;
+  const std::string group_name_;
+
+  std::mutex mu_;
+  std::condition_variable cv_;
+  std::deque<Queued> queue_;
+  bool stopping_ = false;
+  bool busy_ = false;               // a collective is running (on the worker or inline)
+  uint64_t next_seq_ = 0;           // only the thread running a collective (busy_) touches it
+  std::vector<char> scratch_;       // the same; staging of the point-to-point collectives
+  std::exception_ptr group_error_;  // first fatal error; guarded by mu_
+  std::thread worker_;
+};
+
+}  // namespace torchpar

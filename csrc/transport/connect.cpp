@@ -1,0 +1,58 @@
+#include "transport/connect.h"
+
+#include <string>
+#include <utility>
+
+#include "common/error.h"
+#include "transport/records.h"
+#include "transport/shm/shm_transport.h"
+#include "transport/store_keys.h"
+#include "transport/tcp/tcp_transport.h"
+
+namespace torchpar {
+namespace {
+
+// Every rank must use the same value of a setting that decides what goes on the wire. Each
+// rank checks every rank's, so all of them refuse a mixed group with the same message.
+void check_same_everywhere(Rendezvous& rv, int rank, int size, const std::string& name, const std::string& mine) {
+  const std::string first = rank == 0 ? mine : rv.get(store_keys::setting(name, 0));
+  for (int r = 1; r < size; ++r) {
+    const std::string other = r == rank ? mine : rv.get(store_keys::setting(name, r));
+    TP_CHECK_USAGE(other == first, "torchpar: ", name, " differs between rank 0 (", first, ") and rank ", r,
+                   " (", other, "); every rank must use the same");
+  }
+}
+
+}  // namespace
+
+std::unique_ptr<Transport> connect(Rendezvous& rv, int rank, int size, const Config& config,
+                                   std::chrono::milliseconds timeout) {
+  // Everything is published before anything is checked, so that a rank refusing the group
+  // never leaves the others waiting for its keys.
+  const HostIdentity mine = HostIdentity::local();
+  const std::pair<std::string, std::string> settings[] = {
+      {"TORCHPAR_TRANSPORT", config.transport},
+      {"TORCHPAR_ONESHOT_MAX_BYTES", std::to_string(config.oneshot_max_bytes)},
+      {"TORCHPAR_P2P_CHUNK_BYTES", std::to_string(config.p2p_chunk_bytes)}};
+  rv.set(store_keys::host(rank), mine.encode());
+  for (const auto& [name, value] : settings) rv.set(store_keys::setting(name, rank), value);
+
+  TP_CHECK_USAGE(config.transport == "auto" || config.transport == "shm" || config.transport == "tcp",
+                 "torchpar: TORCHPAR_TRANSPORT must be auto, shm or tcp, not '", config.transport, "'");
+  for (const auto& [name, value] : settings) check_same_everywhere(rv, rank, size, name, value);
+  int elsewhere = -1;
+  HostIdentity theirs;
+  for (int r = 0; r < size && elsewhere < 0; ++r) {
+    theirs = r == rank ? mine : HostIdentity::decode(rv.get(store_keys::host(r)));
+    if (theirs != mine) elsewhere = r;
+  }
+  TP_CHECK_USAGE(elsewhere < 0 || config.transport != "shm", "torchpar: TORCHPAR_TRANSPORT=shm, but rank ",
+                 elsewhere, " runs on another host (", theirs.hostname, ") than rank ", rank, " (",
+                 mine.hostname, ")");
+  if (elsewhere < 0 && config.transport != "tcp") {
+    return std::make_unique<shm::ShmTransport>(rank, size, rv, config, timeout);
+  }
+  return std::make_unique<tcp::TcpTransport>(rank, size, rv, config, timeout);
+}
+
+}  // namespace torchpar

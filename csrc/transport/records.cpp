@@ -1,0 +1,73 @@
+#include "transport/records.h"
+
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <fstream>
+#include <sstream>
+
+#include "common/error.h"
+
+namespace torchpar {
+namespace {
+
+// The first `n` '|'-separated fields of `text`; the last one takes the rest of the text.
+std::vector<std::string> fields(const std::string& text, size_t n, const char* what) {
+  std::vector<std::string> out;
+  size_t start = 0;
+  while (out.size() + 1 < n) {
+    size_t bar = text.find('|', start);
+    TP_CHECK(bar != std::string::npos, "malformed ", what, " '", text, "': expected ", n, " fields");
+    out.push_back(text.substr(start, bar - start));
+    start = bar + 1;
+  }
+  out.push_back(text.substr(start));
+  return out;
+}
+
+}  // namespace
+
+HostIdentity HostIdentity::local() {
+  char host[256] = {0};
+  ::gethostname(host, sizeof(host) - 1);
+  HostIdentity id;
+  id.hostname = host;
+  std::ifstream("/proc/sys/kernel/random/boot_id") >> id.boot_id;
+  struct stat st {};
+  if (::stat("/proc/self/ns/pid", &st) == 0) id.pid_namespace = std::to_string(st.st_ino);
+  return id;
+}
+
+std::string HostIdentity::encode() const { return hostname + "|" + boot_id + "|" + pid_namespace; }
+
+HostIdentity HostIdentity::decode(const std::string& text) {
+  auto f = fields(text, 3, "host identity");
+  return HostIdentity{f[0], f[1], f[2]};
+}
+
+std::string Contact::encode() const {
+  std::string out = std::to_string(port) + "|" + host.encode() + "|";
+  for (size_t i = 0; i < addresses.size(); ++i) out += (i ? "," : "") + addresses[i];
+  return out;
+}
+
+Contact Contact::decode(const std::string& text) {
+  auto f = fields(text, 5, "TCP contact");
+  Contact c;
+  c.port = static_cast<uint16_t>(std::stoul(f[0]));
+  c.host = HostIdentity{f[1], f[2], f[3]};
+  std::istringstream list(f[4]);
+  for (std::string a; std::getline(list, a, ',');) {
+    if (!a.empty()) c.addresses.push_back(a);
+  }
+  return c;
+}
+
+std::string AbortNotice::encode() const { return std::to_string(rank) + "|" + reason; }
+
+AbortNotice AbortNotice::decode(const std::string& text) {
+  auto f = fields(text, 2, "abort notice");
+  return AbortNotice{std::stoi(f[0]), f[1]};
+}
+
+}  // namespace torchpar
