@@ -420,3 +420,38 @@ def _with_tensor_parallel(ctx, backend, name):
 @pytest.mark.parametrize("name", ["1f1b", "zb_h1"])
 def test_stages_with_tensor_parallel_layers(backend, name):
     _pool(backend, 4).run(_with_tensor_parallel, backend, name)
+
+
+class _Reuse(nn.Module):
+    """Weights reached by more than one path: ``lin`` runs twice, ``tied`` shares ``lin``'s
+    weight, and ``lin.weight`` is also used outside its module. ZB-H1's W must still add each
+    weight's gradient exactly once (per-module W from each captured output would count the
+    inner path twice and miss the outside use)."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+        self.tied = nn.Linear(8, 8)
+        self.tied.weight = self.lin.weight
+
+    def forward(self, x):
+        h = torch.tanh(self.lin(torch.tanh(self.lin(x))))
+        return torch.tanh(self.tied(h)) + h @ self.lin.weight.t() * 0.5
+
+
+def _reused_weights(ctx, name):
+    torch.set_num_threads(1)
+    torch.manual_seed(0)
+    model = nn.Sequential(_Reuse(), _Reuse())
+    x, y = _data(0, 8)
+    ref = copy.deepcopy(model)
+    _mse(ref(x), y).backward()
+    stage = PipelineStage(copy.deepcopy(model[ctx.rank]), ctx.rank, 2)
+    SCHEDULES[name](stage, 4, loss_fn=_mse).step(*((x,) if ctx.rank == 0 else ()), target=y if ctx.rank else None)
+    for (n, p), q in zip(stage.submod.named_parameters(), ref[ctx.rank].parameters()):
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-5, atol=1e-6, msg=lambda msg: f"{n}: {msg}")
+
+
+@pytest.mark.parametrize("name", ["1f1b", "zb_h1"])
+def test_weights_used_on_several_paths_get_one_gradient(name):
+    _pool("gloo", 2).run(_reused_weights, name)
