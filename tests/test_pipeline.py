@@ -455,3 +455,45 @@ def _reused_weights(ctx, name):
 @pytest.mark.parametrize("name", ["1f1b", "zb_h1"])
 def test_weights_used_on_several_paths_get_one_gradient(name):
     _pool("gloo", 2).run(_reused_weights, name)
+
+
+# A custom schedule with its own communication: rank 0 posts the gradient receive of
+# micro-batch 0 before its first forward (the output shape is not known yet) and the one of
+# micro-batch 1 after it, then runs B1 before B0. The simulator accepts it (receives posted
+# in the order rank 1 sends); the executor must post them in that order too, or micro-batch
+# 0's gradient lands in micro-batch 1's buffer.
+_CSV_EARLY_RECV_B = """rank,action,microbatch,stage
+0,RECV_B,0,0
+0,F,0,0
+0,SEND_F,0,0
+0,RECV_B,1,0
+0,F,1,0
+0,SEND_F,1,0
+0,B,1,0
+0,B,0,0
+1,RECV_F,0,1
+1,RECV_F,1,1
+1,F,0,1
+1,B,0,1
+1,SEND_B,0,1
+1,F,1,1
+1,B,1,1
+1,SEND_B,1,1
+"""
+
+
+def _custom_csv(ctx):
+    from torchpar.parallel.pipeline import ScheduleFromCSV
+    torch.set_num_threads(1)
+    model = _model(4)
+    x, y = _data(0, 8)
+    ref, _ = _reference_grads(model, x, y)
+    stage = PipelineStage(split(copy.deepcopy(model), 2, ctx.rank), ctx.rank, 2)
+    sched = ScheduleFromCSV(stage, 2, _CSV_EARLY_RECV_B, loss_fn=_mse)
+    sched.step(*((x,) if stage.is_first else ()), target=y if stage.is_last else None)
+    _check_grads([stage], ref, 2, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_custom_csv_schedule_with_receives_posted_before_the_forward(backend):
+    _pool(backend, 2).run(_custom_csv)

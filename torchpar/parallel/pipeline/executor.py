@@ -30,6 +30,7 @@ class Executor:
         self.send_known = sched._send_cache.get(key, {})
         self.recv_learned, self.send_learned, self.out_specs = {}, {}, {}
         self.pending_f, self.pending_b = {}, {}   # (mb, stage) -> pending receives
+        self.deferred_b = {}  # stage -> micro-batches whose RECV_B came before the stage's first forward
         self.to_send_f, self.to_send_b = {}, {}
         self.sends, self.ops = [], []       # posted send works; ops not yet posted
         self.outputs, self.losses, self.events = [], [], []
@@ -123,12 +124,20 @@ class Executor:
             self._isend(t.detach().contiguous(), stage + 1, _comm.tag_activation(stage + 1))
 
     def recv_b(self, mb, stage):
-        specs = self.out_specs.get(stage)
-        if specs is None:  # forward of this stage not run yet in this step: post at use
-            self.pending_b[(mb, stage)] = None
+        if stage not in self.out_specs:  # no forward of this stage yet in this step: shapes unknown
+            self.deferred_b.setdefault(stage, []).append(mb)
             return
+        self._recv_gradient(mb, stage)
+
+    def _recv_gradient(self, mb, stage):
         self.pending_b[(mb, stage)] = self._post_recv(
-            _comm.empty([sp for sp in specs if sp[2]]), stage + 1, _comm.tag_gradient(stage))
+            _comm.empty([sp for sp in self.out_specs[stage] if sp[2]]), stage + 1, _comm.tag_gradient(stage))
+
+    def _post_deferred_b(self, stage):
+        # Receives of one tag match the peer's sends in posting order, so the ones deferred
+        # before the stage's first forward go out now, ahead of any RECV_B that follows.
+        for mb in self.deferred_b.pop(stage, []):
+            self._recv_gradient(mb, stage)
 
     def send_b(self, mb, stage):
         for g in self.to_send_b.pop((mb, stage)):
@@ -160,7 +169,9 @@ class Executor:
         args = self._inputs(mb, stage)
         t_wait = time.perf_counter()
         outs = st.forward(mb, args, capture=self.split)
-        self.out_specs.setdefault(stage, _comm.specs(outs))
+        if stage not in self.out_specs:
+            self.out_specs[stage] = _comm.specs(outs)
+            self._post_deferred_b(stage)
         if st.is_last:
             if self.s.loss_fn is not None and self.targets is not None:
                 loss = self.s.loss_fn(outs[0] if len(outs) == 1 else outs, self.targets[mb][0])
@@ -179,10 +190,6 @@ class Executor:
         grads = None
         if not st.is_last:
             pending = self.pending_b.pop((mb, stage))
-            if pending is None:
-                pending = self._post_recv(_comm.empty([sp for sp in self.out_specs[stage] if sp[2]]),
-                                          stage + 1, _comm.tag_gradient(stage))
-                self._flush()
             pending.wait()
             grads = pending.tensors
         t_wait = time.perf_counter()
