@@ -115,7 +115,10 @@ class Executor:
         known = self.send_known.get(stage)
         self._isend(_comm.encode(outs, stage), stage + 1, _comm.tag_header(stage + 1))
         if known is not None and known != got:
+            # The next stage raises on reading this header; wait until it is delivered, or the
+            # next stage may see this rank exit (connection reset) instead of the clear error.
             self._flush()
+            self.sends[-1][0].wait()
             raise ValueError(f"pipeline stage {stage}: output of micro-batch {mb} is {_comm.describe(got)}, but "
                              f"stage {stage + 1} expects {_comm.describe(known)} (learned for the same input "
                              f"shapes); stage outputs must depend only on the input shapes")
