@@ -497,3 +497,22 @@ def _custom_csv(ctx):
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_custom_csv_schedule_with_receives_posted_before_the_forward(backend):
     _pool(backend, 2).run(_custom_csv)
+
+
+def _csv_schedules_disagree(ctx):
+    """Each rank loaded a different (valid) CSV: rank 0's says rank 0 forwards micro-batch 0
+    first, rank 1's says micro-batch 1 first. Run as they are, rank 1 would take micro-batch
+    0's activation for micro-batch 1's: wrong losses and gradients, no error."""
+    from torchpar.parallel.pipeline import ScheduleFromCSV
+    order = "0,F,0,0\n0,F,1,0\n0,B,0,0\n0,B,1,0\n" if ctx.rank == 0 else "0,F,1,0\n0,F,0,0\n0,B,1,0\n0,B,0,0\n"
+    text = order + "1,F,0,1\n1,F,1,1\n1,B,0,1\n1,B,1,1\n"
+    stage = PipelineStage(split(_model(4), 2, ctx.rank), ctx.rank, 2)
+    sched = ScheduleFromCSV(stage, 2, text, loss_fn=_mse)
+    x, y = _data(0, 8)
+    return _expect_error(lambda: sched.step(*((x,) if ctx.rank == 0 else ()), target=y if ctx.rank else None),
+                         r"disagree on the schedule")
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_custom_schedules_that_differ_across_ranks_fail_on_every_rank(backend):
+    _pool(backend, 2).run(_csv_schedules_disagree)
