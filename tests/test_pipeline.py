@@ -516,3 +516,22 @@ def _csv_schedules_disagree(ctx):
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_custom_schedules_that_differ_across_ranks_fail_on_every_rank(backend):
     _pool(backend, 2).run(_csv_schedules_disagree)
+
+
+def _sum_of_gradients(ctx, name):
+    """scale_grads=False: the gradients are the sum over micro-batches, m times the mean."""
+    torch.set_num_threads(1)
+    m = 4
+    model = _model(4)
+    x, y = _data(0, 8)
+    ref, _ = _reference_grads(model, x, y)
+    stage = PipelineStage(split(copy.deepcopy(model), 2, ctx.rank), ctx.rank, 2)
+    SCHEDULES[name](stage, m, loss_fn=_mse, scale_grads=False).step(
+        *((x,) if stage.is_first else ()), target=y if stage.is_last else None)
+    for p, q in zip(stage.submod.parameters(), split(ref, 2, ctx.rank).parameters()):
+        torch.testing.assert_close(p.grad, q.grad * m, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("name", ["gpipe", "zb_h1"])
+def test_scale_grads_false_keeps_the_sum(name):
+    _pool("gloo", 2).run(_sum_of_gradients, name)
