@@ -535,3 +535,49 @@ def _sum_of_gradients(ctx, name):
 @pytest.mark.parametrize("name", ["gpipe", "zb_h1"])
 def test_scale_grads_false_keeps_the_sum(name):
     _pool("gloo", 2).run(_sum_of_gradients, name)
+
+
+class _ShrinksOnce(nn.Module):
+    """Narrower output on its third call only (the second step's first micro-batch)."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+        self.calls = 0
+
+    def forward(self, x):
+        self.calls += 1
+        out = self.lin(x)
+        return out[:, :4] if self.calls == 3 else out
+
+
+def _step_after_a_failed_step(rank, world_size, init_file, backend):
+    """A step that failed half-way leaves receives posted (rank 1 had posted both
+    micro-batches' receives); the next step's messages must not land in them."""
+    from datetime import timedelta
+    import torchpar  # noqa: F401
+    dist.init_process_group(backend, init_method=f"file://{init_file}", rank=rank, world_size=world_size,
+                            timeout=timedelta(seconds=20))
+    try:
+        torch.manual_seed(0)
+        model = nn.Sequential(_ShrinksOnce(), nn.Linear(8, 8))
+        ref = copy.deepcopy(model)
+        stage = PipelineStage(model[rank], rank, 2)
+        sched = ScheduleGPipe(stage, 2, loss_fn=_mse)
+        x, y = torch.randn(4, 8), torch.randn(4, 8)
+        args, kw = ((x,) if rank == 0 else ()), {"target": y if rank else None}
+        sched.step(*args, **kw)
+        _expect_error(lambda: sched.step(*args, **kw), r"\(2, 4\)")
+        stage.submod.zero_grad()
+        losses = []
+        sched.step(*args, **kw, losses=losses)
+        _mse(ref(x), y).backward()
+        for p, q in zip(stage.submod.parameters(), ref[rank].parameters()):
+            torch.testing.assert_close(p.grad, q.grad, rtol=1e-5, atol=1e-6)
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_step_after_a_failed_step_gets_its_own_messages(backend):
+    spawn(_step_after_a_failed_step, 2, backend, timeout=60)

@@ -26,6 +26,7 @@ class Executor:
         self.train = train
         self.split = sched.schedule.split_backward and train
         self.scale = 1.0 / sched.n_microbatches if sched.scale_grads else 1.0
+        self.tag_base = _comm.tag_base(sched._steps, sched.num_stages)
         self.recv_known = sched._recv_cache.get(key, {})
         self.send_known = sched._send_cache.get(key, {})
         self.recv_learned, self.send_learned, self.out_specs = {}, {}, {}
@@ -41,8 +42,8 @@ class Executor:
         return stage % self.s.p
 
     def _isend(self, tensor, stage, tag):
-        self.ops.append((dist.P2POp(dist.isend, tensor, group=self.s.group, group_peer=self._peer(stage), tag=tag),
-                         None))
+        self.ops.append((dist.P2POp(dist.isend, tensor, group=self.s.group, group_peer=self._peer(stage),
+                                     tag=self.tag_base + tag), None))
 
     def _flush(self):
         """Posts the queued sends and receives at once; returns their works in queue order."""
@@ -62,8 +63,8 @@ class Executor:
     def _post_recv(self, tensors, stage, tag):
         pending = _Pending(tensors)
         for t in tensors:
-            self.ops.append((dist.P2POp(dist.irecv, t, group=self.s.group, group_peer=self._peer(stage), tag=tag),
-                             pending))
+            self.ops.append((dist.P2POp(dist.irecv, t, group=self.s.group, group_peer=self._peer(stage),
+                                        tag=self.tag_base + tag), pending))
         return pending
 
     # -- actions --

@@ -73,6 +73,7 @@ class _PipelineSchedule:
         self._schedule_id = zlib.crc32(self.schedule.to_csv().encode())
         self._recv_cache = OrderedDict()  # input key -> {stage: input specs}
         self._send_cache = OrderedDict()  # input key -> {stage: output specs}
+        self._steps = 0  # steps and evals begun, the same count on every rank: picks the tags
         self.last_stats = None   # step_time, busy, bubble (idle over step time), peak_live
         self.last_events = None  # (action, microbatch, stage, start, end) of the last step
 
@@ -136,6 +137,7 @@ class _PipelineSchedule:
         except (ValueError, TypeError) as e:
             err = str(e)
         key = self._agree(first_mbs, err, train)
+        self._steps += 1
         for s in self.stages:
             s.reset()
         ddp = [s.submod for s in self.stages if train and hasattr(s.submod, "no_sync")]
