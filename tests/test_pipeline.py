@@ -420,3 +420,164 @@ def _with_tensor_parallel(ctx, backend, name):
 @pytest.mark.parametrize("name", ["1f1b", "zb_h1"])
 def test_stages_with_tensor_parallel_layers(backend, name):
     _pool(backend, 4).run(_with_tensor_parallel, backend, name)
+
+
+class _Reuse(nn.Module):
+    """Weights reached by more than one path: ``lin`` runs twice, ``tied`` shares ``lin``'s
+    weight, and ``lin.weight`` is also used outside its module. ZB-H1's W must still add each
+    weight's gradient exactly once (per-module W from each captured output would count the
+    inner path twice and miss the outside use)."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+        self.tied = nn.Linear(8, 8)
+        self.tied.weight = self.lin.weight
+
+    def forward(self, x):
+        h = torch.tanh(self.lin(torch.tanh(self.lin(x))))
+        return torch.tanh(self.tied(h)) + h @ self.lin.weight.t() * 0.5
+
+
+def _reused_weights(ctx, name):
+    torch.set_num_threads(1)
+    torch.manual_seed(0)
+    model = nn.Sequential(_Reuse(), _Reuse())
+    x, y = _data(0, 8)
+    ref = copy.deepcopy(model)
+    _mse(ref(x), y).backward()
+    stage = PipelineStage(copy.deepcopy(model[ctx.rank]), ctx.rank, 2)
+    SCHEDULES[name](stage, 4, loss_fn=_mse).step(*((x,) if ctx.rank == 0 else ()), target=y if ctx.rank else None)
+    for (n, p), q in zip(stage.submod.named_parameters(), ref[ctx.rank].parameters()):
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-5, atol=1e-6, msg=lambda msg: f"{n}: {msg}")
+
+
+@pytest.mark.parametrize("name", ["1f1b", "zb_h1"])
+def test_weights_used_on_several_paths_get_one_gradient(name):
+    _pool("gloo", 2).run(_reused_weights, name)
+
+
+# A custom schedule with its own communication: rank 0 posts the gradient receive of
+# micro-batch 0 before its first forward (the output shape is not known yet) and the one of
+# micro-batch 1 after it, then runs B1 before B0. The simulator accepts it (receives posted
+# in the order rank 1 sends); the executor must post them in that order too, or micro-batch
+# 0's gradient lands in micro-batch 1's buffer.
+_CSV_EARLY_RECV_B = """rank,action,microbatch,stage
+0,RECV_B,0,0
+0,F,0,0
+0,SEND_F,0,0
+0,RECV_B,1,0
+0,F,1,0
+0,SEND_F,1,0
+0,B,1,0
+0,B,0,0
+1,RECV_F,0,1
+1,RECV_F,1,1
+1,F,0,1
+1,B,0,1
+1,SEND_B,0,1
+1,F,1,1
+1,B,1,1
+1,SEND_B,1,1
+"""
+
+
+def _custom_csv(ctx):
+    from torchpar.parallel.pipeline import ScheduleFromCSV
+    torch.set_num_threads(1)
+    model = _model(4)
+    x, y = _data(0, 8)
+    ref, _ = _reference_grads(model, x, y)
+    stage = PipelineStage(split(copy.deepcopy(model), 2, ctx.rank), ctx.rank, 2)
+    sched = ScheduleFromCSV(stage, 2, _CSV_EARLY_RECV_B, loss_fn=_mse)
+    sched.step(*((x,) if stage.is_first else ()), target=y if stage.is_last else None)
+    _check_grads([stage], ref, 2, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_custom_csv_schedule_with_receives_posted_before_the_forward(backend):
+    _pool(backend, 2).run(_custom_csv)
+
+
+def _csv_schedules_disagree(ctx):
+    """Each rank loaded a different (valid) CSV: rank 0's says rank 0 forwards micro-batch 0
+    first, rank 1's says micro-batch 1 first. Run as they are, rank 1 would take micro-batch
+    0's activation for micro-batch 1's: wrong losses and gradients, no error."""
+    from torchpar.parallel.pipeline import ScheduleFromCSV
+    order = "0,F,0,0\n0,F,1,0\n0,B,0,0\n0,B,1,0\n" if ctx.rank == 0 else "0,F,1,0\n0,F,0,0\n0,B,1,0\n0,B,0,0\n"
+    text = order + "1,F,0,1\n1,F,1,1\n1,B,0,1\n1,B,1,1\n"
+    stage = PipelineStage(split(_model(4), 2, ctx.rank), ctx.rank, 2)
+    sched = ScheduleFromCSV(stage, 2, text, loss_fn=_mse)
+    x, y = _data(0, 8)
+    return _expect_error(lambda: sched.step(*((x,) if ctx.rank == 0 else ()), target=y if ctx.rank else None),
+                         r"disagree on the schedule")
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_custom_schedules_that_differ_across_ranks_fail_on_every_rank(backend):
+    _pool(backend, 2).run(_csv_schedules_disagree)
+
+
+def _sum_of_gradients(ctx, name):
+    """scale_grads=False: the gradients are the sum over micro-batches, m times the mean."""
+    torch.set_num_threads(1)
+    m = 4
+    model = _model(4)
+    x, y = _data(0, 8)
+    ref, _ = _reference_grads(model, x, y)
+    stage = PipelineStage(split(copy.deepcopy(model), 2, ctx.rank), ctx.rank, 2)
+    SCHEDULES[name](stage, m, loss_fn=_mse, scale_grads=False).step(
+        *((x,) if stage.is_first else ()), target=y if stage.is_last else None)
+    for p, q in zip(stage.submod.parameters(), split(ref, 2, ctx.rank).parameters()):
+        torch.testing.assert_close(p.grad, q.grad * m, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("name", ["gpipe", "zb_h1"])
+def test_scale_grads_false_keeps_the_sum(name):
+    _pool("gloo", 2).run(_sum_of_gradients, name)
+
+
+class _ShrinksOnce(nn.Module):
+    """Narrower output on its third call only (the second step's first micro-batch)."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+        self.calls = 0
+
+    def forward(self, x):
+        self.calls += 1
+        out = self.lin(x)
+        return out[:, :4] if self.calls == 3 else out
+
+
+def _step_after_a_failed_step(rank, world_size, init_file, backend):
+    """A step that failed half-way leaves receives posted (rank 1 had posted both
+    micro-batches' receives); the next step's messages must not land in them."""
+    from datetime import timedelta
+    import torchpar  # noqa: F401
+    dist.init_process_group(backend, init_method=f"file://{init_file}", rank=rank, world_size=world_size,
+                            timeout=timedelta(seconds=20))
+    try:
+        torch.manual_seed(0)
+        model = nn.Sequential(_ShrinksOnce(), nn.Linear(8, 8))
+        ref = copy.deepcopy(model)
+        stage = PipelineStage(model[rank], rank, 2)
+        sched = ScheduleGPipe(stage, 2, loss_fn=_mse)
+        x, y = torch.randn(4, 8), torch.randn(4, 8)
+        args, kw = ((x,) if rank == 0 else ()), {"target": y if rank else None}
+        sched.step(*args, **kw)
+        _expect_error(lambda: sched.step(*args, **kw), r"\(2, 4\)")
+        stage.submod.zero_grad()
+        losses = []
+        sched.step(*args, **kw, losses=losses)
+        _mse(ref(x), y).backward()
+        for p, q in zip(stage.submod.parameters(), ref[rank].parameters()):
+            torch.testing.assert_close(p.grad, q.grad, rtol=1e-5, atol=1e-6)
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_step_after_a_failed_step_gets_its_own_messages(backend):
+    spawn(_step_after_a_failed_step, 2, backend, timeout=60)

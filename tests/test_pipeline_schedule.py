@@ -124,3 +124,11 @@ def test_simulator_rejects_broken_schedules():
         _C.pipeline_schedule_from_csv("0,F,0\n", 2, 1)
     with pytest.raises(ValueError, match="unknown pipeline action 'FWD'"):
         _C.pipeline_schedule_from_csv("0,FWD,0,0\n", 2, 1)
+
+
+@pytest.mark.parametrize("row", ["0,F,0,-4", "1,F,0,-2", "1,B,0,-1", "0,F,-1,0"])
+def test_csv_stage_or_microbatch_out_of_range_is_a_clear_error(row):
+    # Untrusted CSV: a negative stage once reached add_communication's rank arithmetic
+    # (stage % p < 0) and indexed out of bounds (a segfault); it must be a ValueError naming the line.
+    with pytest.raises(ValueError, match="line 1"):
+        _C.pipeline_schedule_from_csv(row, 2, 1, 1)

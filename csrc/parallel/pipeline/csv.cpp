@@ -47,6 +47,14 @@ Schedule schedule_from_csv(const std::string& text, int p, int m, int v) {
     int rank = parse_int(f[0], line, "rank");
     TP_CHECK_USAGE(rank >= 0 && rank < p, "schedule CSV line ", line, ": rank ", rank, " out of range for ", p, " ranks");
     Action a{parse_action(f[1]), parse_int(f[2], line, "microbatch"), parse_int(f[3], line, "stage")};
+    // Checked here, with the line, before add_communication does rank arithmetic on the stage
+    // (a negative stage gave a negative rank index there: an out-of-bounds write).
+    TP_CHECK_USAGE(a.microbatch >= 0 && a.microbatch < m, "schedule CSV line ", line, ": micro-batch ",
+                   a.microbatch, " out of range for ", m, " micro-batches");
+    TP_CHECK_USAGE(a.stage >= 0 && a.stage < s.num_stages(), "schedule CSV line ", line, ": stage ", a.stage,
+                   " out of range for ", s.num_stages(), " stages");
+    TP_CHECK_USAGE(s.rank_of(a.stage) == rank, "schedule CSV line ", line, ": stage ", a.stage, " lives on rank ",
+                   s.rank_of(a.stage), ", not on rank ", rank);
     if (a.type == ActionType::W) s.split_backward = true;
     if (a.type != ActionType::F && a.type != ActionType::B && a.type != ActionType::W) has_comm = true;
     s.actions[rank].push_back(a);

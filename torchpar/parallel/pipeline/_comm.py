@@ -11,7 +11,8 @@ changes under the same input shape.
 
 Tags: each kind of message to stage s has its own tag, so a receive matches the right send
 even when a rank posts receives of different kinds or stages in another order than its peer
-sends them (point-to-point messages are matched by source and tag in posting order).
+sends them (point-to-point messages are matched by source and tag in posting order); each
+step offsets them by ``tag_base``, so a failed step's leftover receives stay out of the next.
 """
 import zlib
 
@@ -20,6 +21,17 @@ import torch
 HEADER_LEN = 64
 DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64, torch.int32,
           torch.int16, torch.int8, torch.uint8, torch.bool, torch.complex64]
+
+
+_TAG_LIMIT = 2**31 - 1  # tags are a C int
+
+
+def tag_base(step, num_stages):
+    """Offset added to every tag of step number ``step``. A step that failed half-way leaves
+    receives posted that nothing will ever cancel; with tags of their own per step, the next
+    step's messages cannot land in them (tags repeat only 2^31 / (3 * num_stages) steps later)."""
+    span = 3 * num_stages
+    return span * (step % max(1, _TAG_LIMIT // span))
 
 
 def tag_activation(stage):

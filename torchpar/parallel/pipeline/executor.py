@@ -26,10 +26,12 @@ class Executor:
         self.train = train
         self.split = sched.schedule.split_backward and train
         self.scale = 1.0 / sched.n_microbatches if sched.scale_grads else 1.0
+        self.tag_base = _comm.tag_base(sched._steps, sched.num_stages)
         self.recv_known = sched._recv_cache.get(key, {})
         self.send_known = sched._send_cache.get(key, {})
         self.recv_learned, self.send_learned, self.out_specs = {}, {}, {}
         self.pending_f, self.pending_b = {}, {}   # (mb, stage) -> pending receives
+        self.deferred_b = {}  # stage -> micro-batches whose RECV_B came before the stage's first forward
         self.to_send_f, self.to_send_b = {}, {}
         self.sends, self.ops = [], []       # posted send works; ops not yet posted
         self.outputs, self.losses, self.events = [], [], []
@@ -40,8 +42,8 @@ class Executor:
         return stage % self.s.p
 
     def _isend(self, tensor, stage, tag):
-        self.ops.append((dist.P2POp(dist.isend, tensor, group=self.s.group, group_peer=self._peer(stage), tag=tag),
-                         None))
+        self.ops.append((dist.P2POp(dist.isend, tensor, group=self.s.group, group_peer=self._peer(stage),
+                                     tag=self.tag_base + tag), None))
 
     def _flush(self):
         """Posts the queued sends and receives at once; returns their works in queue order."""
@@ -61,8 +63,8 @@ class Executor:
     def _post_recv(self, tensors, stage, tag):
         pending = _Pending(tensors)
         for t in tensors:
-            self.ops.append((dist.P2POp(dist.irecv, t, group=self.s.group, group_peer=self._peer(stage), tag=tag),
-                             pending))
+            self.ops.append((dist.P2POp(dist.irecv, t, group=self.s.group, group_peer=self._peer(stage),
+                                        tag=self.tag_base + tag), pending))
         return pending
 
     # -- actions --
@@ -114,7 +116,10 @@ class Executor:
         known = self.send_known.get(stage)
         self._isend(_comm.encode(outs, stage), stage + 1, _comm.tag_header(stage + 1))
         if known is not None and known != got:
+            # The next stage raises on reading this header; wait until it is delivered, or the
+            # next stage may see this rank exit (connection reset) instead of the clear error.
             self._flush()
+            self.sends[-1][0].wait()
             raise ValueError(f"pipeline stage {stage}: output of micro-batch {mb} is {_comm.describe(got)}, but "
                              f"stage {stage + 1} expects {_comm.describe(known)} (learned for the same input "
                              f"shapes); stage outputs must depend only on the input shapes")
@@ -123,12 +128,20 @@ class Executor:
             self._isend(t.detach().contiguous(), stage + 1, _comm.tag_activation(stage + 1))
 
     def recv_b(self, mb, stage):
-        specs = self.out_specs.get(stage)
-        if specs is None:  # forward of this stage not run yet in this step: post at use
-            self.pending_b[(mb, stage)] = None
+        if stage not in self.out_specs:  # no forward of this stage yet in this step: shapes unknown
+            self.deferred_b.setdefault(stage, []).append(mb)
             return
+        self._recv_gradient(mb, stage)
+
+    def _recv_gradient(self, mb, stage):
         self.pending_b[(mb, stage)] = self._post_recv(
-            _comm.empty([sp for sp in specs if sp[2]]), stage + 1, _comm.tag_gradient(stage))
+            _comm.empty([sp for sp in self.out_specs[stage] if sp[2]]), stage + 1, _comm.tag_gradient(stage))
+
+    def _post_deferred_b(self, stage):
+        # Receives of one tag match the peer's sends in posting order, so the ones deferred
+        # before the stage's first forward go out now, ahead of any RECV_B that follows.
+        for mb in self.deferred_b.pop(stage, []):
+            self._recv_gradient(mb, stage)
 
     def send_b(self, mb, stage):
         for g in self.to_send_b.pop((mb, stage)):
@@ -160,7 +173,9 @@ class Executor:
         args = self._inputs(mb, stage)
         t_wait = time.perf_counter()
         outs = st.forward(mb, args, capture=self.split)
-        self.out_specs.setdefault(stage, _comm.specs(outs))
+        if stage not in self.out_specs:
+            self.out_specs[stage] = _comm.specs(outs)
+            self._post_deferred_b(stage)
         if st.is_last:
             if self.s.loss_fn is not None and self.targets is not None:
                 loss = self.s.loss_fn(outs[0] if len(outs) == 1 else outs, self.targets[mb][0])
@@ -179,10 +194,6 @@ class Executor:
         grads = None
         if not st.is_last:
             pending = self.pending_b.pop((mb, stage))
-            if pending is None:
-                pending = self._post_recv(_comm.empty([sp for sp in self.out_specs[stage] if sp[2]]),
-                                          stage + 1, _comm.tag_gradient(stage))
-                self._flush()
             pending.wait()
             grads = pending.tensors
         t_wait = time.perf_counter()

@@ -16,6 +16,7 @@ the last micro-batch, in one all-reduce.
 import contextlib
 import json
 import time
+import zlib
 from collections import OrderedDict
 
 import torch
@@ -67,8 +68,12 @@ class _PipelineSchedule:
         self.schedule = self._make_schedule(self.p, n_microbatches, v)  # ValueError on every rank alike
         self._train_actions = self.schedule.actions(self.rank)
         self._eval_actions = self.schedule.forward_only().actions(self.rank)
+        # Every rank runs its own list from its own copy of the schedule; a custom one (a CSV
+        # per rank) could differ, and lists that pair messages differently cross them silently.
+        self._schedule_id = zlib.crc32(self.schedule.to_csv().encode())
         self._recv_cache = OrderedDict()  # input key -> {stage: input specs}
         self._send_cache = OrderedDict()  # input key -> {stage: output specs}
+        self._steps = 0  # steps and evals begun, the same count on every rank: picks the tags
         self.last_stats = None   # step_time, busy, bubble (idle over step time), peak_live
         self.last_events = None  # (action, microbatch, stage, start, end) of the last step
 
@@ -94,7 +99,7 @@ class _PipelineSchedule:
         error is raised on every rank before a single activation moves."""
         key = _comm.key(first_mbs[0], train) if first_mbs else 0
         row = torch.tensor([self.num_stages, len(self.stages), _KIND_IDS[self.kind], self.n_microbatches,
-                            key, int(err is not None), int(train)], dtype=torch.int64)
+                            key, int(err is not None), int(train), self._schedule_id], dtype=torch.int64)
         rows = [torch.empty_like(row) for _ in range(self.p)]
         dist.all_gather(rows, row, group=self.group)
         rows = [r.tolist() for r in rows]
@@ -104,7 +109,7 @@ class _PipelineSchedule:
             dist.all_gather_object(msgs, err, group=self.group)
             problems += [f"pipeline rank {i}: {m}" for i, m in enumerate(msgs) if m]
         names = ["number of stages", "stages per rank", "schedule kind", "number of micro-batches", None, None,
-                 "step/eval"]
+                 "step/eval", "schedule (checksum of the action lists)"]
         for field, name in enumerate(names):
             if name and len({r[field] for r in rows}) > 1:
                 problems.append(f"pipeline ranks disagree on the {name}: " +
@@ -132,6 +137,7 @@ class _PipelineSchedule:
         except (ValueError, TypeError) as e:
             err = str(e)
         key = self._agree(first_mbs, err, train)
+        self._steps += 1
         for s in self.stages:
             s.reset()
         ddp = [s.submod for s in self.stages if train and hasattr(s.submod, "no_sync")]

@@ -16,8 +16,10 @@ Backward, two ways:
   computes the input gradients and, on the way, the gradient arriving at each such module.
   W then runs ``torch.autograd.backward(y, dy, inputs=that module's parameters)`` per module:
   only the last op of each module is differentiated again, so B + W cost about one backward.
-  Parameters no hook covers (used outside their module, or a module whose output is not a
-  tensor) get theirs from one more backward from the stage outputs restricted to them.
+  Parameters that path would miss or count twice (used outside their module, a module run
+  twice, weights tied across modules, a module whose output is not a tensor; found by walking
+  the graph, ``_single_path_params``) get theirs from one more backward from the stage
+  outputs restricted to them.
 """
 import torch
 import torch.distributed as dist
@@ -137,13 +139,14 @@ class PipelineStage:
         st = self._mbs[mb]
         covered = set()
         by_module = {}
+        single = self._single_path_params(st)
         for (module, y), g in zip(st.captured, st.captured_grads):
             if g is not None:
                 ys, gs = by_module.setdefault(module, ([], []))
                 ys.append(y)
                 gs.append(g)
         for module, (ys, gs) in by_module.items():
-            params = [p for p in module.parameters(recurse=False) if p.requires_grad]
+            params = [p for p in module.parameters(recurse=False) if p.requires_grad and id(p) in single]
             if params:
                 torch.autograd.backward(ys, gs, inputs=params, retain_graph=True)
                 covered.update(id(p) for p in params)
@@ -156,6 +159,47 @@ class PipelineStage:
                 if g is not None:
                     p.grad = g if p.grad is None else p.grad + g
         self._free(mb)
+
+    def _single_path_params(self, st):
+        """Ids of the parameters whose per-module W is exact for this micro-batch.
+
+        ``backward(y, dy, inputs=p)`` adds p's gradient along every path below y. Summed over
+        the captured outputs of p's modules, that is p's gradient only if every path from the
+        stage outputs to p crosses exactly one of them. It crosses none when p is also used
+        outside its module, and two when its module runs twice or p is tied to a second
+        module that feeds the first; such parameters take W's fallback (one backward from
+        the stage outputs restricted to them), which counts every path once.
+        """
+        owners = {}  # id(param) -> modules holding it directly
+        for m in self._owners:
+            for p in m.parameters(recurse=False):
+                owners.setdefault(id(p), set()).add(m)
+        calls = {}
+        node_modules = {}  # grad_fn of a captured output -> the modules that produced it
+        for module, y in st.captured:
+            calls[module] = calls.get(module, 0) + 1
+            if y.grad_fn is not None:
+                node_modules.setdefault(y.grad_fn, set()).add(module)
+        bad = {pid for pid, ms in owners.items() if sum(calls.get(m, 0) for m in ms) > 1}
+        # Walk each region of the graph: from the outputs, and from each captured output, down
+        # to the next captured output. A parameter reached in a region that is not its own
+        # module's has a path whose last captured output (if any) is not one of its modules.
+        regions = [([o.grad_fn for o in st.outputs if o.grad_fn not in node_modules], set())]
+        regions += [([node], modules) for node, modules in node_modules.items()]
+        for starts, modules in regions:
+            seen, stack = set(), [n for n in starts if n is not None]
+            while stack:
+                node = stack.pop()
+                if node in seen:
+                    continue
+                seen.add(node)
+                var = getattr(node, "variable", None)  # AccumulateGrad of a leaf
+                if var is not None:
+                    if not owners.get(id(var), set()) & modules:
+                        bad.add(id(var))
+                    continue
+                stack += [n for n, _ in node.next_functions if n is not None and n not in node_modules]
+        return {pid for pid in owners if pid not in bad}
 
     def _input_grads(self, st):
         return [(x.grad if x.requires_grad else None) for x in st.inputs]
