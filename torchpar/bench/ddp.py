@@ -21,14 +21,14 @@ import json
 import os
 import statistics
 import sys
-import tempfile
 import time
 from datetime import datetime, timezone
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from torch import nn
+
+from torchpar.bench._spawn import run_ranks
 
 MODES = ["torchpar_ddp", "torch_ddp", "no_overlap", "compute_only", "comm_only"]
 
@@ -119,24 +119,7 @@ def _rank(rank, backend, init_file, args, queue):
 
 
 def _run_backend(backend, args):
-    ctx = mp.get_context("spawn")
-    queue = ctx.Queue()
-    with tempfile.TemporaryDirectory(prefix="torchpar-bench-ddp-") as tmp:
-        procs = [ctx.Process(target=_rank, args=(r, backend, os.path.join(tmp, "init"), args, queue))
-                 for r in range(args.world_size)]
-        for p in procs:
-            p.start()
-        try:
-            status, value = queue.get(timeout=args.timeout)
-        except Exception:  # noqa: BLE001 - queue.Empty: a rank hung or died
-            status, value = "err", f"no result within {args.timeout}s"
-        for p in procs:
-            p.join(timeout=30)
-            if p.is_alive():
-                p.kill()
-    if status != "ok":
-        raise RuntimeError(f"{backend}: {value}")
-    return value
+    return run_ranks(_rank, args.world_size, (backend,), (args,), args.timeout, backend)
 
 
 def _available(backend):

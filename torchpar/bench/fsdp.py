@@ -18,21 +18,19 @@ peak is the same for systems with the same shard sizes). All are rank 0's; ratio
 """
 import argparse
 import copy
-import math
 import os
 import statistics
 import sys
-import tempfile
 import time
 from datetime import datetime, timezone
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from torch import nn
 from torch.nn import functional as F
 
 from torchpar.bench._report import print_table, pyplot, write_json
+from torchpar.bench._spawn import run_ranks
 
 
 # ---- the model: a GPT-2-style decoder ----
@@ -202,24 +200,7 @@ def _rank(rank, backend, init_file, args, queue):
 
 
 def _run_backend(backend, args):
-    ctx = mp.get_context("spawn")
-    queue = ctx.Queue()
-    with tempfile.TemporaryDirectory(prefix="torchpar-bench-fsdp-") as tmp:
-        procs = [ctx.Process(target=_rank, args=(r, backend, os.path.join(tmp, "init"), args, queue))
-                 for r in range(args.world_size)]
-        for p in procs:
-            p.start()
-        try:
-            status, value = queue.get(timeout=args.timeout)
-        except Exception:  # noqa: BLE001 - queue.Empty: a rank hung or died
-            status, value = "err", f"no result within {args.timeout}s"
-        for p in procs:
-            p.join(timeout=30)
-            if p.is_alive():
-                p.kill()
-    if status != "ok":
-        raise RuntimeError(f"{backend}: {value}")
-    return value
+    return run_ranks(_rank, args.world_size, (backend,), (args,), args.timeout, backend)
 
 
 def _params(args):

@@ -19,16 +19,15 @@ import copy
 import os
 import statistics
 import sys
-import tempfile
 import time
 from datetime import datetime, timezone
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from torch import nn
 
 from torchpar.bench._report import print_table, pyplot, write_json
+from torchpar.bench._spawn import run_ranks
 
 OURS = ["gpipe", "1f1b", "interleaved", "zb_h1"]
 THEIRS = ["torch_gpipe", "torch_1f1b", "torch_interleaved"]
@@ -216,24 +215,7 @@ def _rank(rank, backend, init_file, args, queue):
 
 
 def _run(backend, args):
-    ctx = mp.get_context("spawn")
-    queue = ctx.Queue()
-    with tempfile.TemporaryDirectory(prefix="torchpar-bench-pp-") as tmp:
-        procs = [ctx.Process(target=_rank, args=(r, backend, os.path.join(tmp, "init"), args, queue))
-                 for r in range(args.world_size)]
-        for pr in procs:
-            pr.start()
-        try:
-            status, value = queue.get(timeout=args.timeout)
-        except Exception:  # noqa: BLE001 - a rank hung or died
-            status, value = "err", f"no result within {args.timeout}s"
-        for pr in procs:
-            pr.join(timeout=30)
-            if pr.is_alive():
-                pr.kill()
-    if status != "ok":
-        raise RuntimeError(f"{backend}: {value}")
-    return value
+    return run_ranks(_rank, args.world_size, (backend,), (args,), args.timeout, backend)
 
 
 def _theory(mode, p, m):

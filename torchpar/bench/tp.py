@@ -21,17 +21,16 @@ import copy
 import os
 import statistics
 import sys
-import tempfile
 import time
 from datetime import datetime, timezone
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from torch import nn
 from torch.nn import functional as F
 
 from torchpar.bench._report import print_table, pyplot, write_json
+from torchpar.bench._spawn import run_ranks
 
 
 class Attention(nn.Module):
@@ -179,24 +178,7 @@ def _rank(rank, world, backend, init_file, args, modes, queue):
 
 
 def _run(backend, world, args, modes):
-    ctx = mp.get_context("spawn")
-    queue = ctx.Queue()
-    with tempfile.TemporaryDirectory(prefix="torchpar-bench-tp-") as tmp:
-        procs = [ctx.Process(target=_rank, args=(r, world, backend, os.path.join(tmp, "init"), args, modes, queue))
-                 for r in range(world)]
-        for p in procs:
-            p.start()
-        try:
-            status, value = queue.get(timeout=args.timeout)
-        except Exception:  # noqa: BLE001 - queue.Empty: a rank hung or died
-            status, value = "err", f"no result within {args.timeout}s"
-        for p in procs:
-            p.join(timeout=30)
-            if p.is_alive():
-                p.kill()
-    if status != "ok":
-        raise RuntimeError(f"{backend} tp={world}: {value}")
-    return value
+    return run_ranks(_rank, world, (world, backend), (args, modes), args.timeout, f"{backend} tp={world}")
 
 
 def _modes(tp):

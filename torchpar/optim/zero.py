@@ -219,7 +219,6 @@ class ZeroRedundancyOptimizer(Optimizer):
         base = 0
         for g, saved in zip(self.param_groups, state_dict["param_groups"]):
             g.update(_options(saved))
-            ids = []
             for k in range(base, base + len(g["params"])):
                 if k in position:
                     pos = position[k]
