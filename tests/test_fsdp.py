@@ -441,3 +441,79 @@ def _peak_memory(ctx, depth=16, d=16):
 def test_peak_memory_is_the_shard_share_plus_one_unit(world_size):
     measured, analytic, breakdown = _pool("torchpar", world_size).run(_peak_memory)[0]
     assert analytic <= measured <= 1.10 * analytic, (measured, analytic, breakdown)
+
+
+# ---- forward/backward patterns beyond one forward then one backward (review of issue 19) ----
+
+class CheckpointedNet(Net):
+    """Net whose blocks run under activation checkpointing: their forward runs again inside
+    backward, on parameters that must stay gathered until that backward is done."""
+
+    def __init__(self, use_reentrant, **kwargs):
+        super().__init__(**kwargs)
+        self.use_reentrant = use_reentrant
+
+    def forward(self, x):
+        x = self.inp(x)
+        for b in self.blocks:
+            x = torch.utils.checkpoint.checkpoint(b, x, use_reentrant=self.use_reentrant)
+        return self.out(x)
+
+
+class CheckpointedNetNoEarlyStop(CheckpointedNet):
+    """The recomputation runs the blocks' forward to its end (their forward hooks included)."""
+
+    def forward(self, x):
+        with torch.utils.checkpoint.set_checkpoint_early_stop(False):
+            return super().forward(x)
+
+
+def _run_pattern(model, x, y, pattern):
+    if pattern == "backward_twice":  # two backward passes over one graph add their gradients
+        loss = _loss(model(x), y)
+        loss.backward(retain_graph=True)
+        loss.backward()
+    elif pattern == "no_grad_forward_before_backward":  # e.g. a metric between forward and backward
+        loss = _loss(model(x), y)
+        with torch.no_grad():
+            model(x)
+        loss.backward()
+    else:
+        _loss(model(x), y).backward()
+
+
+def _pattern_grads_match(ctx, pattern, steps=2):
+    _setup(ctx)
+    if pattern == "checkpoint_no_early_stop":
+        model = CheckpointedNetNoEarlyStop(use_reentrant=False)
+    elif pattern.startswith("checkpoint"):
+        model = CheckpointedNet(use_reentrant=pattern.endswith("reentrant"))
+    else:
+        model = Net()
+    ref = copy.deepcopy(model)
+    _shard_model(model, ctx.pg)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    for step in range(steps):
+        x, y = _batch(step, 2 * ctx.world_size)
+        opt.zero_grad()
+        ref_opt.zero_grad()
+        _run_pattern(model, _part(x, ctx), _part(y, ctx), pattern)
+        _run_pattern(ref, x, y, pattern)
+        for u in (m._fsdp for m in model.modules() if isinstance(m, FSDPModule)):
+            for _, _, i, name in u.sites:
+                start, length = u.flat.shard_range(i)
+                expected = ref.get_parameter(_full_name(model, u, name)).grad.reshape(-1)[start:start + length]
+                torch.testing.assert_close(u.sharded[i].grad, expected, rtol=1e-5, atol=1e-6,
+                                           msg=lambda m: f"step {step}, {name}: {m}")
+        opt.step()
+        ref_opt.step()
+        _assert_matches(model.state_dict(), ref, step)
+
+
+@on_backends
+@pytest.mark.parametrize("pattern", ["checkpoint", "checkpoint_reentrant", "checkpoint_no_early_stop",
+                                     "backward_twice",
+                                     "no_grad_forward_before_backward"])
+def test_forward_backward_patterns_equal_single_process(backend, pattern):
+    _pool(backend, 2).run(_pattern_grads_match, pattern)
