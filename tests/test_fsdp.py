@@ -478,6 +478,20 @@ def _run_pattern(model, x, y, pattern):
         with torch.no_grad():
             model(x)
         loss.backward()
+    elif pattern == "after_failed_backward":  # e.g. a batch skipped when its backward raised
+        def fail(grad):
+            raise RuntimeError("backward failed on purpose")
+
+        def arm(module, args, out):
+            out.register_hook(fail)
+
+        handle = model.blocks[0].register_forward_hook(arm)
+        with pytest.raises(RuntimeError, match="on purpose"):
+            _loss(model(x), y).backward()
+        handle.remove()
+        for p in model.parameters():
+            p.grad = None
+        _loss(model(x), y).backward()
     else:
         _loss(model(x), y).backward()
 
@@ -513,7 +527,7 @@ def _pattern_grads_match(ctx, pattern, steps=2):
 
 @on_backends
 @pytest.mark.parametrize("pattern", ["checkpoint", "checkpoint_reentrant", "checkpoint_no_early_stop",
-                                     "backward_twice",
+                                     "backward_twice", "after_failed_backward",
                                      "no_grad_forward_before_backward"])
 def test_forward_backward_patterns_equal_single_process(backend, pattern):
     _pool(backend, 2).run(_pattern_grads_match, pattern)

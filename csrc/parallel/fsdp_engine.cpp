@@ -65,6 +65,18 @@ void FsdpEngine::record(FsdpEvent::Kind kind, int64_t unit) {
 
 void FsdpEngine::begin_step_locked() {
   trace_.clear();
+  // What a backward that raised left behind (its finalize never ran): a reduce-scatter in flight,
+  // gradients on the gathered parameters, units still gathered. Its gradients are dropped (the
+  // caller skipped that batch), not added into this step's; the reduce-scatter is waited on, as
+  // every rank launched it.
+  if (in_flight_.work) {
+    in_flight_.work->wait();
+    in_flight_ = InFlight{};
+  }
+  for (size_t v = 0; v < units_.size(); ++v) {
+    units_[v].flat->discard_unsharded_grads();
+    reshard_locked(static_cast<int64_t>(v));
+  }
   // A forward whose backward never ran (or a forward under no_grad) leaves nothing to reduce.
   for (auto& u : units_) {
     u.needs_backward = false;
