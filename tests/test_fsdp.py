@@ -399,8 +399,23 @@ def _load_other_model(ctx):
     return None
 
 
+def _tied_across_units(ctx):
+    # One parameter in two units would be flattened twice: two shards trained apart, the tie
+    # silently broken. Tied parameters must be in one unit (shard their common parent).
+    _setup(ctx)
+    model = Net()
+    model.blocks[1].fc1.weight = model.blocks[0].fc1.weight
+    try:
+        _shard_model(model, ctx.pg)
+    except ValueError as e:
+        return str(e)
+    return None
+
+
 @on_backends
 def test_bad_input_raises_on_every_rank(backend):
+    errors = _pool(backend, 2).run(_tied_across_units)
+    assert all(e and "'fc1.weight'" in e and "already sharded" in e for e in errors), errors
     errors = _pool(backend, 2).run(_differing_models)
     assert all(e and "differ across ranks" in e and "'ln.weight'" in e and "[7]" in e and "[6]" in e
                for e in errors), errors
