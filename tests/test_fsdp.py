@@ -546,3 +546,24 @@ def _pattern_grads_match(ctx, pattern, steps=2):
                                      "no_grad_forward_before_backward"])
 def test_forward_backward_patterns_equal_single_process(backend, pattern):
     _pool(backend, 2).run(_pattern_grads_match, pattern)
+
+
+def _checkpoint_trace(ctx):
+    _setup(ctx)
+    model = _shard_model(CheckpointedNet(use_reentrant=False, depth=4), ctx.pg)
+    for step in range(2):
+        x, y = _batch(step, 2 * ctx.world_size)
+        _loss(model(_part(x, ctx)), _part(y, ctx)).backward()
+    return model.fsdp_engine.trace()
+
+
+@pytest.mark.parametrize("backend", ["gloo"])
+def test_checkpoint_recomputation_gathers_no_finished_unit(backend):
+    # A recomputed forward must not prefetch the unit after it: that unit's backward is over, and
+    # gathering it again would keep it (and with it every unit) gathered until backward ends.
+    for trace in _pool(backend, 2).run(_checkpoint_trace):
+        done = set()
+        for kind, unit in trace:
+            if kind == "post_backward":
+                done.add(unit)
+            assert not (kind == "all_gather_launch" and unit in done), trace

@@ -143,8 +143,10 @@ void FsdpEngine::pre_forward(int64_t unit, bool grad_enabled) {
   }
   unshard_locked(unit);
   // The next unit's parameters travel while this one computes (from the second step, once the
-  // order is known).
-  prefetch_locked(neighbour(unit, +1));
+  // order is known). Not in a recomputation inside backward: the next unit's backward is over.
+  if (!in_backward()) {
+    prefetch_locked(neighbour(unit, +1));
+  }
   (void)grad_enabled;
 }
 
