@@ -398,8 +398,23 @@ def _load_other_model(ctx):
     return None
 
 
+def _tied_across_units(ctx):
+    # One parameter in two units would be flattened twice: two shards trained apart, the tie
+    # silently broken. Tied parameters must be in one unit (shard their common parent).
+    _setup(ctx)
+    model = Net()
+    model.blocks[1].fc1.weight = model.blocks[0].fc1.weight
+    try:
+        _shard_model(model, ctx.pg)
+    except ValueError as e:
+        return str(e)
+    return None
+
+
 @on_backends
 def test_bad_input_raises_on_every_rank(backend):
+    errors = _pool(backend, 2).run(_tied_across_units)
+    assert all(e and "'fc1.weight'" in e and "already sharded" in e for e in errors), errors
     errors = _pool(backend, 2).run(_differing_models)
     assert all(e and "differ across ranks" in e and "'ln.weight'" in e and "[7]" in e and "[6]" in e
                for e in errors), errors
@@ -440,3 +455,114 @@ def _peak_memory(ctx, depth=16, d=16):
 def test_peak_memory_is_the_shard_share_plus_one_unit(world_size):
     measured, analytic, breakdown = _pool("torchpar", world_size).run(_peak_memory)[0]
     assert analytic <= measured <= 1.10 * analytic, (measured, analytic, breakdown)
+
+
+# ---- forward/backward patterns beyond one forward then one backward (review of issue 19) ----
+
+class CheckpointedNet(Net):
+    """Net whose blocks run under activation checkpointing: their forward runs again inside
+    backward, on parameters that must stay gathered until that backward is done."""
+
+    def __init__(self, use_reentrant, **kwargs):
+        super().__init__(**kwargs)
+        self.use_reentrant = use_reentrant
+
+    def forward(self, x):
+        x = self.inp(x)
+        for b in self.blocks:
+            x = torch.utils.checkpoint.checkpoint(b, x, use_reentrant=self.use_reentrant)
+        return self.out(x)
+
+
+class CheckpointedNetNoEarlyStop(CheckpointedNet):
+    """The recomputation runs the blocks' forward to its end (their forward hooks included)."""
+
+    def forward(self, x):
+        with torch.utils.checkpoint.set_checkpoint_early_stop(False):
+            return super().forward(x)
+
+
+def _run_pattern(model, x, y, pattern):
+    if pattern == "backward_twice":  # two backward passes over one graph add their gradients
+        loss = _loss(model(x), y)
+        loss.backward(retain_graph=True)
+        loss.backward()
+    elif pattern == "no_grad_forward_before_backward":  # e.g. a metric between forward and backward
+        loss = _loss(model(x), y)
+        with torch.no_grad():
+            model(x)
+        loss.backward()
+    elif pattern == "after_failed_backward":  # e.g. a batch skipped when its backward raised
+        def fail(grad):
+            raise RuntimeError("backward failed on purpose")
+
+        def arm(module, args, out):
+            out.register_hook(fail)
+
+        handle = model.blocks[0].register_forward_hook(arm)
+        with pytest.raises(RuntimeError, match="on purpose"):
+            _loss(model(x), y).backward()
+        handle.remove()
+        for p in model.parameters():
+            p.grad = None
+        _loss(model(x), y).backward()
+    else:
+        _loss(model(x), y).backward()
+
+
+def _pattern_grads_match(ctx, pattern, steps=2):
+    _setup(ctx)
+    if pattern == "checkpoint_no_early_stop":
+        model = CheckpointedNetNoEarlyStop(use_reentrant=False)
+    elif pattern.startswith("checkpoint"):
+        model = CheckpointedNet(use_reentrant=pattern.endswith("reentrant"))
+    else:
+        model = Net()
+    ref = copy.deepcopy(model)
+    _shard_model(model, ctx.pg)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    for step in range(steps):
+        x, y = _batch(step, 2 * ctx.world_size)
+        opt.zero_grad()
+        ref_opt.zero_grad()
+        _run_pattern(model, _part(x, ctx), _part(y, ctx), pattern)
+        _run_pattern(ref, x, y, pattern)
+        for u in (m._fsdp for m in model.modules() if isinstance(m, FSDPModule)):
+            for _, _, i, name in u.sites:
+                start, length = u.flat.shard_range(i)
+                expected = ref.get_parameter(_full_name(model, u, name)).grad.reshape(-1)[start:start + length]
+                torch.testing.assert_close(u.sharded[i].grad, expected, rtol=1e-5, atol=1e-6,
+                                           msg=lambda m: f"step {step}, {name}: {m}")
+        opt.step()
+        ref_opt.step()
+        _assert_matches(model.state_dict(), ref, step)
+
+
+@on_backends
+@pytest.mark.parametrize("pattern", ["checkpoint", "checkpoint_reentrant", "checkpoint_no_early_stop",
+                                     "backward_twice", "after_failed_backward",
+                                     "no_grad_forward_before_backward"])
+def test_forward_backward_patterns_equal_single_process(backend, pattern):
+    _pool(backend, 2).run(_pattern_grads_match, pattern)
+
+
+def _checkpoint_trace(ctx):
+    _setup(ctx)
+    model = _shard_model(CheckpointedNet(use_reentrant=False, depth=4), ctx.pg)
+    for step in range(2):
+        x, y = _batch(step, 2 * ctx.world_size)
+        _loss(model(_part(x, ctx)), _part(y, ctx)).backward()
+    return model.fsdp_engine.trace()
+
+
+@pytest.mark.parametrize("backend", ["gloo"])
+def test_checkpoint_recomputation_gathers_no_finished_unit(backend):
+    # A recomputed forward must not prefetch the unit after it: that unit's backward is over, and
+    # gathering it again would keep it (and with it every unit) gathered until backward ends.
+    for trace in _pool(backend, 2).run(_checkpoint_trace):
+        done = set()
+        for kind, unit in trace:
+            if kind == "post_backward":
+                done.add(unit)
+            assert not (kind == "all_gather_launch" and unit in done), trace

@@ -1,11 +1,23 @@
 #include "parallel/fsdp_engine.h"
 
 #include <torch/csrc/autograd/engine.h>
+#include <torch/csrc/autograd/graph_task.h>
 #include <torch/csrc/autograd/utils/lambda_post_hook.h>
+
+#include <algorithm>
 
 namespace torchpar::parallel {
 
 namespace autograd = torch::autograd;
+
+namespace {
+
+// A forward that runs inside backward is activation checkpointing's recomputation: the tensors it
+// saves are read by the backward running now, so its unit must stay gathered until that unit's
+// backward is done, and it is no new step.
+bool in_backward() { return autograd::get_current_graph_task_id() != -1; }
+
+}  // namespace
 
 FsdpEngine::FsdpEngine(std::vector<std::shared_ptr<FlatParam>> units, int64_t root) : root_(root) {
   TORCH_CHECK(root >= 0 && static_cast<size_t>(root) < units.size(), "torchpar fully_shard: root unit ", root,
@@ -53,9 +65,22 @@ void FsdpEngine::record(FsdpEvent::Kind kind, int64_t unit) {
 
 void FsdpEngine::begin_step_locked() {
   trace_.clear();
+  // What a backward that raised left behind (its finalize never ran): a reduce-scatter in flight,
+  // gradients on the gathered parameters, units still gathered. Its gradients are dropped (the
+  // caller skipped that batch), not added into this step's; the reduce-scatter is waited on, as
+  // every rank launched it.
+  if (in_flight_.work) {
+    in_flight_.work->wait();
+    in_flight_ = InFlight{};
+  }
+  for (size_t v = 0; v < units_.size(); ++v) {
+    units_[v].flat->discard_unsharded_grads();
+    reshard_locked(static_cast<int64_t>(v));
+  }
   // A forward whose backward never ran (or a forward under no_grad) leaves nothing to reduce.
   for (auto& u : units_) {
     u.needs_backward = false;
+    u.ran_forward = false;
   }
   backward_queued_ = false;
 }
@@ -105,7 +130,10 @@ void FsdpEngine::reshard_locked(int64_t unit) {
 
 void FsdpEngine::pre_forward(int64_t unit, bool grad_enabled) {
   std::lock_guard<std::mutex> lock(mutex_);
-  if (unit == root_) {
+  // A no_grad forward between a forward and its backward (an evaluation, a metric) starts no step:
+  // the pending backward still has its units to reduce.
+  const bool pending = std::any_of(units_.begin(), units_.end(), [](const Unit& u) { return u.needs_backward; });
+  if (unit == root_ && !in_backward() && (grad_enabled || !pending)) {
     begin_step_locked();
   }
   record(FsdpEvent::kPreForward, unit);
@@ -115,8 +143,10 @@ void FsdpEngine::pre_forward(int64_t unit, bool grad_enabled) {
   }
   unshard_locked(unit);
   // The next unit's parameters travel while this one computes (from the second step, once the
-  // order is known).
-  prefetch_locked(neighbour(unit, +1));
+  // order is known). Not in a recomputation inside backward: the next unit's backward is over.
+  if (!in_backward()) {
+    prefetch_locked(neighbour(unit, +1));
+  }
   (void)grad_enabled;
 }
 
@@ -127,6 +157,12 @@ bool FsdpEngine::post_forward(int64_t unit, bool grad_enabled) {
   if (grad_enabled && !u.needs_backward && u.hooked > 0) {  // nothing to reduce for frozen units
     u.needs_backward = true;
     u.pending = u.hooked;
+  }
+  if (grad_enabled && u.hooked > 0) {
+    u.ran_forward = true;
+  }
+  if (in_backward()) {
+    return false;  // recomputation (checkpointing): its backward reads these parameters next
   }
   if (unit == root_) {
     order_recorded_ = true;
@@ -153,6 +189,13 @@ void FsdpEngine::pre_backward(int64_t unit) {
     });
   }
   record(FsdpEvent::kPreBackward, unit);
+  Unit& u = units_[unit];
+  if (!u.needs_backward && u.ran_forward) {
+    // A further backward over the same graph (retain_graph=True): its gradients are reduced and
+    // added to the sharded .grad as the first backward's were.
+    u.needs_backward = true;
+    u.pending = u.hooked;
+  }
   unshard_locked(unit);
   // Backward runs the units in reverse forward order; the root (gathered throughout) comes first,
   // so the unit after it is the last one of forward.

@@ -15,6 +15,10 @@
 //   end       a callback queued on the autograd engine: reduce what no hook reached (units whose
 //             outputs or parameters got no gradient), wait for the last reduce-scatter, hand the
 //             shards to the sharded parameters' .grad, free every gathered unit.
+// A forward inside backward (activation checkpointing's recomputation) keeps its unit gathered
+// until that unit's post_backward; a no_grad forward while a backward is pending starts no step;
+// a second backward over a retained graph re-arms each unit it reaches (pre_backward), so its
+// gradients are reduced and added too.
 // Every collective is issued in this order on every rank (the program is the same), so no tags or
 // agreement are needed.
 #pragma once
@@ -84,6 +88,7 @@ class FsdpEngine : public std::enable_shared_from_this<FsdpEngine> {
     size_t pending = 0;             // parameter gradients still to arrive this backward
     size_t hooked = 0;              // parameters with a gradient hook (those requiring grad)
     bool needs_backward = false;    // ran forward with grad this step, not reduced yet
+    bool ran_forward = false;       // ran forward with grad this step (a backward may come again)
   };
   struct InFlight {                 // the reduce-scatter running
     int64_t unit = -1;

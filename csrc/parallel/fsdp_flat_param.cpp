@@ -200,6 +200,12 @@ void FlatParam::accumulate_grads_locally() {
   }
 }
 
+void FlatParam::discard_unsharded_grads() {
+  for (auto& p : unsharded_) {
+    p.mutable_grad().reset();
+  }
+}
+
 std::pair<c10::intrusive_ptr<c10d::Work>, at::Tensor> FlatParam::start_reduce_scatter(at::Tensor& packed) {
   at::Tensor out = at::empty({shard_numel_}, packed.options());
   c10d::ReduceScatterOptions opts;

@@ -86,6 +86,8 @@ class FlatParam {
   // no_sync: add the unsharded gradients into the local accumulator instead (full size, reduce
   // dtype), releasing them.
   void accumulate_grads_locally();
+  // Release the unsharded gradients unreduced (left by a backward that raised).
+  void discard_unsharded_grads();
   // Reduce-scatter `packed` (sum) into this rank's shard; returns the work and the output.
   std::pair<c10::intrusive_ptr<c10d::Work>, at::Tensor> start_reduce_scatter(at::Tensor& packed);
   // Divide the summed shard by the world size and hand it to the sharded parameters' .grad

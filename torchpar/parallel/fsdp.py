@@ -18,6 +18,7 @@ This file installs the module hooks that call it and swaps the module's register
 between the pieces (outside forward) and the gathered ones (inside). It uses the public c10d API
 only (all-gather into a tensor, reduce-scatter of a tensor), so it runs on torchpar, gloo and nccl.
 """
+import weakref
 from contextlib import contextmanager
 from dataclasses import dataclass
 
@@ -106,6 +107,10 @@ class _Unit:
 
 
 _CLASSES = {}
+# id of every original parameter a unit has flattened -> (weak reference, where it went). A unit
+# copies its parameters into its flat shard, so one parameter tied into two units would become two
+# parameters trained apart; fully_shard refuses it instead.
+_TAKEN = {}
 
 
 def fully_shard(module, group=None, reshard_after_forward=True, mixed_precision=None):
@@ -135,6 +140,13 @@ def fully_shard(module, group=None, reshard_after_forward=True, mixed_precision=
                 walk(child, f"{prefix}{name}.")
 
     walk(module, "")
+    for name, p in params:
+        taken = _TAKEN.get(id(p))
+        if taken is not None and taken[0]() is p:
+            raise ValueError(
+                f"torchpar fully_shard: parameter '{name}' of {type(module).__name__} is already sharded "
+                f"as {taken[1]} (a tied parameter); parameters shared by several modules must be in one "
+                "unit: apply fully_shard to their common parent only")
     mp = mixed_precision
     param_dtype = mp.param_dtype if mp is not None else None
     reduce_dtype = (mp.reduce_dtype or param_dtype) if mp is not None else None
@@ -146,6 +158,9 @@ def fully_shard(module, group=None, reshard_after_forward=True, mixed_precision=
     flat.bind(sharded, unsharded)
     unit = _Unit(flat, sites, sharded, unsharded, param_dtype)
     unit.register(sharded)
+    for name, p in params:
+        _TAKEN[id(p)] = (weakref.ref(p, lambda _, key=id(p): _TAKEN.pop(key, None)),
+                         f"'{name}' of a {type(module).__name__}")
 
     cls = type(module)
     if cls not in _CLASSES:
