@@ -176,7 +176,10 @@ def test_no_avx512_instruction_outside_the_avx512_copies():
     the kernels. An inline function the linker took from an AVX-512 object would break that."""
     lines = subprocess.run(["objdump", "-d", "-C", "--no-addresses", torchpar._C.__file__],
                            capture_output=True, text=True, check=True).stdout.splitlines()
-    function, offenders, found, evex = None, set(), 0, re.compile(r"^\t62 |zmm|%k[0-7]")
+    # An instruction line is "\tbytes \tmnemonic"; a long one's further bytes go on a line of
+    # their own without a mnemonic, and may start with 62 (the "1f1b" of an immediate string).
+    function, offenders, found = None, set(), 0
+    evex = re.compile(r"^\t62 [0-9a-f ]*\t|zmm|%k[0-7]")
     for line in lines:
         if line.startswith("<") and line.endswith(">:"):
             function = line
