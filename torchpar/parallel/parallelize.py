@@ -8,7 +8,7 @@ Styles:
 - ``"rowwise"``: an ``nn.Linear`` becomes a RowParallelLinear (input features split, output
   all-reduced);
 - ``"vocab"``: an ``nn.Embedding`` becomes a VocabParallelEmbedding;
-- ``"sequence"``: a LayerNorm / RMSNorm / Dropout runs on the rank's sequence shard (its
+- ``"sequence"``: a LayerNorm / RMSNorm / Dropout / position Embedding runs on the rank's sequence shard (its
   parameters' gradients are all-reduced over the group).
 
 Any ``"sequence"`` entry turns on sequence parallelism for the whole plan: activations

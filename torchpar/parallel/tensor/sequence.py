@@ -7,6 +7,11 @@ on the whole one: their activations' memory drops by tp. Their parameters stay r
 but each rank's gradient now covers only its tokens; the sum over the group is the full
 gradient, so a hook all-reduces it during backward (Megatron-LM all-reduces the same
 "sequence_parallel" parameters after backward).
+
+A learned position embedding (``nn.Embedding``) is the same case: each rank adds the rows of
+its own positions to its sequence shard (the model looks them up, as torchpar.models.GPT does
+from its token embedding's rank), so each rank's gradient holds only its rows, and the sum over
+the group is the full gradient.
 """
 from torch import nn
 
@@ -14,12 +19,13 @@ from torchpar.nn import LayerNorm as FusedLayerNorm
 from torchpar.parallel.tensor import comm
 from torchpar import _C
 
-# Token-wise modules that may run on a sequence shard (style "sequence" of parallelize).
-SEQUENCE_PARALLEL_TYPES = (nn.LayerNorm, nn.RMSNorm, FusedLayerNorm, nn.Dropout)
+# Token-wise modules that may run on a sequence shard (style "sequence" of parallelize); an
+# Embedding there is a position embedding looked up at the shard's positions.
+SEQUENCE_PARALLEL_TYPES = (nn.LayerNorm, nn.RMSNorm, FusedLayerNorm, nn.Dropout, nn.Embedding)
 
 
 def mark_sequence_parallel(module: nn.Module, group=None, name=None):
-    """Lets ``module`` (a LayerNorm, RMSNorm or Dropout) run on a sequence shard: each of its
+    """Lets ``module`` (a LayerNorm, RMSNorm, Dropout or position Embedding) run on a sequence shard: each of its
     parameters gets ``sequence_parallel = True`` (Megatron's marker) and a gradient hook that
     all-reduces the gradient over ``group``. Returns ``module`` itself (same class, same
     state_dict keys)."""

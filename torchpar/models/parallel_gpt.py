@@ -1,0 +1,274 @@
+"""``ParallelGPT``: torchpar.models.GPT trained on a data x tensor x pipeline layout (Narayanan
+et al. 2021, arXiv:2104.04473, "3D parallelism"), assembled from the project's public pieces
+(issue 20):
+
+1. groups from ``torch.distributed.device_mesh.init_device_mesh`` over dims ("pp", "dp", "tp"):
+   tensor-parallel ranks are adjacent (they talk most), pipeline neighbours farthest apart;
+2. the pipeline cut: ``num_stages = pp * virtual_stages`` stages of consecutive blocks
+   (``split_boundaries``, the cut ``pipeline.split`` makes); the first stage also holds the
+   embeddings, the last ``ln_f`` and ``lm_head``; a rank holds stages r, r + pp, ... (looped
+   placement, for the interleaved schedule);
+3. tensor parallelism with ``parallelize`` and ``tensor_parallel_plan`` on each stage;
+4. data parallelism: each stage in torchpar's ``DistributedDataParallel`` or, with ``fsdp``,
+   ``fully_shard`` per block and per stage, over the dp group; O2 mixed precision by
+   ``MixedPrecision``;
+5. a pipeline schedule over the pp group whose last stage computes the vocabulary-parallel
+   cross entropy.
+
+Every stage keeps the dense model's module names (its blocks are an ``nn.ModuleDict`` keyed by
+the block's index in the whole model), so a stage's ``state_dict`` keys are the dense GPT's:
+checkpoints can be resharded by name (``self.parts``).
+
+Every rank builds the whole dense model from the same seed and keeps its part, so the parallel
+model starts from exactly the weights of a single-process ``GPT(config)`` built after
+``torch.manual_seed(seed)``.
+"""
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import init_device_mesh
+from torch.nn import functional as F
+
+from torchpar.models.gpt import GPT, RECOMPUTE, GPTConfig, GPTParts
+from torchpar.optim import MixedPrecisionOptimizer
+from torchpar.parallel import DistributedDataParallel, MixedPrecision, fully_shard, parallelize
+from torchpar.parallel.pipeline import (PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B,
+                                        ScheduleZeroBubble)
+from torchpar.parallel.pipeline.split import split_boundaries
+from torchpar.parallel.tensor import vocab_parallel_cross_entropy
+
+SCHEDULES = {"1f1b": Schedule1F1B, "interleaved": ScheduleInterleaved1F1B, "zero-bubble": ScheduleZeroBubble,
+             "gpipe": ScheduleGPipe}
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+@dataclass
+class Layout:
+    """How the job is laid out: ``dp * tp * pp`` must be the world size. ``virtual_stages``:
+    stages per pipeline rank (the interleaved schedule's v; default 2 for it, else 1).
+    ``microbatches``: per step and data-parallel rank."""
+    dp: int = 1
+    tp: int = 1
+    pp: int = 1
+    fsdp: bool = False
+    schedule: str = "1f1b"
+    virtual_stages: Optional[int] = None
+    sequence_parallel: bool = False
+    dtype: str = "float32"
+    recompute: str = "none"
+    microbatches: int = 1
+
+    def __post_init__(self):
+        if self.virtual_stages is None:
+            self.virtual_stages = 2 if self.schedule == "interleaved" else 1
+
+    @property
+    def world_size(self):
+        return self.dp * self.tp * self.pp
+
+    def __str__(self):
+        extras = [n for n, on in (("fsdp", self.fsdp), ("sp", self.sequence_parallel)) if on]
+        return (f"dp={self.dp} tp={self.tp} pp={self.pp} {self.schedule}"
+                f"{f' v={self.virtual_stages}' if self.virtual_stages > 1 else ''} {self.dtype}"
+                f"{''.join(' ' + e for e in extras)}")
+
+
+def check_layout(cfg: GPTConfig, layout: Layout, world_size: int, batch_size: Optional[int] = None):
+    """Every problem of running ``cfg`` at ``layout`` on ``world_size`` ranks, as one ValueError
+    naming the sizes. Needs no collective: every rank raises the same error before training."""
+    L, bad = layout, []
+    if min(L.dp, L.tp, L.pp, L.microbatches, L.virtual_stages) < 1:
+        bad.append(f"dp, tp, pp, microbatches and virtual stages must be >= 1 (got {L.dp}, {L.tp}, {L.pp}, "
+                   f"{L.microbatches}, {L.virtual_stages})")
+        raise ValueError("GPT layout: " + "; ".join(bad))
+    if L.world_size != world_size:
+        bad.append(f"dp x tp x pp = {L.dp} x {L.tp} x {L.pp} = {L.world_size}, but the world size is {world_size}")
+    if L.schedule not in SCHEDULES:
+        bad.append(f"schedule {L.schedule!r} is not one of {sorted(SCHEDULES)}")
+    elif L.virtual_stages > 1 and L.schedule != "interleaved":
+        bad.append(f"{L.virtual_stages} virtual stages per rank need the interleaved schedule, not {L.schedule!r}")
+    if L.schedule == "interleaved" and L.microbatches % L.pp:
+        bad.append(f"the interleaved schedule needs micro-batches ({L.microbatches}) a multiple of pp ({L.pp})")
+    if L.recompute not in RECOMPUTE:
+        bad.append(f"recompute {L.recompute!r} is not one of {RECOMPUTE}")
+    if L.dtype not in DTYPES:
+        bad.append(f"dtype {L.dtype!r} is not one of {sorted(DTYPES)}")
+    for what, n in (("heads", cfg.heads), ("vocab_size", cfg.vocab_size)):
+        if n % L.tp:
+            bad.append(f"{what} {n} does not split over tp={L.tp}")
+    if L.sequence_parallel and cfg.seq_len % L.tp:
+        bad.append(f"seq_len {cfg.seq_len} does not split over tp={L.tp} (sequence parallelism)")
+    stages = L.pp * L.virtual_stages
+    if cfg.layers < stages:
+        bad.append(f"{cfg.layers} layers cannot fill pp x virtual stages = {L.pp} x {L.virtual_stages} = "
+                   f"{stages} pipeline stages")
+    if cfg.tie_embeddings and L.pp > 1:
+        bad.append("tie_embeddings with pp > 1: the embedding and lm_head would live on different stages")
+    if L.fsdp and L.sequence_parallel and L.tp > 1:
+        bad.append("fsdp with sequence parallelism is not supported yet (docs/gpt.md)")
+    if batch_size is not None and batch_size % (L.dp * L.microbatches):
+        bad.append(f"batch size {batch_size} does not split into dp x micro-batches = {L.dp} x {L.microbatches}")
+    if bad:
+        raise ValueError("GPT layout: " + "; ".join(bad))
+
+
+def tensor_parallel_plan(sequence_parallel=False, embeddings=True, head=True):
+    """The ``parallelize`` plan of GPT (Megatron-LM's: q/k/v and fc1 column-parallel, out_proj
+    and fc2 row-parallel, vocabulary-parallel embedding and logits); under sequence parallelism
+    the LayerNorms, the embedding dropout and the position embedding run on sequence shards.
+    ``embeddings``/``head``: whether the (stage) module holds them."""
+    plan = {"blocks.*.attn.[qkv]_proj": "colwise", "blocks.*.attn.out_proj": "rowwise",
+            "blocks.*.mlp.fc1": "colwise", "blocks.*.mlp.fc2": "rowwise"}
+    if sequence_parallel:
+        plan["blocks.*.ln[12]"] = "sequence"
+    if embeddings:
+        plan["tok_emb"] = "vocab"
+        if sequence_parallel:
+            plan.update({"pos_emb": "sequence", "drop": "sequence"})
+    if head:
+        plan["lm_head"] = "colwise"
+        if sequence_parallel:
+            plan["ln_f"] = "sequence"
+    return plan
+
+
+class GPTStage(GPTParts, nn.Module):
+    """Blocks [start, end) of ``model`` (the same module objects), with the embeddings when
+    ``first`` and ``ln_f``/``lm_head`` when ``last``. Input: token ids [b, s] (batch first, the
+    dim micro-batches split) on the first stage, else [s, b, hidden]."""
+
+    def __init__(self, model: GPT, start: int, end: int, first: bool, last: bool):
+        super().__init__()
+        self.first, self.last = first, last
+        if first:
+            self.tok_emb, self.pos_emb, self.drop = model.tok_emb, model.pos_emb, model.drop
+        self.blocks = nn.ModuleDict({str(i): model.blocks[i] for i in range(start, end)})
+        if last:
+            self.ln_f, self.lm_head = model.ln_f, model.lm_head
+
+    def forward(self, x):
+        if self.first:
+            x = self.embed(x.t())
+        for block in self.blocks.values():
+            x = block(x)
+        return self.head(x) if self.last else x
+
+
+class ParallelGPT:
+    """GPT(config) on ``layout`` over the default group (initialised first, world size =
+    ``layout.world_size``). ``train_step(idx, target)`` / ``eval_step`` take the global batch
+    (token ids [batch, seq], the same on every rank; each data-parallel rank takes its slice)
+    and return the mean loss over it, on every rank.
+
+    ``optimizer``: "adamw" (default) or "sgd" (momentum 0.9: the tests' choice, see
+    tests/test_gpt_3d.py)."""
+
+    def __init__(self, config: GPTConfig, layout: Layout, lr=3e-4, weight_decay=0.0, optimizer="adamw", seed=0,
+                 device="cpu"):
+        if not dist.is_initialized():
+            raise RuntimeError("ParallelGPT: call torch.distributed.init_process_group first")
+        check_layout(config, layout, dist.get_world_size())
+        self.config, self.layout, L = config, layout, layout
+        self.mesh = init_device_mesh(device, (L.pp, L.dp, L.tp), mesh_dim_names=("pp", "dp", "tp"))
+        self.pp_group, self.dp_group, self.tp_group = (self.mesh[d].get_group() for d in ("pp", "dp", "tp"))
+        self.pp_rank, self.dp_rank, self.tp_rank = (self.mesh.get_local_rank(d) for d in ("pp", "dp", "tp"))
+
+        torch.manual_seed(seed)
+        model = GPT(config).set_recompute(L.recompute)
+        num_stages = L.pp * L.virtual_stages
+        bounds = split_boundaries([str(i) for i in range(config.layers)], num_stages)
+        indices = range(self.pp_rank, num_stages, L.pp)
+        self.parts = [GPTStage(model, bounds[i], bounds[i + 1], i == 0, i == num_stages - 1) for i in indices]
+        del model
+        dtype = DTYPES[L.dtype]
+        mp = MixedPrecision(dtype) if dtype != torch.float32 else None
+        modules = [self._wrap(part, mp) for part in self.parts]
+        self.modules = modules
+        self.stages = [PipelineStage(m, i, num_stages, self.pp_group) for m, i in zip(modules, indices)]
+        self.has_first = any(p.first for p in self.parts)
+        self.has_last = any(p.last for p in self.parts)
+        cls = SCHEDULES[L.schedule]
+        stages = self.stages if cls is ScheduleInterleaved1F1B else self.stages[0]
+        self.schedule = cls(stages, L.microbatches, loss_fn=self._loss)
+
+        params = [p for m in modules for p in m.parameters()]
+        opt_cls, kw = ((torch.optim.AdamW, dict(lr=lr, weight_decay=weight_decay)) if optimizer == "adamw"
+                       else (torch.optim.SGD, dict(lr=lr, momentum=0.9, weight_decay=weight_decay)))
+        if mp is not None and not L.fsdp:  # DDP's O2: float32 masters live in the optimizer
+            self.optimizer = MixedPrecisionOptimizer(params, opt_cls, mixed_precision=mp, process_group=self.dp_group,
+                                                     **kw)
+        else:
+            self.optimizer = opt_cls(params, **kw)
+        self.step = 0
+
+    def _wrap(self, part, mp):
+        if self.layout.tp > 1:
+            parallelize(part, tensor_parallel_plan(self.layout.sequence_parallel, part.first, part.last), self.tp_group)
+            for block in part.blocks.values():  # their biases go to the fused kernels (gpt.py)
+                for linear in (block.attn.out_proj, block.mlp.fc1, block.mlp.fc2):
+                    linear.skip_bias_add = True
+        if self.layout.fsdp:
+            for block in part.blocks.values():
+                fully_shard(block, self.dp_group, mixed_precision=mp)
+            return fully_shard(part, self.dp_group, mixed_precision=mp)
+        return DistributedDataParallel(part, process_group=self.dp_group, mixed_precision=mp)
+
+    def _loss(self, logits, target):
+        target = target.t()  # micro-batches split [b, s]; logits are [s, b, vocab (/ tp)]
+        if self.layout.tp > 1:
+            return vocab_parallel_cross_entropy(logits, target, self.tp_group)
+        return F.cross_entropy(logits.float().flatten(0, 1), target.flatten())
+
+    def check_batch(self, idx, target):
+        """A ValueError (every rank alike: every rank holds the same global batch) for a batch
+        this layout cannot run."""
+        L, cfg = self.layout, self.config
+        if idx.dim() != 2 or target.shape != idx.shape:
+            raise ValueError(f"ParallelGPT: idx and target must be [batch, seq] alike, got {tuple(idx.shape)} "
+                             f"and {tuple(target.shape)}")
+        b, s = idx.shape
+        if s > cfg.seq_len:
+            raise ValueError(f"ParallelGPT: sequence length {s} exceeds the model's seq_len {cfg.seq_len}")
+        if L.sequence_parallel and s % L.tp:
+            raise ValueError(f"ParallelGPT: sequence length {s} does not split over tp={L.tp} (sequence parallelism)")
+        if b % (L.dp * L.microbatches):
+            raise ValueError(f"ParallelGPT: batch size {b} does not split into dp x micro-batches = "
+                             f"{L.dp} x {L.microbatches}")
+
+    def _run(self, run, idx, target):
+        self.check_batch(idx, target)
+        idx, target = idx.chunk(self.layout.dp)[self.dp_rank], target.chunk(self.layout.dp)[self.dp_rank]
+        losses = []
+        run(*((idx,) if self.has_first else ()), target=target if self.has_last else None, losses=losses)
+        return self._mean_loss(losses)
+
+    def _mean_loss(self, losses):
+        # The last pipeline rank holds the micro-batch losses: sum over the pp group (zeros
+        # elsewhere), then average over the data-parallel replicas.
+        loss = torch.stack(losses).double().mean() if losses else torch.zeros((), dtype=torch.float64)
+        if self.layout.pp > 1:
+            dist.all_reduce(loss, group=self.pp_group)
+        if self.layout.dp > 1:
+            dist.all_reduce(loss, group=self.dp_group)
+            loss /= self.layout.dp
+        return loss.item()
+
+    def train_step(self, idx, target):
+        """One optimizer step on the global batch; returns its mean loss (before the step)."""
+        for m in self.modules:
+            m.train()
+        self.optimizer.zero_grad(set_to_none=True)
+        loss = self._run(self.schedule.step, idx, target)
+        self.optimizer.step()
+        self.step += 1
+        return loss
+
+    @torch.no_grad()
+    def eval_step(self, idx, target):
+        """Mean loss on a batch, forward only (dropout off)."""
+        for m in self.modules:
+            m.eval()
+        return self._run(self.schedule.eval, idx, target)
