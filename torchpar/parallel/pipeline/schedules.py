@@ -11,7 +11,8 @@ list of actions; ``Executor.run`` (executor.py) walks it. Nothing here decides a
 
 A stage module wrapped in a ``DistributedDataParallel`` (ours or torch's) runs every micro-batch
 under ``no_sync()``; its gradients are then averaged over its data-parallel group once, after
-the last micro-batch, in one all-reduce.
+the last micro-batch, in one all-reduce. A ``fully_shard`` stage reduce-scatters in each
+micro-batch's backward and accumulates the shards.
 """
 import contextlib
 import json
@@ -140,7 +141,11 @@ class _PipelineSchedule:
         self._steps += 1
         for s in self.stages:
             s.reset()
-        ddp = [s.submod for s in self.stages if train and hasattr(s.submod, "no_sync")]
+        # DDP only (it has a process_group): a fully_shard module has no_sync too, but its
+        # accumulated gradients are reduce-scattered by a later backward, not by
+        # _average_gradients, so each of its micro-batch backwards reduce-scatters its own.
+        ddp = [s.submod for s in self.stages
+               if train and hasattr(s.submod, "no_sync") and hasattr(s.submod, "process_group")]
         try:
             with contextlib.ExitStack() as no_sync:
                 for module in ddp:
