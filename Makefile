@@ -23,7 +23,7 @@ all: build
 $(VENV)/.deps:
 	$(PYTHON) -m venv $(VENV)
 	$(PIP) install -q --upgrade pip
-	$(PIP) install -q $(TORCH) pytest pytest-timeout numpy ninja setuptools wheel matplotlib
+	$(PIP) install -q $(TORCH) pytest pytest-timeout numpy ninja setuptools wheel matplotlib tqdm
 	@touch $@
 
 deps: $(VENV)/.deps
@@ -75,9 +75,14 @@ test-cpp:
 	@if test -f /usr/include/gtest/gtest.h; then $(MAKE) --no-print-directory build/cpp-tests && \
 	  build/cpp-tests --gtest_brief=1; else echo "NOTE: libgtest-dev unavailable: C++ tests skipped"; fi
 
+# The project's main job (issue 20, docs/gpt.md): a byte-level GPT trained on 4 ranks with
+# tensor x pipeline parallelism (dp=1 tp=2 pp=2) on the stdlib's sources, a couple of minutes.
+DEMO_OUT ?= runs/demo
 demo: build
-	$(VENV)/bin/torchrun --standalone --nproc_per_node=2 -m torchpar.bench collectives --world-sizes 2 --max-bytes 16M
+	$(VENV)/bin/torchrun --standalone --nproc_per_node=4 examples/train_gpt.py --dp 1 --tp 2 --pp 2 \
+	  --model small --steps 300 --eval-every 50 --out $(DEMO_OUT)
 
+# The collectives benchmark (torchpar against gloo), formerly `make demo`.
 bench: build
 	$(PY) -m torchpar.bench collectives --json bench-results/collectives.json --plot bench-results/collectives.png \
 	  --markdown bench-results/collectives.md

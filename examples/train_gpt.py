@@ -1,0 +1,233 @@
+"""Train a byte-level GPT with data, tensor and pipeline parallelism (issue 20):
+
+    torchrun --standalone --nproc_per_node=8 examples/train_gpt.py --dp 2 --tp 2 --pp 2
+    torchrun --standalone --nproc_per_node=4 examples/train_gpt.py --dp 2 --tp 2 --fsdp --dtype bfloat16
+
+The model is torchpar.models.GPT, made parallel by torchpar.models.ParallelGPT (parallelize plan,
+pipeline cut, DDP or fully_shard). The data, unless --data names a file or folder, is the
+Python standard library's own .py sources, present on every machine: read as bytes, the last
+10 % held out for validation. Batches are drawn from a generator seeded by the step, so every
+rank (and every layout) sees the same global batch at the same step. Rank 0 shows a progress
+bar with loss, tokens/s and ETA, and writes a loss-curve PNG at the end.
+
+Without torchrun it runs as a single process (dp = tp = pp = 1).
+"""
+import argparse
+import glob
+import math
+import os
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+
+import torchpar  # noqa: F401  (registers the "torchpar" backend)
+from torchpar.models import GPT, GPTConfig
+from torchpar.models.gpt import RECOMPUTE, num_parameters
+from torchpar.models.parallel_gpt import DTYPES, SCHEDULES, Layout, ParallelGPT, check_layout
+
+MODELS = {
+    "default": GPTConfig(),  # 10.9M parameters
+    "small": GPTConfig(seq_len=64, hidden=128, heads=4, layers=4),
+    "tiny": GPTConfig.tiny(),
+}
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    g = p.add_argument_group("layout (dp x tp x pp = world size)")
+    g.add_argument("--dp", type=int, default=1)
+    g.add_argument("--tp", type=int, default=1)
+    g.add_argument("--pp", type=int, default=1)
+    g.add_argument("--fsdp", action="store_true", help="fully_shard over the dp group instead of DDP")
+    g.add_argument("--schedule", choices=list(SCHEDULES), default="1f1b")
+    g.add_argument("--virtual-stages", type=int, default=None, help="stages per pipeline rank (interleaved: 2)")
+    g.add_argument("--sequence-parallel", action="store_true")
+    g.add_argument("--dtype", choices=list(DTYPES), default="float32", help="bfloat16: O2 mixed precision")
+    g.add_argument("--recompute", choices=RECOMPUTE, default="none")
+    g.add_argument("--backend", choices=["torchpar", "gloo", "nccl"], default="torchpar")
+    g = p.add_argument_group("model")
+    g.add_argument("--model", choices=list(MODELS), default="default")
+    for name in ("seq-len", "hidden", "heads", "layers"):
+        g.add_argument(f"--{name}", type=int, default=None, help="overrides the --model preset")
+    g.add_argument("--dropout", type=float, default=0.0)
+    g = p.add_argument_group("training")
+    g.add_argument("--data", default=None, help="a text file or a folder of them (default: the stdlib's .py files)")
+    g.add_argument("--steps", type=int, default=200)
+    g.add_argument("--batch-size", type=int, default=16, help="global batch, sequences")
+    g.add_argument("--micro-batches", type=int, default=None, help="per step and dp rank (default: 2 x pp)")
+    g.add_argument("--lr", type=float, default=1e-3)
+    g.add_argument("--warmup", type=int, default=20, help="steps of linear warm-up, then cosine decay to lr/10")
+    g.add_argument("--weight-decay", type=float, default=0.1)
+    g.add_argument("--eval-every", type=int, default=50)
+    g.add_argument("--eval-batches", type=int, default=4)
+    g.add_argument("--seed", type=int, default=0)
+    g.add_argument("--out", default="runs/gpt", help="folder for the loss curve (and its JSON)")
+    g.add_argument("--save", default=None, help="folder for a sharded checkpoint at the end (torch.distributed.checkpoint)")
+    g.add_argument("--resume", default=None, help="checkpoint folder to resume from (any layout)")
+    g.add_argument("--no-progress", action="store_true")
+    args = p.parse_args(argv)
+    if args.micro_batches is None:
+        args.micro_batches = 2 * args.pp
+    return args
+
+
+def model_config(args):
+    over = {k: getattr(args, k) for k in ("seq_len", "hidden", "heads", "layers") if getattr(args, k) is not None}
+    return GPTConfig(**{**MODELS[args.model].to_dict(), **over, "dropout": args.dropout})
+
+
+# ---- data ----
+
+def load_corpus(path=None):
+    """Bytes of `path` (a file, or every file under a folder, sorted), or of the standard
+    library's top-level .py files: the same bytes on every rank, no download."""
+    if path is None:
+        files = sorted(glob.glob(os.path.join(os.path.dirname(os.__file__), "*.py")))
+    elif os.path.isdir(path):
+        files = sorted(f for f in glob.glob(os.path.join(path, "**", "*"), recursive=True) if os.path.isfile(f))
+    else:
+        files = [path]
+    data = b"".join(open(f, "rb").read() for f in files)
+    if len(data) < 1000:
+        raise ValueError(f"--data {path}: {len(data)} bytes; need at least 1000")
+    return torch.frombuffer(bytearray(data), dtype=torch.uint8).long()
+
+
+class Batches:
+    """Random windows of the corpus; the last 10 % is the validation split."""
+
+    def __init__(self, data, seq_len, batch_size, seed):
+        cut = int(0.9 * len(data))
+        self.train, self.val = data[:cut], data[cut:]
+        self.seq_len, self.batch_size, self.seed = seq_len, batch_size, seed
+
+    def get(self, split, i):
+        data = self.train if split == "train" else self.val
+        g = torch.Generator().manual_seed(self.seed * 1_000_003 + i + (0 if split == "train" else 10 ** 9))
+        starts = torch.randint(0, len(data) - self.seq_len - 1, (self.batch_size,), generator=g)
+        windows = torch.stack([data[s:s + self.seq_len + 1] for s in starts.tolist()])
+        return windows[:, :-1], windows[:, 1:]
+
+
+# ---- checkpoint hooks (torchpar/models/checkpoint.py) ----
+
+def checkpoint_functions(args):
+    """(save_checkpoint, load_checkpoint) from torchpar.models.checkpoint when --save/--resume
+    ask for them; a clear error on every rank before training when that module is missing.
+    The interface: ``save_checkpoint(path, trainer)`` after the last step (trainer.step is the
+    number of steps done) and ``load_checkpoint(path, trainer) -> step`` before the first one;
+    training goes on from that step (the batches are drawn by step, so the data continue)."""
+    if args.save is None and args.resume is None:
+        return None, None
+    try:
+        from torchpar.models.checkpoint import load_checkpoint, save_checkpoint
+    except ImportError as e:
+        raise ValueError(f"--save/--resume need torchpar.models.checkpoint, which this build lacks ({e})")
+    return save_checkpoint, load_checkpoint
+
+
+def lr_at(step, args):
+    if step < args.warmup:
+        return args.lr * (step + 1) / args.warmup
+    t = (step - args.warmup) / max(1, args.steps - args.warmup)
+    return args.lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(t, 1.0))))
+
+
+def evaluate(trainer, batches, n):
+    return sum(trainer.eval_step(*batches.get("val", i)) for i in range(n)) / n
+
+
+def plot(history, path, title):
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    fig, ax = plt.subplots(figsize=(7, 4))
+    ax.plot(*zip(*history["train"]), label="train", lw=1)
+    if history["val"]:
+        ax.plot(*zip(*history["val"]), "o-", label="validation")
+    ax.set_xlabel("step")
+    ax.set_ylabel("cross entropy (nats / byte)")
+    ax.set_title(title, fontsize=9)
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def init_distributed(backend):
+    if "RANK" not in os.environ:  # plain `python examples/train_gpt.py`: one process
+        os.environ.update(RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(29500 + os.getpid() % 1000))
+    dist.init_process_group(backend)
+    return dist.get_rank(), dist.get_world_size()
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    rank, world = init_distributed(args.backend)
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // max(1, int(os.environ.get("LOCAL_WORLD_SIZE", world)))))
+    try:
+        cfg = model_config(args)
+        layout = Layout(args.dp, args.tp, args.pp, args.fsdp, args.schedule, args.virtual_stages,
+                        args.sequence_parallel, args.dtype, args.recompute, args.micro_batches)
+        check_layout(cfg, layout, world, args.batch_size)  # every rank, before any collective
+        save, load = checkpoint_functions(args)
+        batches = Batches(load_corpus(args.data), cfg.seq_len, args.batch_size, args.seed)
+    except ValueError as e:
+        print(f"train_gpt.py (rank {rank}): error: {e}", file=sys.stderr)
+        dist.destroy_process_group()
+        return 2
+    trainer = ParallelGPT(cfg, layout, lr=args.lr, weight_decay=args.weight_decay, seed=args.seed)
+    start = load(args.resume, trainer) if args.resume else 0
+    if rank == 0:
+        print(f"GPT {num_parameters(GPT(cfg)) / 1e6:.1f}M "
+              f"parameters {cfg}\nlayout {layout} on {world} ranks ({args.backend}); corpus "
+              f"{len(batches.train) + len(batches.val)} bytes; global batch {args.batch_size} x {cfg.seq_len} tokens")
+    history = {"train": [], "val": []}
+    bar = None
+    if rank == 0 and not args.no_progress:
+        from tqdm import tqdm
+        bar = tqdm(total=args.steps, initial=start, unit="step", dynamic_ncols=True)
+    tokens = args.batch_size * cfg.seq_len
+    t_run = time.perf_counter()
+    for step in range(start, args.steps):
+        for g in trainer.optimizer.param_groups:
+            g["lr"] = lr_at(step, args)
+        t0 = time.perf_counter()
+        loss = trainer.train_step(*batches.get("train", step))
+        dt = time.perf_counter() - t0
+        history["train"].append((step + 1, loss))
+        if (step + 1) % args.eval_every == 0 or step + 1 == args.steps:
+            history["val"].append((step + 1, evaluate(trainer, batches, args.eval_batches)))
+        if bar is not None:
+            post = dict(loss=f"{loss:.3f}", tok_s=f"{tokens / dt:,.0f}")
+            if history["val"]:
+                post["val"] = f"{history['val'][-1][1]:.3f}"
+            bar.set_postfix(post, refresh=False)
+            bar.update(1)
+    if bar is not None:
+        bar.close()
+    elapsed = time.perf_counter() - t_run
+    if args.save:
+        save(args.save, trainer)
+    if rank == 0:
+        os.makedirs(args.out, exist_ok=True)
+        png = os.path.join(args.out, "loss.png")
+        if history["train"]:
+            plot(history, png, f"GPT {cfg.layers}x{cfg.hidden}, {layout}, {args.backend}")
+        steps = args.steps - start
+        val = history["val"][-1][1] if history["val"] else float("nan")
+        print(f"{steps} steps in {elapsed:.1f} s ({steps * tokens / max(elapsed, 1e-9):,.0f} tokens/s); "
+              f"final train loss {history['train'][-1][1] if history['train'] else float('nan'):.3f}, "
+              f"validation loss {val:.3f}")
+        print(f"loss curve: {os.path.abspath(png)}")
+        print(f"checkpoint: {os.path.abspath(args.save) if args.save else 'not saved (pass --save DIR)'}")
+    dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
