@@ -62,6 +62,7 @@ LAYOUTS = {
     "interleaved-2x1x2": Layout(dp=2, pp=2, schedule="interleaved", microbatches=2),
     "interleaved-1x1x4": Layout(pp=4, schedule="interleaved", virtual_stages=1, microbatches=4),
     "zb-2x1x2": Layout(dp=2, pp=2, schedule="zero-bubble", microbatches=4),
+    "fsdp-zb-2x1x2": Layout(dp=2, pp=2, fsdp=True, schedule="zero-bubble", microbatches=2),
     "gpipe-1x1x4": Layout(pp=4, schedule="gpipe", microbatches=2),
     "selective-1x2x2": Layout(tp=2, pp=2, recompute="selective", microbatches=2),
     "full-2x1x2": Layout(dp=2, pp=2, recompute="full", microbatches=2),
