@@ -10,6 +10,7 @@ import time
 import torch
 import torch.distributed as dist
 
+from torchpar.parallel.fsdp import FSDPModule
 from torchpar.parallel.pipeline import _comm
 
 _CACHE_KEYS = 16  # input shapes remembered (variable sequence length)
@@ -24,7 +25,13 @@ class Executor:
         self.first_mbs = first_mbs
         self.targets = targets
         self.train = train
-        self.split = sched.schedule.split_backward and train
+        split = sched.schedule.split_backward and train
+        # The B/W split differentiates by the module's registered parameters; under fully_shard
+        # those are the shards, not the gathered parameters the graph used, and W's gradients
+        # would bypass the reduce-scatter. Such a stage runs its whole backward at B and W is
+        # a no-op: exact, with 1F1B's bubble for that stage.
+        self.split_stages = {i for i, st in sched._by_index.items()
+                             if split and not any(isinstance(m, FSDPModule) for m in st.submod.modules())}
         self.scale = 1.0 / sched.n_microbatches if sched.scale_grads else 1.0
         self.tag_base = _comm.tag_base(sched._steps, sched.num_stages)
         self.recv_known = sched._recv_cache.get(key, {})
@@ -172,7 +179,7 @@ class Executor:
         st = self.s._by_index[stage]
         args = self._inputs(mb, stage)
         t_wait = time.perf_counter()
-        outs = st.forward(mb, args, capture=self.split)
+        outs = st.forward(mb, args, capture=stage in self.split_stages)
         if stage not in self.out_specs:
             self.out_specs[stage] = _comm.specs(outs)
             self._post_deferred_b(stage)
@@ -197,7 +204,7 @@ class Executor:
             pending.wait()
             grads = pending.tensors
         t_wait = time.perf_counter()
-        backward = st.backward_input if self.split else st.backward
+        backward = st.backward_input if stage in self.split_stages else st.backward
         in_grads = backward(mb, grads, self.scale)
         if not st.is_first:
             self.to_send_b[(mb, stage)] = [g for g in _needed(in_grads, self.recv_learned[stage])]
@@ -205,7 +212,8 @@ class Executor:
 
     def do_w(self, mb, stage):
         t_wait = time.perf_counter()
-        self.s._by_index[stage].backward_weight(mb)
+        if stage in self.split_stages:
+            self.s._by_index[stage].backward_weight(mb)
         return t_wait
 
 
