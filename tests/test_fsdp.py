@@ -566,3 +566,36 @@ def test_checkpoint_recomputation_gathers_no_finished_unit(backend):
             if kind == "post_backward":
                 done.add(unit)
             assert not (kind == "all_gather_launch" and unit in done), trace
+
+
+# ---- gradient hooks registered on a parameter before fully_shard ----
+
+def _hooked_training(ctx, backend):
+    """A hook registered on a parameter before sharding (sequence parallelism registers one that
+    all-reduces the gradient over the tensor-parallel group) still acts on its gradient, and
+    Megatron's ``sequence_parallel`` marker stays on the parameter."""
+    _setup(ctx)
+    group = ctx.pg if backend == "torchpar" else ctx.gloo
+    model = Net()
+    ref = copy.deepcopy(model)
+    for m in (ref, model):
+        m.blocks[0].ln.weight.register_hook(lambda g: 3 * g)
+        m.blocks[0].ln.weight.sequence_parallel = True
+    _shard_model(model, group)
+    marked = getattr(model.blocks[0].ln.weight, "sequence_parallel", False)
+    opt, ref_opt = (torch.optim.SGD(m.parameters(), lr=0.5) for m in (model, ref))
+    for step in range(2):
+        x, y = _batch(step, 2 * ctx.world_size)
+        opt.zero_grad()
+        _loss(model(_part(x, ctx)), _part(y, ctx)).backward()
+        opt.step()
+        ref_opt.zero_grad()
+        _loss(ref(x), y).backward()
+        ref_opt.step()
+        _assert_matches(model.state_dict(), ref, step)
+    return marked
+
+
+@on_backends
+def test_parameter_hooks_and_markers_survive_sharding(backend):
+    assert all(_pool(backend, 2).run(_hooked_training, backend)), "the sequence_parallel marker was dropped"
