@@ -58,6 +58,7 @@ LAYOUTS = {
     "fsdp-2x2x1": Layout(dp=2, tp=2, fsdp=True),
     "sp-1x2x2": Layout(tp=2, pp=2, sequence_parallel=True, microbatches=2),
     "sp-2x2x1": Layout(dp=2, tp=2, sequence_parallel=True),
+    "fsdp-sp-2x2x1": Layout(dp=2, tp=2, fsdp=True, sequence_parallel=True),
     "interleaved-1x2x2": Layout(tp=2, pp=2, schedule="interleaved", microbatches=2),
     "interleaved-2x1x2": Layout(dp=2, pp=2, schedule="interleaved", microbatches=2),
     "interleaved-1x1x4": Layout(pp=4, schedule="interleaved", virtual_stages=1, microbatches=4),

@@ -107,8 +107,6 @@ def check_layout(cfg: GPTConfig, layout: Layout, world_size: int, batch_size: Op
                    f"{stages} pipeline stages")
     if cfg.tie_embeddings and L.pp > 1:
         bad.append("tie_embeddings with pp > 1: the embedding and lm_head would live on different stages")
-    if L.fsdp and L.sequence_parallel and L.tp > 1:
-        bad.append("fsdp with sequence parallelism is not supported yet (docs/gpt.md)")
     if batch_size is not None and batch_size % (L.dp * L.microbatches):
         bad.append(f"batch size {batch_size} does not split into dp x micro-batches = {L.dp} x {L.microbatches}")
     if bad:

@@ -156,6 +156,7 @@ def fully_shard(module, group=None, reshard_after_forward=True, mixed_precision=
     sharded = [nn.Parameter(v, requires_grad=p.requires_grad) for v, (_, p) in zip(flat.shard_views(), params)]
     unsharded = [nn.Parameter(v, requires_grad=p.requires_grad) for v, (_, p) in zip(flat.unsharded_views(), params)]
     flat.bind(sharded, unsharded)
+    _carry_over(params, sharded, unsharded)
     unit = _Unit(flat, sites, sharded, unsharded, param_dtype)
     unit.register(sharded)
     for name, p in params:
@@ -172,6 +173,18 @@ def fully_shard(module, group=None, reshard_after_forward=True, mixed_precision=
     module.register_state_dict_post_hook(_state_dict_hook)
     module.register_load_state_dict_pre_hook(_load_state_dict_pre_hook)
     return module
+
+
+def _carry_over(params, sharded, unsharded):
+    """What was set on an original parameter, kept on the unit's two parameter objects: Megatron's
+    ``sequence_parallel`` marker on both, and its gradient hooks on the gathered one, the
+    parameter forward uses and backward reaches (sequence parallelism's hook all-reduces the
+    gradient over the tensor-parallel group before the unit reduce-scatters it)."""
+    for (_, p), piece, full in zip(params, sharded, unsharded):
+        if getattr(p, "sequence_parallel", False):
+            piece.sequence_parallel = full.sequence_parallel = True
+        for hook in (p._backward_hooks or {}).values():
+            full.register_hook(hook)
 
 
 def _lazy_init(root):
