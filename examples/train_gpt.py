@@ -199,11 +199,12 @@ def main(argv=None):
         t0 = time.perf_counter()
         loss = trainer.train_step(*batches.get("train", step))
         dt = time.perf_counter() - t0
+        dt_avg = dt if step == start else 0.9 * dt_avg + 0.1 * dt  # smoothed for the bar
         history["train"].append((step + 1, loss))
         if (step + 1) % args.eval_every == 0 or step + 1 == args.steps:
             history["val"].append((step + 1, evaluate(trainer, batches, args.eval_batches)))
         if bar is not None:
-            post = dict(loss=f"{loss:.3f}", tok_s=f"{tokens / dt:,.0f}")
+            post = dict(loss=f"{loss:.3f}", tok_s=f"{tokens / dt_avg:,.0f}")
             if history["val"]:
                 post["val"] = f"{history['val'][-1][1]:.3f}"
             bar.set_postfix(post, refresh=False)
