@@ -28,9 +28,14 @@ def _batch(step):
     return data[:, :-1], data[:, 1:]
 
 
-def _reference_losses(steps=STEPS):
+def _reference_losses(steps=STEPS, cfg=CFG):
+    return _reference(steps, cfg)[0]
+
+
+def _reference(steps, cfg=CFG):
+    """(losses, model) of the single-process run."""
     torch.manual_seed(0)
-    model = GPT(CFG)
+    model = GPT(cfg)
     opt = torch.optim.SGD(model.parameters(), lr=LR, momentum=0.9)
     out = []
     for step in range(steps):
@@ -40,12 +45,12 @@ def _reference_losses(steps=STEPS):
         loss.backward()
         opt.step()
         out.append(loss.item())
-    return out
+    return out, model
 
 
-def _parallel_losses(ctx, layout, steps=STEPS):
+def _parallel_losses(ctx, layout, steps=STEPS, cfg=CFG):
     torch.set_num_threads(1)
-    trainer = ParallelGPT(CFG, layout, lr=LR, optimizer="sgd")
+    trainer = ParallelGPT(cfg, layout, lr=LR, optimizer="sgd")
     losses = [trainer.train_step(*_batch(step)) for step in range(steps)]
     return losses, trainer.eval_step(*_batch(99))
 
@@ -79,6 +84,16 @@ def test_layout_losses_equal_single_process(name):
         assert val == results[0][1]
 
 
+@pytest.mark.parametrize("fsdp", [False, True], ids=["ddp", "fsdp"])
+def test_tied_embeddings(fsdp):
+    """lm_head sharing tok_emb's weight (pp = 1: both on one stage) stays tied when sharded."""
+    cfg = GPTConfig.tiny(tie_embeddings=True)
+    want = _reference_losses(cfg=cfg)
+    layout = Layout(dp=2, tp=2, fsdp=fsdp, sequence_parallel=True)
+    for rank, (losses, _) in enumerate(get_pool(4).run(_parallel_losses, layout, STEPS, cfg)):
+        torch.testing.assert_close(losses, want, rtol=1e-4, atol=1e-5, msg=lambda m: f"rank {rank}: {m}")
+
+
 @pytest.mark.parametrize("name", ["2x1x2", pytest.param("sp-1x2x2", marks=pytest.mark.slow),
                                   pytest.param("fsdp-2x2x1", marks=pytest.mark.slow)])
 def test_layout_losses_on_gloo(name):
@@ -110,14 +125,7 @@ def test_position_embedding_under_sequence_parallelism():
     """Each tp rank adds the position rows of its own sequence slice, so the replicated pos_emb
     gets a partial gradient per rank; summed over the tp group it is the dense gradient, and
     the weights after two steps are the single-process run's on every rank."""
-    torch.manual_seed(0)
-    model = GPT(CFG)
-    opt = torch.optim.SGD(model.parameters(), lr=LR, momentum=0.9)
-    for step in range(2):
-        idx, tgt = _batch(step)
-        opt.zero_grad()
-        F.cross_entropy(model(idx.t()).flatten(0, 1), tgt.t().flatten()).backward()
-        opt.step()
+    model = _reference(2)[1]
     results = get_pool(4).run(_pos_emb_after_steps, Layout(dp=2, tp=2, sequence_parallel=True), 2)
     for rank, weights in enumerate(results):
         torch.testing.assert_close(weights[0], model.pos_emb.weight.detach(), rtol=1e-4, atol=1e-6,
