@@ -208,6 +208,14 @@ class ParallelGPT:
             for block in part.blocks.values():  # their biases go to the fused kernels (gpt.py)
                 for linear in (block.attn.out_proj, block.mlp.fc1, block.mlp.fc2):
                     linear.skip_bias_add = True
+                # Each layer checks its input's shape across tp (an all-gather per call, so a
+                # mismatch raises instead of hanging); within a block every input derives from
+                # q_proj's, so one check a block is enough.
+                for linear in (block.attn.k_proj, block.attn.v_proj, block.attn.out_proj, block.mlp.fc1,
+                               block.mlp.fc2):
+                    linear.check_input_sizes = False
+            if part.last:  # its input derives from the stage's blocks' (checked)
+                part.lm_head.check_input_sizes = False
         if self.layout.fsdp:
             for block in part.blocks.values():
                 fully_shard(block, self.dp_group, mixed_precision=mp)
