@@ -1,4 +1,4 @@
-"""examples/train_gpt.py (issue 20) as users run it: one process without torchrun, 4 ranks
+"""examples/train_gpt.py (issue 20) as users run it: one process without torchrun (on --data), 4 ranks
 under torchrun (2 x 2 x 1 and 1 x 2 x 2 with a loss-curve PNG), and a layout that does not fit
 the world size refused by every rank before training."""
 import os
@@ -21,7 +21,8 @@ def _torchrun(nproc, *args, timeout=200):
 @pytest.mark.timeout(120)
 def test_single_process_run(tmp_path):
     out = subprocess.run([sys.executable, SCRIPT, "--model", "tiny", "--steps", "4", "--eval-every", "2",
-                          "--batch-size", "4", "--no-progress", "--out", str(tmp_path)],
+                          "--batch-size", "4", "--no-progress", "--out", str(tmp_path),
+                          "--data", os.path.join(ROOT, "docs")],
                          capture_output=True, text=True, timeout=100, env=ENV)
     assert out.returncode == 0, out.stdout + out.stderr
     assert "4 steps in" in out.stdout and (tmp_path / "loss.png").stat().st_size > 1000
