@@ -47,7 +47,7 @@ def parse_args(argv=None):
     g.add_argument("--sequence-parallel", action="store_true")
     g.add_argument("--dtype", choices=list(DTYPES), default="float32", help="bfloat16: O2 mixed precision")
     g.add_argument("--recompute", choices=RECOMPUTE, default="none")
-    g.add_argument("--backend", choices=["torchpar", "gloo", "nccl"], default="torchpar")
+    g.add_argument("--backend", choices=["torchpar", "gloo"], default="torchpar")
     g = p.add_argument_group("model")
     g.add_argument("--model", choices=list(MODELS), default="default")
     for name in ("seq-len", "hidden", "heads", "layers"):

@@ -162,7 +162,8 @@ class ParallelGPT:
     and return the mean loss over it, on every rank.
 
     ``optimizer``: "adamw" (default) or "sgd" (momentum 0.9: the tests' choice, see
-    tests/test_gpt_3d.py)."""
+    tests/test_gpt_3d.py). ``device`` is the device mesh's device type; the model itself is
+    built and run on the CPU (placing stages on GPUs is not done yet)."""
 
     def __init__(self, config: GPTConfig, layout: Layout, lr=3e-4, weight_decay=0.0, optimizer="adamw", seed=0,
                  device="cpu"):
