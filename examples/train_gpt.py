@@ -84,6 +84,8 @@ def model_config(args):
 def load_corpus(path=None):
     """Bytes of `path` (a file, or every file under a folder, sorted), or of the standard
     library's top-level .py files: the same bytes on every rank, no download."""
+    if path is not None and not os.path.exists(path):
+        raise ValueError(f"--data {path}: no such file or folder")
     if path is None:
         files = sorted(glob.glob(os.path.join(os.path.dirname(os.__file__), "*.py")))
     elif os.path.isdir(path):
