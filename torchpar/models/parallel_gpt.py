@@ -221,6 +221,8 @@ class ParallelGPT:
             for block in part.blocks.values():
                 fully_shard(block, self.dp_group, mixed_precision=mp)
             return fully_shard(part, self.dp_group, mixed_precision=mp)
+        if self.layout.dp == 1 and mp is None:
+            return part  # nothing to average: no reducer, no per-step all-reduce over one rank
         return DistributedDataParallel(part, process_group=self.dp_group, mixed_precision=mp)
 
     def _loss(self, logits, target):
