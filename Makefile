@@ -105,7 +105,7 @@ $(CUDA_VENV)/.deps:
 # make torch guess /usr/local). The CUDA wheels torch pulls in ship the library headers
 # ATen's CUDA headers include (cusparse.h, cublas_v2.h ...); CPATH hands them to g++ and nvcc.
 # The NCCL wheel has only libnccl.so.2, so -lnccl links through a libnccl.so symlink.
-CUDA_HOME ?= $(lastword $(sort $(wildcard /usr/local/cuda-*)))
+CUDA_HOME ?= $(or $(lastword $(sort $(wildcard /usr/local/cuda-*))),$(patsubst %/bin/nvcc,%,$(shell command -v nvcc)))
 CUDA_ARCHS ?= 8.0;9.0
 # $(call cuda_setup,PYTHON,ARGS): setup.py build_ext ARGS with PYTHON's CUDA torch and NCCL wheel.
 define cuda_setup
@@ -127,15 +127,18 @@ test-cuda-build: build-cuda
 	rm -rf $(CUDA_PKG) && mkdir -p $(CUDA_PKG) && cp -r torchpar $(CUDA_PKG)/
 	rm -f $(CUDA_PKG)/torchpar/_C*.so $(CUDA_PKG)/torchpar/_C.stamp && cp $(CUDA_BUILD)-lib/torchpar/_C*.so $(CUDA_PKG)/torchpar/
 	cd $(CUDA_PKG) && PYTHONPATH=$(CURDIR)/$(CUDA_PKG) $(CURDIR)/$(CUDA_VENV)/bin/python -m pytest -q -p no:cacheprovider \
-	  $(addprefix $(CURDIR)/,$(wildcard tests/test_kernels_*.py) tests/test_init.py)
+	  $(addprefix $(CURDIR)/,$(wildcard tests/test_kernels_*.py) tests/test_init.py tests/test_nccl.py)
 
 # On a machine with a GPU whose $(GPU_PYTHON) holds a CUDA build of torch: build in place
-# with it and run the kernel tests, the GPU ones included. CUDA_HOME defaults as above;
+# with it and run the kernel tests and the backend's CUDA (NCCL) tests, the GPU ones included.
+# PYTHONPATH: the in-place build is not installed, and the tests' rank processes import it. CUDA_HOME defaults as above;
 # e.g. `make test-gpu CUDA_ARCHS=9.0 MAX_JOBS=16` on an H100.
 GPU_PYTHON ?= python3
+GPU_PYTEST_ARGS ?= -q
 test-gpu:
 	$(call cuda_setup,$(GPU_PYTHON),--inplace)
-	$(GPU_PYTHON) -m pytest -q -p no:cacheprovider -rs tests/test_kernels_*.py tests/test_init.py
+	PYTHONPATH=$(CURDIR)$${PYTHONPATH:+:$$PYTHONPATH} \
+	  $(GPU_PYTHON) -m pytest $(GPU_PYTEST_ARGS) -p no:cacheprovider -rs tests/test_nccl.py tests/test_init.py tests/test_kernels_*.py
 
 clean:
 	rm -rf build torchpar/_C*.so torchpar/_C.stamp *.egg-info

@@ -61,7 +61,9 @@ class BuildExtension(cpp_extension.BuildExtension):
         super().build_extension(ext)
 
 
-cpp_sources = [s for s in sources("csrc/**/*.cpp") if s not in KERNEL_SOURCES]
+# csrc/**/nccl/: the backend's CUDA half (NCCL), built with CUDA only.
+NCCL_SOURCES = sources("csrc/**/nccl/*.cpp")
+cpp_sources = [s for s in sources("csrc/**/*.cpp") if s not in KERNEL_SOURCES and s not in NCCL_SOURCES]
 extra = {"cxx": cpu_flags() + isa_flags(BASE_ISA)}
 define_macros = [("TORCHPAR_KERNELS_X86", None)] if X86 else []
 libraries = ["rt"]
@@ -80,7 +82,7 @@ if WITH_CUDA:
     libraries.append("nccl")
     common["include_dirs"] += [p for p in os.environ.get("NCCL_INCLUDE", "").split(":") if p]
     ext = cpp_extension.CUDAExtension(
-        "torchpar._C", cpp_sources + sources("csrc/**/*.cu"),
+        "torchpar._C", cpp_sources + NCCL_SOURCES + sources("csrc/**/*.cu"),
         library_dirs=[p for p in os.environ.get("NCCL_LIB", "").split(":") if p], **common)
 else:
     ext = cpp_extension.CppExtension("torchpar._C", cpp_sources, **common)

@@ -7,6 +7,7 @@
 
 #include <utility>
 
+#include "backend/cuda.h"
 #include "backend/errors.h"
 #include "backend/ops.h"
 #include "backend/store_rendezvous.h"
@@ -21,7 +22,7 @@ using c10d::OpType;
 ProcessGroupTorchpar::ProcessGroupTorchpar(const c10::intrusive_ptr<c10d::Store>& store, int rank,
                                            int size, std::chrono::milliseconds timeout,
                                            std::string group_name)
-    : c10d::Backend(rank, size), group_name_(std::move(group_name)), timeout_(timeout) {
+    : c10d::Backend(rank, size), group_name_(std::move(group_name)), timeout_(timeout), store_(store) {
   rendezvous_ = std::make_unique<StoreRendezvous>(store);
   try {
     transport_ = connect(*rendezvous_, rank, size, config_, timeout);
@@ -37,11 +38,37 @@ ProcessGroupTorchpar::~ProcessGroupTorchpar() { shutdown(); }
 void ProcessGroupTorchpar::shutdown() {
   if (queue_) queue_->stop();  // runs what was already queued, then exits
   if (transport_) transport_->p2p().stop();
+  if (cuda_) cuda_->shutdown();
 }
 
 void ProcessGroupTorchpar::abort() {
   transport_->abort("rank " + std::to_string(getRank()) + " aborted group '" + group_name_ + "'");
+  if (cuda_) cuda_->abort();
   shutdown();
+}
+
+void ProcessGroupTorchpar::setTimeout(std::chrono::milliseconds timeout) {
+  timeout_ = timeout;
+  if (cuda_) cuda_->setTimeout(timeout);
+}
+
+c10d::Backend& ProcessGroupTorchpar::cuda() {
+  {
+    std::lock_guard<std::mutex> lock(cuda_mu_);
+    if (!cuda_) cuda_ = make_cuda_backend(store_, getRank(), getSize(), timeout_, group_name_);
+  }
+  if (coalescing_ && !cuda_in_block_) {
+    TORCH_CHECK(coalesced_.empty(), "torchpar: a coalescing block mixes CPU and CUDA operations; ",
+                "coalesce the operations of one device");
+    cuda_->startCoalescing();
+    cuda_in_block_ = true;
+  }
+  return *cuda_;
+}
+
+void ProcessGroupTorchpar::check_cpu_in_block(const char* op) const {
+  TORCH_CHECK(!cuda_in_block_, "torchpar ", op, ": a coalescing block mixes CPU and CUDA operations; ",
+              "coalesce the operations of one device");
 }
 
 std::chrono::milliseconds ProcessGroupTorchpar::timeout_for(std::chrono::milliseconds requested) const {
@@ -53,11 +80,13 @@ std::chrono::milliseconds ProcessGroupTorchpar::timeout_for(std::chrono::millise
 
 c10::intrusive_ptr<c10d::Work> ProcessGroupTorchpar::broadcast(std::vector<at::Tensor>& tensors,
                                                                const c10d::BroadcastOptions& opts) {
+  if (on_cuda("broadcast", tensors)) return cuda().broadcast(tensors, opts);
   return submit<ops::Broadcast>(opts, tensors);
 }
 
 c10::intrusive_ptr<c10d::Work> ProcessGroupTorchpar::allreduce(std::vector<at::Tensor>& tensors,
                                                                const c10d::AllreduceOptions& opts) {
+  if (on_cuda("all_reduce", tensors)) return cuda().allreduce(tensors, opts);
   if (tensors.size() == 1 && tensors[0].defined() && tensors[0].is_sparse()) {
     return submit<ops::SparseAllreduce>(opts, tensors);
   }
@@ -66,45 +95,53 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupTorchpar::allreduce(std::vector<at::T
 
 c10::intrusive_ptr<c10d::Work> ProcessGroupTorchpar::allreduce_coalesced(
     std::vector<at::Tensor>& tensors, const c10d::AllreduceCoalescedOptions& opts) {
+  if (on_cuda("all_reduce_coalesced", tensors)) return cuda().allreduce_coalesced(tensors, opts);
   return submit<ops::AllreduceCoalesced>(opts, tensors);
 }
 
 c10::intrusive_ptr<c10d::Work> ProcessGroupTorchpar::reduce(std::vector<at::Tensor>& tensors,
                                                             const c10d::ReduceOptions& opts) {
+  if (on_cuda("reduce", tensors)) return cuda().reduce(tensors, opts);
   return submit<ops::Reduce>(opts, tensors);
 }
 
 c10::intrusive_ptr<c10d::Work> ProcessGroupTorchpar::allgather(std::vector<std::vector<at::Tensor>>& outputs,
                                                                std::vector<at::Tensor>& inputs,
                                                                const c10d::AllgatherOptions& opts) {
+  if (on_cuda("all_gather", outputs, inputs)) return cuda().allgather(outputs, inputs, opts);
   return submit<ops::Allgather>(opts, outputs, inputs);
 }
 
 c10::intrusive_ptr<c10d::Work> ProcessGroupTorchpar::_allgather_base(at::Tensor& output, at::Tensor& input,
                                                                      const c10d::AllgatherOptions& opts) {
+  if (on_cuda("all_gather_into_tensor", output, input)) return cuda()._allgather_base(output, input, opts);
   return submit<ops::AllgatherIntoTensor>(opts, output, input);
 }
 
 c10::intrusive_ptr<c10d::Work> ProcessGroupTorchpar::gather(std::vector<std::vector<at::Tensor>>& outputs,
                                                             std::vector<at::Tensor>& inputs,
                                                             const c10d::GatherOptions& opts) {
+  if (on_cuda("gather", outputs, inputs)) return cuda().gather(outputs, inputs, opts);
   return submit<ops::Gather>(opts, outputs, inputs);
 }
 
 c10::intrusive_ptr<c10d::Work> ProcessGroupTorchpar::scatter(std::vector<at::Tensor>& outputs,
                                                              std::vector<std::vector<at::Tensor>>& inputs,
                                                              const c10d::ScatterOptions& opts) {
+  if (on_cuda("scatter", outputs, inputs)) return cuda().scatter(outputs, inputs, opts);
   return submit<ops::Scatter>(opts, outputs, inputs);
 }
 
 c10::intrusive_ptr<c10d::Work> ProcessGroupTorchpar::reduce_scatter(
     std::vector<at::Tensor>& outputs, std::vector<std::vector<at::Tensor>>& inputs,
     const c10d::ReduceScatterOptions& opts) {
+  if (on_cuda("reduce_scatter", outputs, inputs)) return cuda().reduce_scatter(outputs, inputs, opts);
   return submit<ops::ReduceScatter>(opts, outputs, inputs);
 }
 
 c10::intrusive_ptr<c10d::Work> ProcessGroupTorchpar::_reduce_scatter_base(at::Tensor& output, at::Tensor& input,
                                                                           const c10d::ReduceScatterOptions& opts) {
+  if (on_cuda("reduce_scatter_tensor", output, input)) return cuda()._reduce_scatter_base(output, input, opts);
   return submit<ops::ReduceScatterTensor>(opts, output, input);
 }
 
@@ -112,12 +149,16 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupTorchpar::alltoall_base(at::Tensor& o
                                                                    std::vector<int64_t>& output_split_sizes,
                                                                    std::vector<int64_t>& input_split_sizes,
                                                                    const c10d::AllToAllOptions& opts) {
+  if (on_cuda("all_to_all_single", output, input)) {
+    return cuda().alltoall_base(output, input, output_split_sizes, input_split_sizes, opts);
+  }
   return submit<ops::AlltoallSingle>(opts, output, input, output_split_sizes, input_split_sizes);
 }
 
 c10::intrusive_ptr<c10d::Work> ProcessGroupTorchpar::alltoall(std::vector<at::Tensor>& outputs,
                                                               std::vector<at::Tensor>& inputs,
                                                               const c10d::AllToAllOptions& opts) {
+  if (on_cuda("all_to_all", outputs, inputs)) return cuda().alltoall(outputs, inputs, opts);
   return submit<ops::Alltoall>(opts, outputs, inputs);
 }
 
@@ -131,6 +172,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupTorchpar::barrier(const c10d::Barrier
 c10::intrusive_ptr<c10d::Work> ProcessGroupTorchpar::allgather_coalesced(
     std::vector<std::vector<at::Tensor>>& outputs, std::vector<at::Tensor>& inputs,
     const c10d::AllgatherOptions& opts) {
+  if (on_cuda("all_gather_coalesced", outputs, inputs)) return cuda().allgather_coalesced(outputs, inputs, opts);
   // torch's layout: outputs[r][i] receives rank r's inputs[i] (one inner list per rank).
   TORCH_CHECK(static_cast<int>(outputs.size()) == getSize(), "torchpar all_gather_coalesced: ",
               outputs.size(), " output lists for a group of size ", getSize(),
@@ -159,6 +201,9 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupTorchpar::allgather_coalesced(
 
 c10::intrusive_ptr<c10d::Work> ProcessGroupTorchpar::allgather_into_tensor_coalesced(
     std::vector<at::Tensor>& outputs, std::vector<at::Tensor>& inputs, const c10d::AllgatherOptions& opts) {
+  if (on_cuda("all_gather_into_tensor_coalesced", outputs, inputs)) {
+    return cuda().allgather_into_tensor_coalesced(outputs, inputs, opts);
+  }
   TORCH_CHECK(outputs.size() == inputs.size(), "torchpar all_gather_into_tensor_coalesced: ", outputs.size(),
               " outputs for ", inputs.size(), " inputs");
   std::vector<c10::intrusive_ptr<Work>> parts;
@@ -170,6 +215,9 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupTorchpar::allgather_into_tensor_coale
 
 c10::intrusive_ptr<c10d::Work> ProcessGroupTorchpar::reduce_scatter_tensor_coalesced(
     std::vector<at::Tensor>& outputs, std::vector<at::Tensor>& inputs, const c10d::ReduceScatterOptions& opts) {
+  if (on_cuda("reduce_scatter_tensor_coalesced", outputs, inputs)) {
+    return cuda().reduce_scatter_tensor_coalesced(outputs, inputs, opts);
+  }
   TORCH_CHECK(outputs.size() == inputs.size(), "torchpar reduce_scatter_tensor_coalesced: ", outputs.size(),
               " outputs for ", inputs.size(), " inputs");
   std::vector<c10::intrusive_ptr<Work>> parts;
@@ -183,11 +231,16 @@ void ProcessGroupTorchpar::startCoalescing() {
   TORCH_CHECK(!coalescing_, "torchpar: startCoalescing called twice without endCoalescing");
   coalescing_ = true;
   coalesced_.clear();
+  cuda_in_block_ = false;  // the CUDA half's block opens at the first CUDA call (cuda())
 }
 
 c10::intrusive_ptr<c10d::Work> ProcessGroupTorchpar::endCoalescing() {
   TORCH_CHECK(coalescing_, "torchpar: endCoalescing without startCoalescing");
   coalescing_ = false;
+  if (std::exchange(cuda_in_block_, false)) {
+    auto work = cuda_->endCoalescing();
+    if (work) return work;  // none when no CUDA call got as far as NCCL
+  }
   return GroupWork::create(getRank(), std::exchange(coalesced_, {}));
 }
 
@@ -196,6 +249,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupTorchpar::endCoalescing() {
 
 c10::intrusive_ptr<Work> ProcessGroupTorchpar::post_p2p(bool is_send, at::Tensor& tensor, int peer, int tag) {
   const char* op = is_send ? "send" : "recv";
+  check_cpu_in_block(op);
   check_tensor(tensor, op, "tensor");
   if (peer >= 0) {
     check_rank(peer, getSize(), op, is_send ? "destination" : "source");
@@ -238,17 +292,21 @@ c10::intrusive_ptr<Work> ProcessGroupTorchpar::post_p2p(bool is_send, at::Tensor
 c10::intrusive_ptr<c10d::Work> ProcessGroupTorchpar::send(std::vector<at::Tensor>& tensors, int dst_rank, int tag) {
   check_single(tensors, "send");
   TORCH_CHECK(dst_rank >= 0, "torchpar send: invalid destination rank ", dst_rank);
+  if (on_cuda("send", tensors)) return cuda().send(tensors, dst_rank, tag);
   return post_p2p(true, tensors[0], dst_rank, tag);
 }
 
 c10::intrusive_ptr<c10d::Work> ProcessGroupTorchpar::recv(std::vector<at::Tensor>& tensors, int src_rank, int tag) {
   check_single(tensors, "recv");
   TORCH_CHECK(src_rank >= 0, "torchpar recv: invalid source rank ", src_rank);
+  if (on_cuda("recv", tensors)) return cuda().recv(tensors, src_rank, tag);
   return post_p2p(false, tensors[0], src_rank, tag);
 }
 
 c10::intrusive_ptr<c10d::Work> ProcessGroupTorchpar::recvAnysource(std::vector<at::Tensor>& tensors, int tag) {
   check_single(tensors, "recv");
+  TORCH_CHECK(!on_cuda("recv", tensors), "torchpar recv: a receive from any source takes CPU tensors; NCCL ",
+              "matches a CUDA receive to one named source rank");
   return post_p2p(false, tensors[0], -1, tag);
 }
 

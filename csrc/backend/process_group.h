@@ -6,8 +6,9 @@
 // - point-to-point operations bypass that queue: they are posted straight to the
 //   transport's tag-matching engine, so a collective never waits behind an unrelated irecv.
 //
-// Every call validates its arguments at once, on the calling thread (a bad root or a CUDA
-// tensor is an error at the call site); the work itself runs asynchronously and is waited
+// CUDA tensors go to the CUDA half (backend/cuda.h: NCCL) instead; a call mixing CPU and CUDA
+// tensors is refused. Every call validates its arguments at once, on the calling thread (a
+// bad root is an error at the call site); the work itself runs asynchronously and is waited
 // for through the returned Work. A timeout, a dead peer or an abort by another rank fails
 // the group: that operation and every later one raise, on every live rank.
 #pragma once
@@ -17,6 +18,7 @@
 
 #include <atomic>
 #include <memory>
+#include <mutex>
 #include <string>
 #include <vector>
 
@@ -36,7 +38,7 @@ class ProcessGroupTorchpar : public c10d::Backend {
 
   const std::string getBackendName() const override { return "torchpar"; }
   bool supportsCoalescing() const override { return true; }
-  void setTimeout(std::chrono::milliseconds timeout) override { timeout_ = timeout; }
+  void setTimeout(std::chrono::milliseconds timeout) override;
   void startCoalescing() override;
   c10::intrusive_ptr<c10d::Work> endCoalescing() override;
   void shutdown() override;
@@ -114,6 +116,7 @@ class ProcessGroupTorchpar : public c10d::Backend {
   // the calling thread, and runs in the group's queue.
   template <typename Op, typename Options, typename... Args>
   c10::intrusive_ptr<c10d::Work> submit(const Options& opts, Args&&... args) {
+    check_cpu_in_block(Op::kName);
     Op op(std::forward<Args>(args)..., opts, getRank(), getSize());
     auto work = c10::make_intrusive<Work>(getRank(), Op::kType, Op::kName, op.outputs());
     ++issued_;
@@ -123,10 +126,16 @@ class ProcessGroupTorchpar : public c10d::Backend {
     return work;
   }
   c10::intrusive_ptr<Work> post_p2p(bool is_send, at::Tensor& tensor, int peer, int tag);
+  // The CUDA half (backend/cuda.h), made on first use; inside a coalescing block it opens
+  // the half's block too. Raises in a build without CUDA.
+  c10d::Backend& cuda();
+  // For a call on CPU tensors inside a coalescing block: refuses one that CUDA calls began.
+  void check_cpu_in_block(const char* op) const;
   std::chrono::milliseconds timeout_for(std::chrono::milliseconds requested) const;
 
   const std::string group_name_;
   std::chrono::milliseconds timeout_;
+  c10::intrusive_ptr<c10d::Store> store_;
   Config config_;
   std::unique_ptr<Rendezvous> rendezvous_;  // the TCP transport reports aborts through it
   std::unique_ptr<Transport> transport_;
@@ -137,6 +146,10 @@ class ProcessGroupTorchpar : public c10d::Backend {
 
   bool coalescing_ = false;  // caller thread only
   std::vector<c10::intrusive_ptr<Work>> coalesced_;
+  bool cuda_in_block_ = false;  // the block holds CUDA calls (the CUDA half's own block)
+
+  std::mutex cuda_mu_;  // guards cuda_'s creation
+  c10::intrusive_ptr<c10d::Backend> cuda_;
 };
 
 }  // namespace torchpar

@@ -38,9 +38,9 @@ void Staged::finish() const {
 
 void check_tensor(const at::Tensor& t, const char* op, const std::string& what) {
   TORCH_CHECK(t.defined(), "torchpar ", op, ": ", what, " is an undefined tensor");
-  TORCH_CHECK(t.device().is_cpu(), "torchpar ", op, ": ", what, " is on ", t.device(),
-              "; this torchpar build moves CPU tensors only (CUDA tensors need the TORCHPAR_CUDA "
-              "build with NCCL)");
+  // Which device carries the call is decided before (backend/cuda.h's on_cuda).
+  TORCH_CHECK(t.is_cpu() || t.is_cuda(), "torchpar ", op, ": ", what, " is on ", t.device(),
+              "; torchpar moves CPU and CUDA tensors");
   TORCH_CHECK(t.layout() == at::kStrided, "torchpar ", op, ": ", what,
               " must be a dense (strided) tensor, got layout ", t.layout());
   TORCH_CHECK(supported_dtype(t.scalar_type()), "torchpar ", op, ": ", what, " has dtype ",

@@ -9,6 +9,11 @@
 #include <mutex>
 #include <sstream>
 
+// _allgather_base / _reduce_scatter_base: renamed all_gather_single / reduce_scatter_single in
+// torch 2.13, the old names kept as deprecated aliases; the old names build against every
+// torch the project supports (2.11 on the GPU machines has only them).
+#pragma GCC diagnostic ignored "-Wdeprecated-declarations"
+
 namespace torchpar::parallel::tp {
 namespace {
 
@@ -54,7 +59,7 @@ std::pair<at::Tensor, c10::intrusive_ptr<c10d::Work>> start_all_gather_dim0(
   sizes[0] *= size_of(group);
   at::Tensor out = at::empty(sizes, in.options());
   count(in, size_of(group) - 1);
-  return {out, group->all_gather_single(out, in)};
+  return {out, group->_allgather_base(out, in)};
 }
 
 // This rank's block along dim 0 of the sum over ranks of `input`.
@@ -66,7 +71,7 @@ std::pair<at::Tensor, c10::intrusive_ptr<c10d::Work>> start_reduce_scatter_dim0(
   at::Tensor out = at::empty(sizes, in.options());
   const double n = size_of(group);
   count(in, (n - 1) / n);
-  return {out, group->reduce_scatter_single(out, in)};
+  return {out, group->_reduce_scatter_base(out, in)};
 }
 
 at::Tensor all_reduce(const at::Tensor& input, const Group& group) {
@@ -319,7 +324,7 @@ void check_same_sizes(const at::Tensor& input, const Group& group, const std::st
   // On the input's device: NCCL groups take only CUDA tensors.
   at::Tensor mine = at::tensor(record, at::kLong).to(input.device());
   at::Tensor all = at::empty({n * (kMaxDims + 1)}, mine.options());
-  group->all_gather_single(all, mine)->wait();  // not counted: a check, not the payload
+  group->_allgather_base(all, mine)->wait();  // not counted: a check, not the payload
   all = all.cpu();
   const int64_t* v = all.data_ptr<int64_t>();
   bool same = true;
