@@ -2,7 +2,8 @@
 ranks, torchpar's ``ParallelGPT`` beside the same model on PyTorch's own stack.
 
 In the same rank processes, per layout, two systems train their own copy of the same GPT
-(same sizes, AdamW, the same global batch of random tokens, ``2 x pp`` micro-batches):
+(same sizes, AdamW, the same global batch of random tokens, ``2 x pp`` micro-batches; each
+step returns the global batch's mean loss on every rank, as a training loop logs it):
 
 - ``torchpar``  ``torchpar.models.ParallelGPT`` on the ``torchpar`` backend: torchpar's
   tensor-parallel layers and fused kernels, its pipeline schedule (1F1B), its DDP or
@@ -145,12 +146,21 @@ def _torch_system(cfg, dp, tp, pp, fsdp, microbatches, lr):
     pipe = PipelineStage(module, pp_rank, pp, torch.device("cpu"), group=mesh["pp"].get_group())
     schedule = Schedule1F1B(pipe, microbatches, loss_fn=loss_fn)
 
+    pp_group, dp_group = mesh["pp"].get_group(), mesh["dp"].get_group()
+
     def train_step(idx, target):
         idx, target = idx.chunk(dp)[dp_rank], target.chunk(dp)[dp_rank]
         opt.zero_grad(set_to_none=True)
-        args = (idx,) if stage.first else ()
-        schedule.step(*args, target=target if stage.last else None)
+        args, losses = ((idx,) if stage.first else ()), []
+        schedule.step(*args, target=target if stage.last else None, losses=losses)
         opt.step()
+        # The global batch's mean loss on every rank, as ParallelGPT.train_step returns it.
+        loss = torch.stack(losses).double().mean() if losses else torch.zeros((), dtype=torch.float64)
+        if pp > 1:
+            dist.all_reduce(loss, group=pp_group)
+        if dp > 1:
+            dist.all_reduce(loss, group=dp_group)
+        return loss.item() / dp
 
     return train_step, nn.ModuleList([stage]), opt
 
