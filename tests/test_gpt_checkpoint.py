@@ -126,3 +126,21 @@ def test_checkpoint_of_another_model_is_refused_on_every_rank(saved, cfg, optimi
 def test_missing_checkpoint_is_refused_on_every_rank(tmp_path):
     for rank, err in enumerate(get_pool(4).run(_resume, Layout(dp=4), str(tmp_path / "nothing"))):
         assert isinstance(err, str) and "not a torch.distributed.checkpoint folder" in err, f"rank {rank}: {err!r}"
+
+
+def _save_untrained(ctx, layout, path):
+    torch.set_num_threads(1)
+    save_checkpoint(path, ParallelGPT(CFG, layout, lr=LR, optimizer="sgd"))
+
+
+def test_checkpoint_before_the_first_step(tmp_path):
+    """Saved before any step (no optimizer state yet): the resume starts at step 0 from the
+    seed-0 weights with fresh momentum, as the single-process run does."""
+    path = str(tmp_path / "ckpt")
+    pool = get_pool(4)
+    pool.run(_save_untrained, LAYOUTS["4x1x1"], path)
+    want = _reference_losses(AFTER)
+    for rank, result in enumerate(pool.run(_resume, LAYOUTS["1x2x2"], path)):
+        assert not isinstance(result, str), f"rank {rank}: {result}"
+        assert result[0] == 0
+        torch.testing.assert_close(result[1], want, rtol=1e-4, atol=1e-5, msg=lambda m: f"rank {rank}: {m}")
