@@ -177,6 +177,9 @@ def main(argv=None):
                         args.sequence_parallel, args.dtype, args.recompute, args.micro_batches)
         check_layout(cfg, layout, world, args.batch_size)  # every rank, before any collective
         save, load = checkpoint_functions(args)
+        if args.resume:  # another model's checkpoint: refused here, before any collective
+            from torchpar.models.checkpoint import check_checkpoint
+            check_checkpoint(args.resume, cfg)
         batches = Batches(load_corpus(args.data), cfg.seq_len, args.batch_size, args.seed)
     except ValueError as e:
         print(f"train_gpt.py (rank {rank}): error: {e}", file=sys.stderr)

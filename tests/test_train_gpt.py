@@ -48,3 +48,41 @@ def test_bad_layout_is_refused_on_every_rank(tmp_path):
     for rank in range(4):
         assert re.search(rf"rank {rank}\): error: GPT layout: dp x tp x pp = 3 x 2 x 1 = 6, but the world size is 4",
                          out.stderr), out.stderr
+
+
+def _final_losses(stdout):
+    m = re.search(r"final train loss ([0-9.]+), validation loss ([0-9.]+)", stdout)
+    assert m, stdout
+    return float(m.group(1)), float(m.group(2))
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(400)
+def test_save_then_resume_at_another_layout(tmp_path):
+    """--save after 4 steps at 2 x 1 x 2, --resume at 1 x 2 x 2 up to step 8 (AdamW, warm-up then
+    cosine: the schedule goes on from the step): the same final losses as 8 steps in one process."""
+    ckpt, common = str(tmp_path / "ckpt"), ["--model", "tiny", "--batch-size", "8", "--warmup", "3", "--no-progress"]
+    out = _torchrun(4, "--dp", "2", "--pp", "2", *common, "--steps", "4", "--save", ckpt, "--out", str(tmp_path))
+    assert out.returncode == 0, out.stdout + out.stderr
+    out = _torchrun(4, "--tp", "2", "--pp", "2", *common, "--steps", "8", "--resume", ckpt, "--out", str(tmp_path))
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert "4 steps in" in out.stdout
+    single = subprocess.run([sys.executable, SCRIPT, *common, "--steps", "8", "--out", str(tmp_path)],
+                            capture_output=True, text=True, timeout=200, env=ENV)
+    assert single.returncode == 0, single.stdout + single.stderr
+    assert _final_losses(out.stdout) == pytest.approx(_final_losses(single.stdout), rel=1e-3)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_checkpoint_of_another_model_is_refused_on_every_rank(tmp_path):
+    ckpt = str(tmp_path / "ckpt")
+    out = _torchrun(4, "--dp", "4", "--model", "tiny", "--steps", "2", "--batch-size", "8", "--no-progress",
+                    "--save", ckpt, "--out", str(tmp_path))
+    assert out.returncode == 0, out.stdout + out.stderr
+    out = _torchrun(4, "--dp", "4", "--model", "tiny", "--layers", "2", "--steps", "4", "--batch-size", "8",
+                    "--resume", ckpt, "--out", str(tmp_path))
+    assert out.returncode != 0
+    for rank in range(4):
+        assert re.search(rf"rank {rank}\): error: checkpoint .* is of another model: layers = 4 in the checkpoint, "
+                         r"2 here", out.stderr), out.stderr

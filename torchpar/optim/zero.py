@@ -141,6 +141,13 @@ class ZeroRedundancyOptimizer(Optimizer):
             self._gather()
         return loss
 
+    def stepped_tensors(self):
+        """[(parameter, the tensor this rank's local optimizer steps for it)] for the parameters
+        this rank owns: the float32 master under O2, else the parameter itself. Its state is
+        ``self.optim.state[tensor]`` (for checkpoints that address state by parameter)."""
+        params = self._params()
+        return [(params[k], self._masters[k]) for k in self._local]
+
     def _gather(self):
         for layout, _ in self._layouts:
             layout.all_gather()
