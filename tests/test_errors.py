@@ -107,7 +107,7 @@ def _bad_arguments(ctx):
     expect_error(lambda: dist.all_gather_into_tensor(torch.zeros(3), torch.ones(2), group=ctx.pg), "elements")
     # torch routes meta tensors to its own no-op kernels; call the backend directly.
     backend = ctx.pg._get_backend(torch.device("cpu"))
-    expect_error(lambda: backend.allreduce([torch.ones(4, device="meta")]), "is on meta", "CPU tensors only")
+    expect_error(lambda: backend.allreduce([torch.ones(4, device="meta")]), "is on meta", "moves CPU and CUDA tensors")
     # Sparse tensors: all_reduce SUM only (as gloo; tests/test_conformance_fixes.py).
     expect_error(lambda: backend.broadcast([torch.ones(4).to_sparse()]), "dense")
     sparse_max = dist.AllreduceOptions()
