@@ -112,6 +112,11 @@ def _collectives(ctx):
     dist.all_to_all_single(recv, send, [q + 1 for q in range(w)], [r + 1] * w)
     assert torch.equal(recv.cpu(), torch.cat([torch.full((q + 1,), float(q)) for q in range(w)]))
 
+    # PREMUL_SUM with the factor as a GPU tensor (NCCL reads it on the device)
+    pm = torch.ones(6, device=dev) * (r + 1)
+    dist.all_reduce(pm, op=dist._make_nccl_premul_sum(torch.tensor([3.0], device=dev)))
+    assert torch.equal(pm.cpu(), torch.full((6,), 3.0 * sum(q + 1 for q in range(w))))
+
     ins = [torch.full((2,), float(10 * r + q), device=dev) for q in range(w)]
     outs = [torch.empty(2, device=dev) for _ in range(w)]
     dist.all_to_all(outs, ins)
@@ -175,7 +180,8 @@ def _async_semantics(ctx):
     dev = _dev(ctx)
     w = ctx.world_size
     x = torch.ones(1 << 20, device=dev)
-    y = x * 3  # produced on the current stream: the collective must start after it
+    torch.cuda._sleep(int(1e9))  # the current stream is busy for a while ...
+    y = x * 3  # ... before it produces y: the collective must start after that
     work = dist.all_reduce(y, async_op=True)
     fut = work.get_future()
     work.wait()  # the current stream waits; the host goes on
@@ -195,6 +201,7 @@ def _async_semantics(ctx):
     # the caller's stream: a side stream's collective is ordered after that stream's kernels
     side = torch.cuda.Stream()
     with torch.cuda.stream(side):
+        torch.cuda._sleep(int(1e9))
         s = torch.ones(100, device=dev) * 4
         dist.all_reduce(s)
         s2 = s + 0
@@ -239,13 +246,13 @@ def test_bad_input_is_named_and_leaves_the_group_usable():
 
 def _timeout(ctx):
     dev = _dev(ctx)
-    group = dist.new_group(backend="torchpar", timeout=timedelta(milliseconds=500))
+    group = dist.new_group(backend="torchpar", timeout=timedelta(seconds=1))
     t = torch.ones(8, device=dev)
     dist.all_reduce(t, group=group)  # sets the communicator up first
     torch.cuda.synchronize()
-    # The current stream sleeps (4e9 cycles: about 2 s at 2 GHz) before the collective can
-    # start: well past the 0.5 s timeout.
-    torch.cuda._sleep(int(4e9))
+    # The current stream sleeps (8e9 cycles: about 4 s at 2 GHz) before the collective can
+    # start: well past the 1 s timeout.
+    torch.cuda._sleep(int(8e9))
     work = dist.all_reduce(t, group=group, async_op=True)
     msgs = []
     try:
@@ -288,6 +295,16 @@ def _p2p(ctx):
         got = torch.empty(4, device=dev)
         dist.recv(got, 0)
         assert torch.equal(got.cpu(), torch.arange(4.0))
+    # Lone isend and irecv both ways between one pair, larger than NCCL buffers (as 1F1B
+    # sends activations one way and gradients the other): one channel per direction.
+    if r < 2:
+        peer = 1 - r
+        out = torch.full((16 << 20,), float(r), device=dev)
+        into = torch.empty(16 << 20, device=dev)
+        works = [dist.isend(out, peer), dist.irecv(into, peer)]
+        for wk in works:
+            wk.wait()
+        assert torch.equal(into[:4].cpu(), torch.full((4,), float(peer)))
     return True
 
 

@@ -9,6 +9,7 @@
 #include "backend/errors.h"
 #include "backend/store_rendezvous.h"
 #include "backend/tensors.h"
+#include "backend/work.h"
 #include "common/error.h"
 
 namespace torchpar {
@@ -31,8 +32,7 @@ void NcclBackend::shutdown() {
   watchdog_.drain();
   watchdog_.stop();
   std::lock_guard<std::mutex> lock(mu_);
-  for (auto& [device, channel] : group_channels_) channel.comm->abort();
-  for (auto& [key, channel] : pair_channels_) channel.comm->abort();
+  for (auto& [id, channel] : channels_) channel.comm->abort();
 }
 
 void NcclBackend::abort() {
@@ -44,8 +44,7 @@ void NcclBackend::fail(std::exception_ptr error) {
   {
     std::lock_guard<std::mutex> lock(mu_);
     if (!failure_) failure_ = error;
-    for (auto& [device, channel] : group_channels_) comms.push_back(channel.comm);
-    for (auto& [key, channel] : pair_channels_) comms.push_back(channel.comm);
+    for (auto& [id, channel] : channels_) comms.push_back(channel.comm);
   }
   // Stops the kernels still waiting on a peer; each communicator's lock waits out a call
   // another thread is making on it.
@@ -76,46 +75,50 @@ at::Device NcclBackend::device_of(const std::vector<at::Tensor>& tensors, const 
   return *device;
 }
 
-NcclBackend::Channel& NcclBackend::group_channel(at::Device device) {
-  std::lock_guard<std::mutex> lock(mu_);
-  auto it = group_channels_.find(device.index());
-  if (it != group_channels_.end()) return it->second;
-  // Every rank makes its group communicators in the same order (its first collective on each
-  // device), so a serial names the store key all of them meet at.
-  const std::string key = "nccl/group/" + std::to_string(group_channels_made_++);
+namespace {
+// A communicator's set-up (NCCL's topology detection, proxy threads, buffers) can take
+// seconds on a first use: it gets at least this long, even in a group with a shorter
+// timeout for its operations.
+constexpr std::chrono::milliseconds kSetupFloor{60000};
+}  // namespace
+
+NcclBackend::Channel& NcclBackend::channel(const ChannelKey& id, at::Device device) {
+  // One set-up at a time (under setup_mu_, not mu_: fail() must not wait for a set-up).
+  std::lock_guard<std::mutex> setup(setup_mu_);
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    auto it = channels_.find(id);
+    if (it != channels_.end()) return it->second;
+  }
+  // Every rank makes its communicators in the same order (its first operation of each kind
+  // on each device), so a serial per kind names the store key the ranks meet at.
+  const int from = std::get<1>(id), to = std::get<2>(id);
+  const bool group = from < 0;
+  const std::string kind = group ? "group" : "p2p/" + std::to_string(from) + "-" + std::to_string(to);
+  const std::string key = "nccl/" + kind + "/" + std::to_string(made_[kind]++);
   std::shared_ptr<nccl::Communicator> comm;
   try {
-    comm = nccl::Communicator::create(*store_, key, getRank(), getSize(), device.index(),
-                                      nccl::Clock::now() + timeout_);
+    c10::cuda::CUDAGuard device_guard(device);  // NCCL binds the communicator to the current device
+    // A point-to-point communicator carries one direction: the sender is its rank 0.
+    comm = nccl::Communicator::create(*store_, key, group ? getRank() : (getRank() == from ? 0 : 1),
+                                      group ? getSize() : 2, device.index(),
+                                      nccl::Clock::now() + std::max(timeout_, kSetupFloor));
   } catch (const std::exception& e) {
-    std::rethrow_exception(dist_backend_error("torchpar: setting up NCCL for group '" + group_name_ + "' on " +
-                                              device.str() + " failed on rank " + std::to_string(getRank()) +
-                                              ": " + e.what()));
+    std::rethrow_exception(dist_backend_error("torchpar: setting up NCCL (" + key + ") for group '" + group_name_ +
+                                              "' on " + device.str() + " failed on rank " +
+                                              std::to_string(getRank()) + ": " + e.what()));
   }
-  Channel channel{std::move(comm), c10::cuda::getStreamFromPool(false, device.index())};
-  return group_channels_.emplace(device.index(), std::move(channel)).first->second;
+  Channel made{std::move(comm), c10::cuda::getStreamFromPool(false, device.index())};
+  std::lock_guard<std::mutex> lock(mu_);
+  return channels_.emplace(id, std::move(made)).first->second;
 }
 
-NcclBackend::Channel& NcclBackend::pair_channel(at::Device device, int peer) {
-  std::lock_guard<std::mutex> lock(mu_);
-  const auto id = std::make_pair(static_cast<int>(device.index()), peer);
-  auto it = pair_channels_.find(id);
-  if (it != pair_channels_.end()) return it->second;
-  // The two ranks of a pair meet at a key both can name; the lower rank is the
-  // communicator's rank 0 and makes the unique id.
-  const int lo = std::min(getRank(), peer), hi = std::max(getRank(), peer);
-  const std::string key = "nccl/pair/" + std::to_string(lo) + "-" + std::to_string(hi);
-  std::shared_ptr<nccl::Communicator> comm;
-  try {
-    comm = nccl::Communicator::create(*store_, key, getRank() == lo ? 0 : 1, 2, device.index(),
-                                      nccl::Clock::now() + timeout_);
-  } catch (const std::exception& e) {
-    std::rethrow_exception(dist_backend_error("torchpar: setting up NCCL between ranks " + std::to_string(lo) +
-                                              " and " + std::to_string(hi) + " of group '" + group_name_ +
-                                              "' failed: " + e.what()));
-  }
-  Channel channel{std::move(comm), c10::cuda::getStreamFromPool(false, device.index())};
-  return pair_channels_.emplace(id, std::move(channel)).first->second;
+NcclBackend::Channel& NcclBackend::group_channel(at::Device device) {
+  return channel({device.index(), -1, -1}, device);
+}
+
+NcclBackend::Channel& NcclBackend::p2p_channel(at::Device device, int from, int to) {
+  return channel({device.index(), from, to}, device);
 }
 
 c10::intrusive_ptr<c10d::Work> NcclBackend::collective(OpType type, const char* name, std::vector<at::Tensor> inputs,
@@ -131,47 +134,35 @@ c10::intrusive_ptr<c10d::Work> NcclBackend::launch(Channel& channel, at::Device 
                                                    const char* name, std::vector<at::Tensor> inputs,
                                                    std::vector<at::Tensor> outputs, const Body& body) {
   c10::cuda::CUDAGuard device_guard(device);
-  if (coalescing_) {
-    TORCH_CHECK(coalesced_channel_ == nullptr || coalesced_channel_ == &channel, "torchpar ", name,
-                ": a coalescing block takes the operations of one GPU; it began on ", coalesced_device_, ", not ",
-                device);
-  }
   // The communication stream starts after what the caller's stream has queued so far: the
   // kernels that produce the inputs (and last read the outputs).
   CudaEvent ready;
   ready.record(c10::cuda::getCurrentCUDAStream(device.index()));
-  ready.block(channel.stream);
   auto work = c10::make_intrusive<NcclWork>(getRank(), type, name, issued_, device, std::move(inputs),
                                             std::move(outputs), channel.comm, timeout_);
+  if (coalescing_) {
+    // Nothing reaches NCCL before the block ends: bad input later in the block then leaves
+    // no NCCL group open, and no communicator is in use between the user's calls.
+    TORCH_CHECK(pending_.empty() || pending_.front().channel == &channel, "torchpar ", name,
+                ": a coalescing block takes the operations of one GPU; it began on ", pending_.front().device,
+                ", not ", device);
+    pending_.push_back(Pending{&channel, device, body, work, std::move(ready)});
+    return work;
+  }
+  ready.block(channel.stream);
   try {
     // Staging copies are made on the communication stream, so they are ordered with the
     // NCCL calls and their memory is reused only by later work on that stream.
     c10::cuda::CUDAStreamGuard stream_guard(channel.stream);
     auto lock = channel.comm->lock();
     const nccl::Launch l{*channel.comm, channel.stream.stream(), nccl::Clock::now() + timeout_};
-    if (coalescing_ && coalesced_channel_ == nullptr) {
-      channel.comm->check(ncclGroupStart(), "ncclGroupStart", l.deadline);
-      coalesced_channel_ = &channel;
-      coalesced_device_ = device;
-    }
     Then then = body(l);
-    if (coalescing_) {
-      // NCCL launches the block's calls at ncclGroupEnd: what follows them waits till then.
-      coalesced_then_.push_back(std::move(then));
-      coalesced_.push_back(work);
-      return work;
-    }
     if (then) then();
     work->enqueued(channel.stream);
   } catch (...) {
     auto error = dist_backend_error(std::string("torchpar ") + name + " failed on rank " + std::to_string(getRank()) +
                                     " of group '" + group_name_ + "': " + message_of(std::current_exception()) +
                                     " [the group is no longer usable]");
-    if (coalescing_ && coalesced_channel_ != nullptr) ncclGroupEnd();  // closes this thread's group
-    coalescing_ = false;
-    coalesced_channel_ = nullptr;
-    coalesced_.clear();
-    coalesced_then_.clear();
     fail(error);
     std::rethrow_exception(error);
   }
@@ -182,42 +173,53 @@ c10::intrusive_ptr<c10d::Work> NcclBackend::launch(Channel& channel, at::Device 
 void NcclBackend::startCoalescing() {
   TORCH_CHECK(!coalescing_, "torchpar: startCoalescing called twice without endCoalescing");
   coalescing_ = true;
-  coalesced_channel_ = nullptr;
+  pending_.clear();
 }
 
 c10::intrusive_ptr<c10d::Work> NcclBackend::endCoalescing() {
   TORCH_CHECK(coalescing_, "torchpar: endCoalescing without startCoalescing");
   coalescing_ = false;
-  auto works = std::exchange(coalesced_, {});
-  auto thens = std::exchange(coalesced_then_, {});
-  Channel* channel = std::exchange(coalesced_channel_, nullptr);
-  if (channel == nullptr) return nullptr;  // no CUDA operation in the block
+  auto pending = std::exchange(pending_, {});
+  if (pending.empty()) return GroupWork::create(getRank(), {});  // done: nothing to launch
+  check_usable();
+  Channel& channel = *pending.front().channel;
+  const at::Device device = pending.front().device;
   std::vector<at::Tensor> outputs;
-  for (auto& w : works) {
-    auto r = w->result();
+  for (auto& p : pending) {
+    auto r = p.work->result();
     outputs.insert(outputs.end(), r.begin(), r.end());
   }
-  auto block = c10::make_intrusive<NcclWork>(getRank(), OpType::COALESCED, "coalesced", issued_, coalesced_device_,
-                                             std::vector<at::Tensor>{}, std::move(outputs), channel->comm, timeout_);
+  auto block = c10::make_intrusive<NcclWork>(getRank(), OpType::COALESCED, "coalesced", issued_, device,
+                                             std::vector<at::Tensor>{}, std::move(outputs), channel.comm, timeout_);
   try {
-    c10::cuda::CUDAGuard device_guard(coalesced_device_);
-    c10::cuda::CUDAStreamGuard stream_guard(channel->stream);
-    auto lock = channel->comm->lock();
-    channel->comm->check(ncclGroupEnd(), "ncclGroupEnd", nccl::Clock::now() + timeout_);
+    c10::cuda::CUDAGuard device_guard(device);
+    for (auto& p : pending) p.ready.block(channel.stream);
+    c10::cuda::CUDAStreamGuard stream_guard(channel.stream);
+    // The block's NCCL group is open only here, under the communicator's lock.
+    auto lock = channel.comm->lock();
+    const nccl::Launch l{*channel.comm, channel.stream.stream(), nccl::Clock::now() + timeout_};
+    std::vector<Then> thens;
+    {
+      nccl::Group group(l);  // NCCL launches the calls at its end
+      for (auto& p : pending) thens.push_back(p.body(l));
+    }
+    // After ncclGroupEnd: copies back, then the end events. The staging buffers the bodies
+    // hold were not freed before the kernels that use them were launched.
     for (auto& then : thens) {
       if (then) then();
     }
-    for (auto& w : works) w->enqueued(channel->stream);
-    block->enqueued(channel->stream);
+    for (auto& p : pending) p.work->enqueued(channel.stream);
+    block->enqueued(channel.stream);
   } catch (...) {
     auto error = dist_backend_error("torchpar: a coalescing block failed on rank " + std::to_string(getRank()) +
                                     " of group '" + group_name_ + "': " + message_of(std::current_exception()) +
                                     " [the group is no longer usable]");
     fail(error);
-    for (auto& w : works) w->fail(error);
+    for (auto& p : pending) p.work->fail(error);
+    block->fail(error);
     std::rethrow_exception(error);
   }
-  for (auto& w : works) watchdog_.add(w);
+  for (auto& p : pending) watchdog_.add(p.work);
   watchdog_.add(block);
   return block;
 }

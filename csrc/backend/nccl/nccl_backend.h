@@ -26,6 +26,7 @@
 #include <memory>
 #include <mutex>
 #include <string>
+#include <tuple>
 #include <utility>
 #include <vector>
 
@@ -102,10 +103,16 @@ class NcclBackend : public c10d::Backend {
   // An operation's NCCL calls; runs on the caller's thread with the channel's stream current.
   using Body = std::function<Then(const nccl::Launch&)>;
 
-  // The group's channel on `device`, made on first use (every rank must reach it).
+  // (device index, sender, receiver): sender and receiver -1 for the group's channel.
+  using ChannelKey = std::tuple<int, int, int>;
+  // The channel `id` names, made on first use.
+  Channel& channel(const ChannelKey& id, at::Device device);
+  // The group's channel on `device` (every rank must reach its set-up).
   Channel& group_channel(at::Device device);
-  // The two-rank channel between this rank and `peer` on `device`, made on first use.
-  Channel& pair_channel(at::Device device, int peer);
+  // The two-rank channel carrying messages from rank `from` to rank `to` on `device`. One per
+  // direction, each with its own stream: a send and a receive between the same two ranks
+  // never queue behind each other (1F1B sends activations one way, gradients the other).
+  Channel& p2p_channel(at::Device device, int from, int to);
   // Checks that the group is usable and returns the one device all `tensors` are on.
   at::Device device_of(const std::vector<at::Tensor>& tensors, const char* op);
   // Enqueues `body` on `channel`'s stream after the caller's current stream; the work
@@ -127,21 +134,26 @@ class NcclBackend : public c10d::Backend {
   std::chrono::milliseconds timeout_;
   std::unique_ptr<Rendezvous> store_;
 
-  std::mutex mu_;  // guards the channels and failure_
-  std::map<int, Channel> group_channels_;                  // by device index
-  std::map<std::pair<int, int>, Channel> pair_channels_;  // by (device index, peer)
-  uint64_t group_channels_made_ = 0;                       // the store key's serial
+  std::mutex setup_mu_;  // one channel set-up at a time; guards made_
+  std::map<std::string, uint64_t> made_;  // communicators made per kind: the store keys' serials
+  std::mutex mu_;  // guards channels_ and failure_
+  std::map<ChannelKey, Channel> channels_;
   std::exception_ptr failure_;
 
   uint64_t issued_ = 0;  // collectives issued, for messages
 
-  // A coalescing block (caller thread only): NCCL calls go into one ncclGroupStart/End; the
-  // works issued inside it get their end events when the block ends.
+  // A coalescing block (caller thread only): its operations wait here, checked, until the
+  // block ends; then their NCCL calls go into one ncclGroupStart/End, and their works get
+  // their end events.
+  struct Pending {
+    Channel* channel;
+    at::Device device;
+    Body body;
+    c10::intrusive_ptr<NcclWork> work;
+    CudaEvent ready;  // recorded on the caller's stream when the operation was issued
+  };
   bool coalescing_ = false;
-  Channel* coalesced_channel_ = nullptr;
-  at::Device coalesced_device_{at::kCUDA};
-  std::vector<c10::intrusive_ptr<NcclWork>> coalesced_;
-  std::vector<Then> coalesced_then_;
+  std::vector<Pending> pending_;
 
   Watchdog watchdog_;  // last: its thread stops before the rest is destroyed
 };

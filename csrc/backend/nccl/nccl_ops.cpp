@@ -7,6 +7,7 @@
 #include "backend/nccl/nccl_backend.h"
 #include "backend/ops.h"
 #include "backend/tensors.h"
+#include "backend/work.h"
 
 namespace torchpar {
 namespace {
@@ -205,7 +206,8 @@ c10::intrusive_ptr<c10d::Work> NcclBackend::_allgather_base(at::Tensor& output, 
 c10::intrusive_ptr<c10d::Work> NcclBackend::as_one_block(const std::function<void()>& issue) {
   if (coalescing_) {  // inside the caller's block: its end launches these too
     issue();
-    return coalesced_.empty() ? nullptr : c10::intrusive_ptr<c10d::Work>(coalesced_.back());
+    if (pending_.empty()) return GroupWork::create(getRank(), {});
+    return pending_.back().work;
   }
   startCoalescing();
   issue();  // each operation was checked before any was issued: nothing throws half-way
@@ -401,10 +403,11 @@ c10::intrusive_ptr<c10d::Work> NcclBackend::point_to_point(bool is_send, at::Ten
   const auto type = nccl_type(tensor, name);
   at::Device device = device_of({tensor}, name);
   // Inside a coalescing block (batch_isend_irecv) the group's communicator carries the
-  // batch, as one NCCL group; a lone transfer has its pair's, so that the other ranks need
-  // not take part in making it.
-  Channel& channel = coalescing_ ? group_channel(device) : pair_channel(device, peer);
-  const int comm_peer = coalescing_ ? peer : (peer < getRank() ? 0 : 1);
+  // batch, as one NCCL group; a lone transfer has its direction's two-rank communicator, so
+  // that the other ranks need not take part in making it (where the sender is rank 0).
+  Channel& channel = coalescing_ ? group_channel(device)
+                                 : (is_send ? p2p_channel(device, getRank(), peer) : p2p_channel(device, peer, getRank()));
+  const int comm_peer = coalescing_ ? peer : (is_send ? 1 : 0);
   at::Tensor t = tensor;
   auto body = [t, is_send, comm_peer, type](const nccl::Launch& l) -> Then {
     if (is_send) {

@@ -44,12 +44,18 @@ bool NcclWork::poll() {
 }
 
 void NcclWork::fail(std::exception_ptr error) {
-  std::lock_guard<std::mutex> lock(mutex_);
-  if (completed_) return;
-  completed_ = true;
-  exception_ = error;
-  cv_.notify_all();
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    if (completed_) return;
+    completed_ = true;
+    exception_ = error;
+    cv_.notify_all();
+  }
+  // A work that never reached NCCL (a coalescing block that failed) has an open future.
+  if (!future_->completed()) future_->setError(error);
 }
+
+bool NcclWork::gpu_done() const { return !recorded_.load() || end_.query(); }
 
 void NcclWork::throw_if_failed() {
   std::lock_guard<std::mutex> lock(mutex_);

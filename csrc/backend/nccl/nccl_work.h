@@ -49,8 +49,13 @@ class NcclWork : public c10d::Work {
   // For the watchdog. Whether the end event has passed (then the work is finished and lets
   // go of its tensors); never blocks.
   bool poll();
-  // Finishes the work with `error` (the first error wins).
+  // Finishes the work with `error` (the first error wins); its future too, if it was not
+  // completed at enqueue. The tensors stay held: see gpu_done().
   void fail(std::exception_ptr error);
+  // Whether nothing of the work is left queued on the GPU (its end event has passed, or it
+  // never reached NCCL). After a failure the watchdog holds the work until then: kernels
+  // queued before the abort still run, and must not find their memory given away.
+  bool gpu_done() const;
   bool past_deadline(nccl::Clock::time_point now) const { return recorded_ && now > deadline_; }
   const std::shared_ptr<nccl::Communicator>& comm() const { return comm_; }
   const std::string& name() const { return name_; }

@@ -19,8 +19,18 @@ Watchdog::Watchdog(std::string group, int rank, int size, std::function<void(std
 }
 
 void Watchdog::add(c10::intrusive_ptr<NcclWork> work) {
-  std::lock_guard<std::mutex> lock(mu_);
-  works_.push_back(std::move(work));
+  std::exception_ptr failure;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (!failure_) {
+      works_.push_back(std::move(work));
+      return;
+    }
+    failure = failure_;
+    failed_works_.push_back(work);
+  }
+  work->fail(failure);  // enqueued while the group failed: it fails too (outside the lock:
+                        // failing completes its future, whose callbacks may call us)
 }
 
 void Watchdog::stop() {
@@ -36,7 +46,7 @@ void Watchdog::drain() {
   for (;;) {
     {
       std::lock_guard<std::mutex> lock(mu_);
-      if (works_.empty() || stopping_ || !thread_.joinable()) return;
+      if (works_.empty() || failure_ || stopping_ || !thread_.joinable()) return;
     }
     std::this_thread::sleep_for(kPollInterval);
   }
@@ -46,10 +56,11 @@ void Watchdog::fail_all(std::exception_ptr error) {
   std::vector<c10::intrusive_ptr<NcclWork>> works;
   {
     std::lock_guard<std::mutex> lock(mu_);
-    failed_ = true;
+    if (!failure_) failure_ = error;
     works.swap(works_);
+    failed_works_.insert(failed_works_.end(), works.begin(), works.end());
   }
-  for (auto& w : works) w->fail(error);
+  for (auto& w : works) w->fail(error);  // outside the lock, as in add()
 }
 
 std::exception_ptr Watchdog::check(NcclWork& work, nccl::Clock::time_point now) {
@@ -74,7 +85,18 @@ void Watchdog::run() {
   std::unique_lock<std::mutex> lock(mu_);
   while (!stopping_) {
     cv_.wait_for(lock, kPollInterval, [this] { return stopping_; });
-    if (stopping_ || works_.empty() || failed_) continue;
+    if (stopping_) break;
+    // Failed operations go once the GPU is done with them (the aborted kernels exit).
+    failed_works_.erase(std::remove_if(failed_works_.begin(), failed_works_.end(),
+                                       [](const auto& w) {
+                                         try {
+                                           return w->gpu_done();
+                                         } catch (...) {
+                                           return true;  // the device is in trouble: nothing more to wait for
+                                         }
+                                       }),
+                        failed_works_.end());
+    if (works_.empty() || failure_) continue;
     std::vector<c10::intrusive_ptr<NcclWork>> works = works_;
     lock.unlock();
     std::exception_ptr error;
@@ -96,7 +118,14 @@ void Watchdog::run() {
     }
     lock.lock();
     // Finished operations leave the list (those added meanwhile stay).
-    works_.erase(std::remove_if(works_.begin(), works_.end(), [](const auto& w) { return w->isCompleted(); }),
+    works_.erase(std::remove_if(works_.begin(), works_.end(),
+                                [](const auto& w) {
+                                  try {
+                                    return w->isCompleted();
+                                  } catch (...) {
+                                    return false;  // looked at again next round, under check()
+                                  }
+                                }),
                  works_.end());
   }
 }

@@ -48,8 +48,11 @@ class Watchdog {
   std::mutex mu_;
   std::condition_variable cv_;
   std::vector<c10::intrusive_ptr<NcclWork>> works_;
+  // Failed operations whose kernels may still be queued on the GPU: held (and their tensors
+  // with them) until their end events pass.
+  std::vector<c10::intrusive_ptr<NcclWork>> failed_works_;
   bool stopping_ = false;
-  bool failed_ = false;
+  std::exception_ptr failure_;  // the first error, once the group has failed
   std::thread thread_;
 };
 

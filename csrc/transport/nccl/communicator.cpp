@@ -42,13 +42,20 @@ std::unique_ptr<Communicator> Communicator::create(Rendezvous& store, const std:
              ")");
     store.set(key, encode_id(id));
   } else {
-    id = decode_id(store.get(key), key);
+    // Polled against our deadline (the store's own get waits the store's timeout).
+    std::string bytes;
+    while (!store.try_get(key, &bytes)) {
+      if (Clock::now() >= deadline) {
+        TP_THROW_TIMEOUT("rank 0 of NCCL communicator ", key, " did not publish its unique id in time");
+      }
+      std::this_thread::sleep_for(std::chrono::milliseconds(1));
+    }
+    id = decode_id(bytes, key);
   }
   ncclConfig_t config = NCCL_CONFIG_INITIALIZER;
   // Non-blocking: ncclCommInitRankConfig returns at once and we poll with a deadline, so a
   // rank that never joins is a TimeoutError here instead of a hang inside NCCL.
   config.blocking = 0;
-  config.commName = key.c_str();
   ncclComm_t comm = nullptr;
   ncclResult_t r = ncclCommInitRankConfig(&comm, size, id, rank, &config);
   TP_CHECK(r == ncclSuccess || r == ncclInProgress, "ncclCommInitRankConfig (", key, ", rank ", rank, " of ",
