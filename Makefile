@@ -63,10 +63,11 @@ test-conformance: build
 TORCH_DIR = $(VENV)/lib/python3.11/site-packages/torch
 CPP_SOURCES := $(wildcard csrc/transport/*.cpp csrc/transport/shm/*.cpp csrc/transport/tcp/*.cpp \
 	csrc/collectives/*.cpp csrc/collectives/p2p/*.cpp)
-build/cpp-tests: $(VENV)/.deps $(CPP_SOURCES) $(wildcard csrc/*/*.h csrc/*/*/*.h) tests/cpp/test_transport.cpp
+CPP_TESTS := $(wildcard tests/cpp/*.cpp)
+build/cpp-tests: $(VENV)/.deps $(CPP_SOURCES) $(wildcard csrc/*/*.h csrc/*/*/*.h) $(CPP_TESTS) $(wildcard tests/cpp/*.h)
 	@mkdir -p build
 	c++ -O2 -std=c++20 -mavx2 -mfma -mf16c -DCPU_CAPABILITY_AVX2 -DCPU_CAPABILITY=AVX2 -Wno-unknown-pragmas \
-	  -Icsrc -I$(TORCH_DIR)/include $(CPP_SOURCES) tests/cpp/test_transport.cpp \
+	  -Icsrc -I$(TORCH_DIR)/include $(CPP_SOURCES) $(CPP_TESTS) \
 	  -L$(TORCH_DIR)/lib -Wl,-rpath,$(abspath $(TORCH_DIR))/lib -lc10 -lgtest -lgtest_main -lpthread -lrt -o $@
 
 test-cpp:

@@ -5,6 +5,8 @@
 #include <sys/socket.h>
 #include <unistd.h>
 
+#include <cerrno>
+#include <cstdlib>
 #include <random>
 #include <thread>
 #include <sstream>
@@ -57,7 +59,8 @@ TcpTransport::TcpTransport(int rank, int size, Rendezvous& rendezvous, const Con
   connect_all(rendezvous, config, timeout);
   // poll() is the wait: spinning or yielding would only burn the CPU on recv() calls.
   p2p_ = std::make_unique<P2PEngine>(rank_, size_, *this, std::chrono::microseconds(0),
-                                     std::chrono::microseconds(0));
+                                     std::chrono::microseconds(0),
+                                     static_cast<size_t>(config.unexpected_max_bytes));
 }
 
 TcpTransport::~TcpTransport() {
@@ -75,7 +78,12 @@ void TcpTransport::connect_all(Rendezvous& rendezvous, const Config& config,
     token = (static_cast<uint64_t>(rd()) << 32) | rd();
     rendezvous.set(store_keys::kTcpToken, std::to_string(token));
   } else {
-    token = std::stoull(rendezvous.get(store_keys::kTcpToken));
+    const std::string text = rendezvous.get(store_keys::kTcpToken);
+    char* end = nullptr;
+    errno = 0;
+    token = std::strtoull(text.c_str(), &end, 10);
+    TP_CHECK(!text.empty() && text[0] != '-' && *end == '\0' && errno == 0, "the store key '",
+             store_keys::kTcpToken, "' holds '", text, "', not a number");
   }
   Contact mine{port, HostIdentity::local(), local_addresses(config.socket_ifname)};
   rendezvous.set(store_keys::tcp_contact(rank_), mine.encode());
@@ -83,7 +91,7 @@ void TcpTransport::connect_all(Rendezvous& rendezvous, const Config& config,
   // The higher rank of each pair calls the lower one: connect to every lower rank (their
   // listeners queue us), then answer every higher one.
   for (int peer = 0; peer < rank_; ++peer) {
-    Contact theirs = Contact::decode(rendezvous.get(store_keys::tcp_contact(peer)));
+    Contact theirs = read_record<Contact>(rendezvous, store_keys::tcp_contact(peer));
     std::vector<std::string> candidates = std::move(theirs.addresses);
     if (theirs.host == mine.host) candidates.insert(candidates.begin(), "127.0.0.1");
     TP_CHECK(!candidates.empty(), "rank ", peer, " (host ", theirs.host.hostname,
