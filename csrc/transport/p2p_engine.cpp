@@ -174,10 +174,10 @@ void P2PEngine::fail_in_flight(std::exception_ptr error) {
 }
 
 void P2PEngine::fail_group(const std::string& why) {
-  fail(std::make_exception_ptr(Error(why)));
   try {
+    fail(std::make_exception_ptr(Error(why)));
     link_.abort(why);
-  } catch (...) {  // the group has failed here already; telling the peers is best effort
+  } catch (...) {  // out of memory, or the store gone: telling the peers is best effort
   }
 }
 
