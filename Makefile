@@ -84,6 +84,24 @@ test-cpp:
 	@if test -f /usr/include/gtest/gtest.h; then $(MAKE) --no-print-directory build/cpp-tests && \
 	  build/cpp-tests --gtest_brief=1; else echo "NOTE: libgtest-dev unavailable: C++ tests skipped"; fi
 
+# libFuzzer on the parsers of what other processes send (tests/fuzz/fuzz_wire.cpp): the
+# store's records, the TCP handshake's messages, the point-to-point frame stream; built with
+# clang's address and undefined-behaviour sanitizers (Debian's clang-14 and libfuzzer-14-dev,
+# installed here when missing), run for FUZZ_SECONDS. The corpus it grows stays in build/.
+FUZZ_SECONDS ?= 30
+FUZZ_SOURCES := csrc/transport/records.cpp csrc/transport/tcp/handshake.cpp csrc/transport/p2p_engine.cpp \
+	csrc/transport/request.cpp
+build/fuzz-wire: tests/fuzz/fuzz_wire.cpp $(FUZZ_SOURCES) $(wildcard csrc/*/*.h csrc/*/*/*.h) | $(OPENSSL_DEV)
+	@command -v clang++-14 >/dev/null || apt-get install -y -q clang-14 libfuzzer-14-dev >/dev/null 2>&1 || \
+	  (apt-get update -q >/dev/null 2>&1 && apt-get install -y -q clang-14 libfuzzer-14-dev >/dev/null 2>&1)
+	@mkdir -p build
+	clang++-14 -g -O1 -std=c++20 -fsanitize=fuzzer,address,undefined -fno-sanitize-recover=undefined -Icsrc \
+	  tests/fuzz/fuzz_wire.cpp $(FUZZ_SOURCES) -lcrypto -lpthread -o $@
+
+fuzz: build/fuzz-wire
+	@mkdir -p build/fuzz-corpus
+	build/fuzz-wire -max_total_time=$(FUZZ_SECONDS) -timeout=10 -rss_limit_mb=2048 -print_final_stats=1 build/fuzz-corpus
+
 # The project's main job (issue 20, docs/gpt.md): a byte-level GPT trained on 4 ranks with
 # tensor x pipeline parallelism (dp=1 tp=2 pp=2) on the stdlib's sources, a couple of minutes.
 DEMO_OUT ?= runs/demo
