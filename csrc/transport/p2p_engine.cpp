@@ -91,8 +91,8 @@ std::shared_ptr<Request> P2PEngine::irecv(int peer, uint64_t tag, void* data, si
       matched = true;
       if (u->complete) {
         done = u;
-        unexpected_.erase(it);
-        unexpected_bytes_ -= std::min(unexpected_bytes_, u->data.size());
+        unexpected_.erase(it);  // `u` refers into the list: use `done` from here on
+        unexpected_bytes_ -= std::min(unexpected_bytes_, done->data.size());
       } else {
         u->claimed = req;  // still streaming in; delivered when its last byte arrives
       }
