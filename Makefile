@@ -16,7 +16,7 @@ export CCACHE_NOHASHDIR ?= 1
 
 SOURCES := setup.py $(shell find csrc -name '*.cpp' -o -name '*.h' -o -name '*.cu' 2>/dev/null)
 
-.PHONY: all deps build test test-py test-slow test-conformance test-cpp demo bench build-cuda test-cuda-build test-gpu clean
+.PHONY: all deps build test test-py test-slow test-conformance test-cpp fuzz demo bench build-cuda test-cuda-build test-gpu clean
 
 all: build
 
@@ -28,13 +28,21 @@ $(VENV)/.deps:
 
 deps: $(VENV)/.deps
 
+# OpenSSL's libcrypto (HMAC-SHA256 for the TCP handshake): Debian's libssl-dev, installed
+# here when its headers are missing (CI runs as root).
+OPENSSL_DEV := /usr/include/openssl/hmac.h
+$(OPENSSL_DEV):
+	apt-get install -y -q libssl-dev >/dev/null 2>&1 || \
+	  (apt-get update -q >/dev/null 2>&1 && apt-get install -y -q libssl-dev >/dev/null 2>&1) || \
+	  (echo "torchpar needs OpenSSL's headers and libcrypto: install libssl-dev (Debian) or openssl-devel" && false)
+
 # Editable install once (no build isolation: it would fetch a CUDA torch), then
 # incremental in-place rebuilds whenever a C++ source changes.
-$(VENV)/.installed: $(VENV)/.deps pyproject.toml
+$(VENV)/.installed: $(VENV)/.deps pyproject.toml | $(OPENSSL_DEV)
 	$(PIP) install -q --no-build-isolation --no-deps -e .
 	@touch $@
 
-torchpar/_C.stamp: $(VENV)/.installed $(SOURCES)
+torchpar/_C.stamp: $(VENV)/.installed $(SOURCES) | $(OPENSSL_DEV)
 	$(PY) setup.py -q build_ext --inplace
 	@touch $@
 
@@ -63,17 +71,36 @@ test-conformance: build
 TORCH_DIR = $(VENV)/lib/python3.11/site-packages/torch
 CPP_SOURCES := $(wildcard csrc/transport/*.cpp csrc/transport/shm/*.cpp csrc/transport/tcp/*.cpp \
 	csrc/collectives/*.cpp csrc/collectives/p2p/*.cpp)
-build/cpp-tests: $(VENV)/.deps $(CPP_SOURCES) $(wildcard csrc/*/*.h csrc/*/*/*.h) tests/cpp/test_transport.cpp
+CPP_TESTS := $(wildcard tests/cpp/*.cpp)
+build/cpp-tests: $(VENV)/.deps $(CPP_SOURCES) $(wildcard csrc/*/*.h csrc/*/*/*.h) $(CPP_TESTS) $(wildcard tests/cpp/*.h) | $(OPENSSL_DEV)
 	@mkdir -p build
 	c++ -O2 -std=c++20 -mavx2 -mfma -mf16c -DCPU_CAPABILITY_AVX2 -DCPU_CAPABILITY=AVX2 -Wno-unknown-pragmas \
-	  -Icsrc -I$(TORCH_DIR)/include $(CPP_SOURCES) tests/cpp/test_transport.cpp \
-	  -L$(TORCH_DIR)/lib -Wl,-rpath,$(abspath $(TORCH_DIR))/lib -lc10 -lgtest -lgtest_main -lpthread -lrt -o $@
+	  -Icsrc -I$(TORCH_DIR)/include $(CPP_SOURCES) $(CPP_TESTS) \
+	  -L$(TORCH_DIR)/lib -Wl,-rpath,$(abspath $(TORCH_DIR))/lib -lc10 -lgtest -lgtest_main -lcrypto -lpthread -lrt -o $@
 
 test-cpp:
 	@test -f /usr/include/gtest/gtest.h || (apt-get install -y -q libgtest-dev >/dev/null 2>&1 || \
 	  (apt-get update -q >/dev/null 2>&1 && apt-get install -y -q libgtest-dev >/dev/null 2>&1)) || true
 	@if test -f /usr/include/gtest/gtest.h; then $(MAKE) --no-print-directory build/cpp-tests && \
 	  build/cpp-tests --gtest_brief=1; else echo "NOTE: libgtest-dev unavailable: C++ tests skipped"; fi
+
+# libFuzzer on the parsers of what other processes send (tests/fuzz/fuzz_wire.cpp): the
+# store's records, the TCP handshake's messages, the point-to-point frame stream; built with
+# clang's address and undefined-behaviour sanitizers (Debian's clang-14 and libfuzzer-14-dev,
+# installed here when missing), run for FUZZ_SECONDS. The corpus it grows stays in build/.
+FUZZ_SECONDS ?= 30
+FUZZ_SOURCES := csrc/transport/records.cpp csrc/transport/tcp/handshake.cpp csrc/transport/p2p_engine.cpp \
+	csrc/transport/request.cpp
+build/fuzz-wire: tests/fuzz/fuzz_wire.cpp $(FUZZ_SOURCES) $(wildcard csrc/*/*.h csrc/*/*/*.h) | $(OPENSSL_DEV)
+	@command -v clang++-14 >/dev/null || apt-get install -y -q clang-14 libfuzzer-14-dev >/dev/null 2>&1 || \
+	  (apt-get update -q >/dev/null 2>&1 && apt-get install -y -q clang-14 libfuzzer-14-dev >/dev/null 2>&1)
+	@mkdir -p build
+	clang++-14 -g -O1 -std=c++20 -fsanitize=fuzzer,address,undefined -fno-sanitize-recover=undefined -Icsrc \
+	  tests/fuzz/fuzz_wire.cpp $(FUZZ_SOURCES) -lcrypto -lpthread -o $@
+
+fuzz: build/fuzz-wire
+	@mkdir -p build/fuzz-corpus
+	build/fuzz-wire -max_total_time=$(FUZZ_SECONDS) -timeout=10 -rss_limit_mb=2048 -print_final_stats=1 build/fuzz-corpus
 
 # The project's main job (issue 20, docs/gpt.md): a byte-level GPT trained on 4 ranks with
 # tensor x pipeline parallelism (dp=1 tp=2 pp=2) on the stdlib's sources, a couple of minutes.

@@ -66,7 +66,9 @@ NCCL_SOURCES = sources("csrc/**/nccl/*.cpp")
 cpp_sources = [s for s in sources("csrc/**/*.cpp") if s not in KERNEL_SOURCES and s not in NCCL_SOURCES]
 extra = {"cxx": cpu_flags() + isa_flags(BASE_ISA)}
 define_macros = [("TORCHPAR_KERNELS_X86", None)] if X86 else []
-libraries = ["rt"]
+# libcrypto (OpenSSL) for HMAC-SHA256 in the TCP handshake (csrc/transport/tcp/handshake.h);
+# the Makefile installs Debian's libssl-dev where its headers are missing.
+libraries = ["rt", "crypto"]
 common = dict(
     include_dirs=[os.path.join(ROOT, "csrc")],
     depends=KERNEL_SOURCES + sources("csrc/**/*.h"),

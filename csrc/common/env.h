@@ -5,17 +5,46 @@
 #include <cstdlib>
 #include <string>
 
+#include "common/error.h"
+
 namespace torchpar {
 
+// A whole decimal number with an optional K/M/G suffix (TORCHPAR_SHM_SLOT_BYTES=4M); false
+// for anything else (a sign, hex, trailing text) or a value that does not fit in int64_t.
+inline bool parse_size(const std::string& text, int64_t* out) {
+  if (text.empty()) return false;
+  size_t digits = 0;
+  int64_t value = 0;
+  for (; digits < text.size() && text[digits] >= '0' && text[digits] <= '9'; ++digits) {
+    if (__builtin_mul_overflow(value, 10, &value) || __builtin_add_overflow(value, text[digits] - '0', &value)) {
+      return false;
+    }
+  }
+  if (digits == 0 || text.size() - digits > 1) return false;
+  int shift = 0;
+  if (digits < text.size()) {
+    switch (text[digits]) {
+      case 'K': case 'k': shift = 10; break;
+      case 'M': case 'm': shift = 20; break;
+      case 'G': case 'g': shift = 30; break;
+      default: return false;
+    }
+  }
+  if (value > (INT64_MAX >> shift)) return false;
+  *out = value << shift;
+  return true;
+}
+
+// Settings are read when a group is created: a value that is not a size is an error naming
+// the setting, never a silent 0 or a wrapped-around shift.
 inline int64_t env_int(const char* name, int64_t fallback) {
   const char* v = std::getenv(name);
   if (v == nullptr || *v == '\0') return fallback;
-  char* end = nullptr;
-  long long parsed = std::strtoll(v, &end, 10);
-  // Suffixes K/M/G so sizes read naturally: TORCHPAR_SHM_SLOT_BYTES=4M.
-  if (end && (*end == 'K' || *end == 'k')) parsed <<= 10;
-  if (end && (*end == 'M' || *end == 'm')) parsed <<= 20;
-  if (end && (*end == 'G' || *end == 'g')) parsed <<= 30;
+  int64_t parsed = 0;
+  if (!parse_size(v, &parsed)) {
+    throw Error(detail::message(__FILE__, __LINE__, name, "='", v,
+                                "' is not a size: expected digits with an optional K, M or G suffix, below 2^63"));
+  }
   return parsed;
 }
 
@@ -53,6 +82,9 @@ struct Config {
   // Point-to-point collectives move large buffers in pieces of this many bytes per peer,
   // so reducing one piece overlaps receiving the next.
   int64_t p2p_chunk_bytes = env_int("TORCHPAR_P2P_CHUNK_BYTES", 1 << 20);
+  // Most bytes of messages that arrived before their receive was posted that a rank holds
+  // at once (see P2PEngine::on_header for why exceeding it fails the group).
+  int64_t unexpected_max_bytes = env_int("TORCHPAR_UNEXPECTED_MAX_BYTES", int64_t{1} << 30);
 };
 
 }  // namespace torchpar

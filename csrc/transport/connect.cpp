@@ -37,13 +37,14 @@ std::unique_ptr<Transport> connect(Rendezvous& rv, int rank, int size, const Con
   rv.set(store_keys::host(rank), mine.encode());
   for (const auto& [name, value] : settings) rv.set(store_keys::setting(name, rank), value);
 
+  TP_CHECK_USAGE(config.unexpected_max_bytes >= 0, "torchpar: TORCHPAR_UNEXPECTED_MAX_BYTES must not be negative");
   TP_CHECK_USAGE(config.transport == "auto" || config.transport == "shm" || config.transport == "tcp",
                  "torchpar: TORCHPAR_TRANSPORT must be auto, shm or tcp, not '", config.transport, "'");
   for (const auto& [name, value] : settings) check_same_everywhere(rv, rank, size, name, value);
   int elsewhere = -1;
   HostIdentity theirs;
   for (int r = 0; r < size && elsewhere < 0; ++r) {
-    theirs = r == rank ? mine : HostIdentity::decode(rv.get(store_keys::host(r)));
+    theirs = r == rank ? mine : read_record<HostIdentity>(rv, store_keys::host(r));
     if (theirs != mine) elsewhere = r;
   }
   TP_CHECK_USAGE(elsewhere < 0 || config.transport != "shm", "torchpar: TORCHPAR_TRANSPORT=shm, but rank ",

@@ -6,6 +6,7 @@
 #include <chrono>
 #include <cstddef>
 #include <cstdint>
+#include <string>
 
 namespace torchpar {
 
@@ -22,6 +23,9 @@ class Link {
   virtual void sleep_until_activity(uint32_t seen, std::chrono::microseconds max_sleep) = 0;
   // Throws torchpar::Error if the group has failed or `peer` is no longer alive.
   virtual void check_peer(int peer) = 0;
+  // Marks the group failed for every rank (first reason wins) and fails pending requests.
+  // The engine calls it when a pipe carries something it cannot go on from.
+  virtual void abort(const std::string& reason) = 0;
 };
 
 }  // namespace torchpar

@@ -28,9 +28,9 @@ std::string describe(const Request& r) {
 }  // namespace
 
 P2PEngine::P2PEngine(int rank, int size, Link& link, std::chrono::microseconds spin,
-                     std::chrono::microseconds yield)
-    : rank_(rank), size_(size), link_(link), spin_(spin), yield_(yield), out_(size), in_(size),
-      scratch_(1 << 16) {
+                     std::chrono::microseconds yield, size_t unexpected_max_bytes)
+    : rank_(rank), size_(size), link_(link), spin_(spin), yield_(yield),
+      unexpected_max_(unexpected_max_bytes), out_(size), in_(size), scratch_(1 << 16) {
   thread_ = std::thread([this] { run(); });
 }
 
@@ -91,7 +91,8 @@ std::shared_ptr<Request> P2PEngine::irecv(int peer, uint64_t tag, void* data, si
       matched = true;
       if (u->complete) {
         done = u;
-        unexpected_.erase(it);
+        unexpected_.erase(it);  // `u` refers into the list: use `done` from here on
+        unexpected_bytes_ -= std::min(unexpected_bytes_, done->data.size());
       } else {
         u->claimed = req;  // still streaming in; delivered when its last byte arrives
       }
@@ -145,6 +146,7 @@ void P2PEngine::fail(std::exception_ptr error) {
       if (u->claimed) victims.push_back(std::move(u->claimed));  // detached: never written to
     }
     unexpected_.clear();
+    unexpected_bytes_ = 0;
   }
   // Receives already streaming in belong to the progress thread, which fails them itself.
   link_.notify(rank_);
@@ -171,45 +173,66 @@ void P2PEngine::fail_in_flight(std::exception_ptr error) {
   for (auto& r : victims) r->fail(error);
 }
 
+void P2PEngine::fail_group(const std::string& why) {
+  try {
+    fail(std::make_exception_ptr(Error(why)));
+    link_.abort(why);
+  } catch (...) {  // out of memory, or the store gone: telling the peers is best effort
+  }
+}
+
 void P2PEngine::run() {
   auto idle_since = Clock::now();
   auto last_check = Clock::now();
   while (!stop_.load(std::memory_order_acquire)) {
-    uint32_t seen = link_.activity();
-    bool progressed = false;
-    if (auto failed = failure()) {
-      fail_in_flight(failed);
-      // Nothing moves on a failed group (the pipes may hold partial messages, never read
-      // again, and a socket with unread bytes would wake every poll): sleep until stop().
-      std::unique_lock<std::mutex> lock(mu_);
-      stopped_.wait_for(lock, kIdleSleep, [&] { return stop_.load(std::memory_order_acquire); });
-      continue;
-    } else {
-      for (int peer = 0; peer < size_; ++peer) {
-        if (peer == rank_) continue;
-        progressed |= pump_out(peer);
-        progressed |= pump_in(peer);
-      }
+    // Nothing may leave this thread: an escaping exception would std::terminate the process.
+    try {
+      step(idle_since, last_check);
+    } catch (const std::exception& e) {
+      fail_group(detail::message(__FILE__, __LINE__, "rank ", rank_,
+                                 "'s point-to-point progress thread failed: ", e.what(),
+                                 " [the group cannot continue]"));
+    } catch (...) {
+      fail_group(detail::message(__FILE__, __LINE__, "rank ", rank_,
+                                 "'s point-to-point progress thread failed with an unknown exception"));
     }
-    auto now = Clock::now();
-    if (now - last_check >= kCheckPeriod) {
-      last_check = now;
-      check_deadlines_and_peers();
-    }
-    if (progressed) {
-      idle_since = now;
-      continue;
-    }
-    if (now - idle_since < spin_) {
-      shm::cpu_relax();
-      continue;
-    }
-    if (now - idle_since < spin_ + yield_) {
-      sched_yield();
-      continue;
-    }
-    link_.sleep_until_activity(seen, std::chrono::duration_cast<std::chrono::microseconds>(kIdleSleep));
   }
+}
+
+void P2PEngine::step(Clock::time_point& idle_since, Clock::time_point& last_check) {
+  uint32_t seen = link_.activity();
+  bool progressed = false;
+  if (auto failed = failure()) {
+    fail_in_flight(failed);
+    // Nothing moves on a failed group (the pipes may hold partial messages, never read
+    // again, and a socket with unread bytes would wake every poll): sleep until stop().
+    std::unique_lock<std::mutex> lock(mu_);
+    stopped_.wait_for(lock, kIdleSleep, [&] { return stop_.load(std::memory_order_acquire); });
+    return;
+  }
+  for (int peer = 0; peer < size_; ++peer) {
+    if (peer == rank_) continue;
+    progressed |= pump_out(peer);
+    progressed |= pump_in(peer);
+  }
+  auto now = Clock::now();
+  if (now - last_check >= kCheckPeriod) {
+    last_check = now;
+    check_deadlines_and_peers();
+  }
+  if (progressed) {
+    idle_since = now;
+    return;
+  }
+  if (now - idle_since < spin_) {
+    shm::cpu_relax();
+    return;
+  }
+  if (now - idle_since < spin_ + yield_) {
+    sched_yield();
+    return;
+  }
+  link_.sleep_until_activity(seen, std::chrono::duration_cast<std::chrono::microseconds>(kIdleSleep));
 }
 
 bool P2PEngine::pump_out(int peer) {
@@ -281,10 +304,18 @@ bool P2PEngine::pump_in(int peer) {
   return progressed;
 }
 
+// A header's length is a peer's claim, never trusted to size memory. Early arrivals are
+// bounded in all by TORCHPAR_UNEXPECTED_MAX_BYTES, and going past it fails the group rather
+// than pushing back: back-pressure would stall this peer's pipe on a message nobody has asked
+// for yet, so every message queued behind it (other tags, collectives' traffic) would wait
+// too and a program that posts its receives late would hang until the timeout instead of
+// hearing why. Failing names the peer and the sizes, and the limit can be raised.
 void P2PEngine::on_header(int peer, Inbox& in) {
   in.in_payload = true;
   in.got = 0;
   in.target = nullptr;
+  const uint64_t bytes = in.header.bytes;
+  const int64_t tag = static_cast<int64_t>(in.header.tag & 0xffffffffu);
   std::shared_ptr<Request> recv;
   {
     std::lock_guard<std::mutex> lock(mu_);
@@ -296,25 +327,37 @@ void P2PEngine::on_header(int peer, Inbox& in) {
       }
     }
     if (!recv) {
+      TP_CHECK(bytes <= unexpected_max_ - std::min(unexpected_bytes_, unexpected_max_), "rank ", peer,
+               " sent a message of ", bytes, " bytes (tag ", tag, ") before rank ", rank_,
+               " posted a receive for it, with ", unexpected_bytes_,
+               " bytes of such early messages held already; holding it would exceed TORCHPAR_UNEXPECTED_MAX_BYTES=",
+               unexpected_max_, " (post the receive sooner, or raise the limit)");
       auto u = std::make_shared<Unexpected>();
       u->source = peer;
       u->tag = in.header.tag;
-      u->data.resize(in.header.bytes);
+      u->data.resize(bytes);
+      unexpected_bytes_ += bytes;
       unexpected_.push_back(u);
       in.unexpected = u;
       in.target = u->data.data();
     }
   }
   if (recv) {
-    if (recv->bytes == in.header.bytes) {
+    if (recv->bytes == bytes) {
       in.recv = recv;
       in.target = static_cast<char*>(recv->data);
     } else {
-      // Fail this receive only; the payload is read and dropped so the pipe stays in step.
-      deliver(recv, peer, nullptr, in.header.bytes, in.header.tag);
+      // A size mismatch fails this receive only, and the payload is read and dropped so the
+      // pipe stays in step; but a length no message could have (more than the early-arrival
+      // limit, e.g. 2^64-1) means the stream itself is corrupt.
+      TP_CHECK(bytes <= unexpected_max_, "rank ", peer, " sent a message of ", bytes, " bytes (tag ", tag,
+               ") to a receive of ", recv->bytes,
+               " bytes, more than TORCHPAR_UNEXPECTED_MAX_BYTES=", unexpected_max_,
+               " to read and drop; the stream from it cannot be trusted");
+      deliver(recv, peer, nullptr, bytes, in.header.tag);
     }
   }
-  if (in.header.bytes == 0) on_payload_done(peer, in);
+  if (bytes == 0) on_payload_done(peer, in);
 }
 
 void P2PEngine::on_payload_done(int peer, Inbox& in) {
@@ -326,7 +369,10 @@ void P2PEngine::on_payload_done(int peer, Inbox& in) {
       std::lock_guard<std::mutex> lock(mu_);
       in.unexpected->complete = true;
       claimed = in.unexpected->claimed;
-      if (claimed) unexpected_.remove(in.unexpected);
+      if (claimed) {
+        unexpected_.remove(in.unexpected);
+        unexpected_bytes_ -= std::min(unexpected_bytes_, in.unexpected->data.size());
+      }
     }
     if (claimed) {
       deliver(claimed, peer, in.unexpected->data.data(), in.unexpected->data.size(),

@@ -8,6 +8,10 @@
 // its bytes are in the pipe; a message may be far larger than the pipe.
 //
 // One progress thread drives all pipes; callers only post and wait.
+//
+// What comes out of a pipe is untrusted: a header's length never sizes an allocation beyond
+// `unexpected_max_bytes` of early arrivals in all, and anything the progress thread throws
+// fails the group (Link::abort) instead of ending the process.
 #pragma once
 
 #include <atomic>
@@ -18,6 +22,7 @@
 #include <list>
 #include <memory>
 #include <mutex>
+#include <string>
 #include <thread>
 #include <vector>
 
@@ -31,7 +36,7 @@ class P2PEngine {
   // After its last progress the thread spins for `spin`, then yields the CPU between looks
   // until `spin + yield`, then sleeps until a peer notifies it.
   P2PEngine(int rank, int size, Link& link, std::chrono::microseconds spin,
-            std::chrono::microseconds yield);
+            std::chrono::microseconds yield, size_t unexpected_max_bytes);
   ~P2PEngine();
   P2PEngine(const P2PEngine&) = delete;
   P2PEngine& operator=(const P2PEngine&) = delete;
@@ -84,11 +89,16 @@ class P2PEngine {
   };
 
   void run();
+  // One pass of the progress loop (run() catches what it throws).
+  void step(Clock::time_point& idle_since, Clock::time_point& last_check);
   bool pump_out(int peer);
   bool pump_in(int peer);
   void on_header(int peer, Inbox& in);
   void on_payload_done(int peer, Inbox& in);
   void check_deadlines_and_peers();
+  // The progress thread cannot go on (a bad frame, an exception): fail every request here
+  // and the group everywhere, with `why`.
+  void fail_group(const std::string& why);
   void fail_in_flight(std::exception_ptr error);
   static void deliver(const std::shared_ptr<Request>& recv, int source, const char* data,
                       size_t bytes, uint64_t tag);
@@ -99,12 +109,14 @@ class P2PEngine {
   Link& link_;
   const std::chrono::microseconds spin_;
   const std::chrono::microseconds yield_;
+  const size_t unexpected_max_;
 
   mutable std::mutex mu_;
   std::vector<Outbox> out_;
   std::vector<Inbox> in_;  // progress thread only
   std::list<std::shared_ptr<Request>> posted_;       // receives not yet matched
   std::list<std::shared_ptr<Unexpected>> unexpected_;  // in arrival order
+  size_t unexpected_bytes_ = 0;  // held by unexpected_ and by early arrivals being delivered
   std::exception_ptr failure_;
   std::vector<char> scratch_;  // progress thread only
 

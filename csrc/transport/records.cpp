@@ -3,6 +3,7 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include <cstdint>
 #include <fstream>
 #include <sstream>
 
@@ -23,6 +24,20 @@ std::vector<std::string> fields(const std::string& text, size_t n, const char* w
   }
   out.push_back(text.substr(start));
   return out;
+}
+
+// A whole decimal number in [lo, hi]; anything else (text, a sign, trailing characters, a
+// value out of range) is an Error that quotes the field. std::stoul would throw
+// std::invalid_argument, or take "12x" for 12.
+int64_t number(const std::string& text, int64_t lo, int64_t hi, const char* what) {
+  int64_t value = 0;
+  bool ok = !text.empty() && text.size() <= 18;
+  for (size_t i = 0; ok && i < text.size(); ++i) {
+    ok = text[i] >= '0' && text[i] <= '9';
+    value = value * 10 + (text[i] - '0');
+  }
+  TP_CHECK(ok && value >= lo && value <= hi, what, " '", text, "' is not a number from ", lo, " to ", hi);
+  return value;
 }
 
 }  // namespace
@@ -54,7 +69,7 @@ std::string Contact::encode() const {
 Contact Contact::decode(const std::string& text) {
   auto f = fields(text, 5, "TCP contact");
   Contact c;
-  c.port = static_cast<uint16_t>(std::stoul(f[0]));
+  c.port = static_cast<uint16_t>(number(f[0], 1, 65535, "port"));
   c.host = HostIdentity{f[1], f[2], f[3]};
   std::istringstream list(f[4]);
   for (std::string a; std::getline(list, a, ',');) {
@@ -67,7 +82,7 @@ std::string AbortNotice::encode() const { return std::to_string(rank) + "|" + re
 
 AbortNotice AbortNotice::decode(const std::string& text) {
   auto f = fields(text, 2, "abort notice");
-  return AbortNotice{std::stoi(f[0]), f[1]};
+  return AbortNotice{static_cast<int>(number(f[0], 0, INT32_MAX, "rank")), f[1]};
 }
 
 }  // namespace torchpar

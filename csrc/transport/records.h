@@ -7,6 +7,9 @@
 #include <string>
 #include <vector>
 
+#include "common/error.h"
+#include "transport/rendezvous.h"
+
 namespace torchpar {
 
 // A host and IPC view: two ranks with equal identities can map each other's POSIX shared
@@ -43,5 +46,17 @@ struct AbortNotice {
   std::string encode() const;
   static AbortNotice decode(const std::string& text);
 };
+
+// Waits for `key` and decodes it as a Record; a malformed value is an Error that names the
+// key as well as what was wrong with it.
+template <typename Record>
+Record read_record(Rendezvous& rendezvous, const std::string& key) {
+  const std::string text = rendezvous.get(key);
+  try {
+    return Record::decode(text);
+  } catch (const Error& e) {
+    throw Error(std::string("[torchpar] the store key '") + key + "' holds a malformed value: " + e.what());
+  }
+}
 
 }  // namespace torchpar

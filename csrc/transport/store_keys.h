@@ -14,8 +14,9 @@ inline std::string setting(const std::string& name, int rank) {
 }
 // The shared-memory segment's name, published by rank 0.
 inline const char* const kShmSegment = "torchpar/shm/segment";
-// Rank 0's random token for the group's TCP connections.
-inline const char* const kTcpToken = "torchpar/tcp/token";
+// Rank 0's random secret for the group's TCP connections (64 hex digits): ranks prove they
+// know it when they connect, never sending it (transport/tcp/handshake.h).
+inline const char* const kTcpSecret = "torchpar/tcp/secret";
 // Rank r's TCP Contact.
 inline std::string tcp_contact(int rank) { return "torchpar/tcp/" + std::to_string(rank); }
 // The first AbortNotice of the group (set once).

@@ -21,8 +21,7 @@ class Transport : public Link {
   // The shared arena, or null when the ranks cannot map each other's memory (collectives
   // then run their point-to-point algorithms).
   virtual shm::Arena* arena() { return nullptr; }
-  // Marks the group failed for every rank (first reason wins) and fails pending requests.
-  virtual void abort(const std::string& reason) = 0;
+  // abort(reason) (Link): marks the group failed for every rank, first reason wins.
   // Why another rank aborted the group, if it said so ("" otherwise). May block briefly
   // (a store lookup): call it from a thread that is failing anyway, never the progress one.
   virtual std::string abort_reason() { return ""; }

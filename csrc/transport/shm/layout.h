@@ -10,6 +10,7 @@
 #include <cstddef>
 #include <cstdint>
 
+#include "common/error.h"
 #include "transport/shm/flag.h"
 
 namespace torchpar::shm {
@@ -66,20 +67,39 @@ struct alignas(64) RingHeader {
 
 inline size_t align_up(size_t n, size_t a) { return (n + a - 1) / a * a; }
 
+// The sizes come from settings (TORCHPAR_SHM_*): every step is checked, so a huge value is
+// an error here rather than a wrapped-around offset into the segment.
 struct Layout {
   size_t world, slot_bytes, ring_bytes;
   size_t ranks_offset, slots_offset, rings_offset, total;
 
   Layout(size_t world, size_t slot_bytes, size_t ring_bytes)
-      : world(world), slot_bytes(align_up(slot_bytes, 4096)), ring_bytes(align_up(ring_bytes, 4096)) {
+      : world(world), slot_bytes(aligned(slot_bytes, "TORCHPAR_SHM_SLOT_BYTES")),
+        ring_bytes(aligned(ring_bytes, "TORCHPAR_SHM_RING_BYTES")) {
     ranks_offset = align_up(sizeof(SegmentHeader), 4096);
-    slots_offset = align_up(ranks_offset + world * sizeof(RankBlock), 4096);
-    rings_offset = slots_offset + world * this->slot_bytes;
-    total = rings_offset + world * world * ring_stride();
+    size_t stride = ring_stride();
+    bool overflow = __builtin_mul_overflow(world, sizeof(RankBlock), &slots_offset) ||
+                    __builtin_add_overflow(slots_offset, ranks_offset, &slots_offset) ||
+                    slots_offset > SIZE_MAX - 4096;
+    if (!overflow) slots_offset = align_up(slots_offset, 4096);
+    size_t rings = 0;
+    overflow = overflow || __builtin_mul_overflow(world, this->slot_bytes, &rings_offset) ||
+               __builtin_add_overflow(rings_offset, slots_offset, &rings_offset) ||
+               __builtin_mul_overflow(world, world, &rings) || __builtin_mul_overflow(rings, stride, &rings) ||
+               __builtin_add_overflow(rings_offset, rings, &total) || total > static_cast<size_t>(INT64_MAX);
+    TP_CHECK(!overflow, "a shared-memory segment for ", world, " ranks with TORCHPAR_SHM_SLOT_BYTES=", slot_bytes,
+             " and TORCHPAR_SHM_RING_BYTES=", ring_bytes, " would exceed 2^63 bytes; choose smaller sizes");
   }
   size_t ring_stride() const { return align_up(sizeof(RingHeader), 4096) + ring_bytes; }
   size_t ring_offset(int src, int dst) const {
     return rings_offset + (static_cast<size_t>(src) * world + dst) * ring_stride();
+  }
+
+ private:
+  // Page-aligned `bytes`, leaving room for a ring's header page on top.
+  static size_t aligned(size_t bytes, const char* setting) {
+    TP_CHECK(bytes <= (size_t{1} << 62), setting, "=", bytes, " is too large for a shared-memory segment");
+    return align_up(bytes, 4096);
   }
 };
 

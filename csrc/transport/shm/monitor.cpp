@@ -32,7 +32,9 @@ void Monitor::check_aborted() const {
     if (std::chrono::steady_clock::now() > give_up) TP_THROW("the group was aborted by another rank");
     cpu_relax();
   }
-  TP_THROW("the group was aborted by rank ", header_->abort_rank, ": ", header_->abort_msg);
+  // The message is in memory every rank can write: read no further than its buffer.
+  TP_THROW("the group was aborted by rank ", header_->abort_rank, ": ",
+           std::string(header_->abort_msg, ::strnlen(header_->abort_msg, kAbortMessageBytes)));
 }
 
 void Monitor::check(int peer) const {

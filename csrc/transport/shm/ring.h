@@ -20,8 +20,11 @@ class Ring {
   size_t write_some(const void* src, size_t n);
   // Copies up to n bytes out; returns how many were there. Consumer only.
   size_t read_some(void* dst, size_t n);
+  // Both throw torchpar::Error if the counters are inconsistent (a corrupt segment).
 
  private:
+  size_t in_flight(uint64_t head, uint64_t tail) const;
+
   RingHeader* header_ = nullptr;
   char* data_ = nullptr;
   size_t capacity_ = 0;

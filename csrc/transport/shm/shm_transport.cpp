@@ -44,7 +44,8 @@ ShmTransport::ShmTransport(int rank, int size, Rendezvous& rendezvous, const Con
   Config tuned = adapt_to_cores(config, size);
   map_segment(rendezvous, tuned, timeout);
   p2p_ = std::make_unique<P2PEngine>(rank_, size_, *this, std::chrono::microseconds(tuned.spin_us),
-                                     std::chrono::microseconds(tuned.yield_us));
+                                     std::chrono::microseconds(tuned.yield_us),
+                                     static_cast<size_t>(tuned.unexpected_max_bytes));
 }
 
 ShmTransport::~ShmTransport() {
@@ -126,11 +127,19 @@ void ShmTransport::abort(const std::string& reason) {
 }
 
 size_t ShmTransport::write_some(int peer, const void* data, size_t n) {
-  return send_rings_[peer].write_some(data, n);
+  try {
+    return send_rings_[peer].write_some(data, n);
+  } catch (const Error& e) {
+    TP_THROW("the ring to rank ", peer, ": ", e.what());
+  }
 }
 
 size_t ShmTransport::read_some(int peer, void* data, size_t n) {
-  return recv_rings_[peer].read_some(data, n);
+  try {
+    return recv_rings_[peer].read_some(data, n);
+  } catch (const Error& e) {
+    TP_THROW("the ring from rank ", peer, ": ", e.what());
+  }
 }
 
 void ShmTransport::notify(int peer) { blocks_[peer].doorbell.bump(); }

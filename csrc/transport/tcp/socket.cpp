@@ -73,13 +73,18 @@ std::vector<std::string> local_addresses(const std::string& ifname) {
   return out;
 }
 
-Fd listen_any(int backlog, uint16_t* port) {
+Fd listen_on(const std::string& address, int backlog, uint16_t* port) {
   Fd fd(::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0));
   TP_CHECK_ERRNO(fd.get() >= 0, "socket");
   sockaddr_in a{};
-  a.sin_family = AF_INET;
-  a.sin_addr.s_addr = htonl(INADDR_ANY);
-  TP_CHECK_ERRNO(::bind(fd.get(), reinterpret_cast<sockaddr*>(&a), sizeof(a)) == 0, "bind");
+  if (address.empty()) {
+    a.sin_family = AF_INET;
+    a.sin_addr.s_addr = htonl(INADDR_ANY);
+  } else {
+    a = ipv4(address, 0);
+  }
+  TP_CHECK_ERRNO(::bind(fd.get(), reinterpret_cast<sockaddr*>(&a), sizeof(a)) == 0, "bind to ",
+                 address.empty() ? std::string("every interface") : address);
   TP_CHECK_ERRNO(::listen(fd.get(), backlog) == 0, "listen");
   socklen_t len = sizeof(a);
   TP_CHECK_ERRNO(::getsockname(fd.get(), reinterpret_cast<sockaddr*>(&a), &len) == 0, "getsockname");

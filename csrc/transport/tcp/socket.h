@@ -38,8 +38,9 @@ class Fd {
 // it is not empty (an error if it has none).
 std::vector<std::string> local_addresses(const std::string& ifname);
 
-// A listening socket on every interface, on a port the kernel picks.
-Fd listen_any(int backlog, uint16_t* port);
+// A listening socket on a port the kernel picks: on IPv4 `address`, or on every interface
+// if it is empty.
+Fd listen_on(const std::string& address, int backlog, uint16_t* port);
 
 // One attempt to connect to `address`:`port`, given up at `deadline`. On failure returns
 // no descriptor and sets *error (an errno value; ETIMEDOUT at the deadline).

@@ -1,32 +1,33 @@
 #include "transport/tcp/tcp_transport.h"
 
+#include <fcntl.h>
 #include <poll.h>
 #include <sys/eventfd.h>
 #include <sys/socket.h>
 #include <unistd.h>
 
-#include <random>
+#include <algorithm>
+#include <deque>
 #include <thread>
-#include <sstream>
 
 #include "common/error.h"
 #include "transport/records.h"
 #include "transport/store_keys.h"
+#include "transport/tcp/handshake.h"
 
 namespace torchpar::tcp {
 namespace {
 
-constexpr uint64_t kHelloMagic = 0x7470617274637031ULL;  // "tpartcp1"
-
-// The first bytes each way on every connection: who is calling whom, for which group.
-struct Hello {
-  uint64_t magic;
-  uint64_t token;  // rank 0's random number for this group: a stray connection is refused
-  int32_t rank;    // the sender
-  int32_t to;      // the rank it means to reach
-  int32_t size;
-  int32_t reserved;
-};
+// A caller waits this long for the listener's challenge before trying again: the listener
+// answers on its own thread from the moment it publishes its port, so a real rank replies
+// within a round trip.
+constexpr auto kChallengeWait = std::chrono::seconds(10);
+// A connection the listener has accepted must complete its handshake within this, or it is
+// dropped: a silent or slow stranger holds a slot this long at most.
+constexpr auto kHandshakeDeadline = std::chrono::seconds(5);
+// Handshakes in progress at once; past this the oldest is dropped (a flood of strangers
+// cannot exhaust descriptors, and a real rank finishes in one round trip).
+constexpr size_t kMaxPending = 64;
 
 // Connection failures that may pass (a listener's backlog overflowing while many ranks
 // connect at once); others rule the address out.
@@ -46,7 +47,33 @@ std::string hung_up(int err) {
   return std::string("the connection failed: ") + std::strerror(err);
 }
 
+// Reads what is there of a fixed-size message into `into` (non-blocking); false if the
+// connection ended or failed.
+bool read_part(int fd, void* into, size_t size, size_t* got) {
+  while (*got < size) {
+    ssize_t k = ::recv(fd, static_cast<char*>(into) + *got, size - *got, MSG_DONTWAIT);
+    if (k > 0) {
+      *got += static_cast<size_t>(k);
+      continue;
+    }
+    return k < 0 && (errno == EAGAIN || errno == EWOULDBLOCK || errno == EINTR);
+  }
+  return true;
+}
+
 }  // namespace
+
+// A connection accepted by the listener, part-way through its handshake.
+struct TcpTransport::Pending {
+  Fd fd;
+  Clock::time_point deadline;
+  Hello hello{};
+  size_t hello_got = 0;
+  bool challenged = false;
+  Nonce nonce{};
+  Proof proof{};
+  size_t proof_got = 0;
+};
 
 TcpTransport::TcpTransport(int rank, int size, Rendezvous& rendezvous, const Config& config,
                            std::chrono::milliseconds timeout)
@@ -57,7 +84,8 @@ TcpTransport::TcpTransport(int rank, int size, Rendezvous& rendezvous, const Con
   connect_all(rendezvous, config, timeout);
   // poll() is the wait: spinning or yielding would only burn the CPU on recv() calls.
   p2p_ = std::make_unique<P2PEngine>(rank_, size_, *this, std::chrono::microseconds(0),
-                                     std::chrono::microseconds(0));
+                                     std::chrono::microseconds(0),
+                                     static_cast<size_t>(config.unexpected_max_bytes));
 }
 
 TcpTransport::~TcpTransport() {
@@ -67,36 +95,65 @@ TcpTransport::~TcpTransport() {
 void TcpTransport::connect_all(Rendezvous& rendezvous, const Config& config,
                                std::chrono::milliseconds timeout) {
   const auto deadline = Clock::now() + timeout;
+  // With TORCHPAR_SOCKET_IFNAME the listener takes connections on that interface only.
+  std::vector<std::string> addresses = local_addresses(config.socket_ifname);
+  const std::string bind_to = config.socket_ifname.empty() ? "" : addresses.front();
+  if (!bind_to.empty()) addresses.resize(1);
   uint16_t port = 0;
-  Fd listener = listen_any(size_, &port);
-  uint64_t token = 0;
+  // The kernel's largest backlog: connections wait there only until the answering thread
+  // (started below) accepts them, so strangers cannot crowd out the group's ranks.
+  Fd listener = listen_on(bind_to, SOMAXCONN, &port);
+  // The group's secret reaches the other ranks through the store only; on the wire each
+  // connection proves it knows it (transport/tcp/handshake.h).
+  Secret secret{};
   if (rank_ == 0) {
-    std::random_device rd;
-    token = (static_cast<uint64_t>(rd()) << 32) | rd();
-    rendezvous.set(store_keys::kTcpToken, std::to_string(token));
+    secret = random_secret();
+    rendezvous.set(store_keys::kTcpSecret, secret_to_hex(secret));
   } else {
-    token = std::stoull(rendezvous.get(store_keys::kTcpToken));
+    const std::string text = rendezvous.get(store_keys::kTcpSecret);
+    try {
+      secret = parse_secret(text);
+    } catch (const Error& e) {
+      TP_THROW("the store key '", store_keys::kTcpSecret, "' holds a malformed value: ", e.what());
+    }
   }
-  Contact mine{port, HostIdentity::local(), local_addresses(config.socket_ifname)};
+  Contact mine{port, HostIdentity::local(), addresses};
   rendezvous.set(store_keys::tcp_contact(rank_), mine.encode());
 
-  // The higher rank of each pair calls the lower one: connect to every lower rank (their
-  // listeners queue us), then answer every higher one.
-  for (int peer = 0; peer < rank_; ++peer) {
-    Contact theirs = Contact::decode(rendezvous.get(store_keys::tcp_contact(peer)));
-    std::vector<std::string> candidates = std::move(theirs.addresses);
-    if (theirs.host == mine.host) candidates.insert(candidates.begin(), "127.0.0.1");
-    TP_CHECK(!candidates.empty(), "rank ", peer, " (host ", theirs.host.hostname,
-             ") published no IPv4 address to connect to; set TORCHPAR_SOCKET_IFNAME on it");
-    call(peer, std::move(candidates), theirs.port, token, deadline);
+  // The higher rank of each pair calls the lower one. Every rank answers its higher ranks on
+  // a thread of its own from here on, while it calls its lower ones, so neither side waits
+  // for the other's progress, and one slow connection never holds up the rest.
+  std::atomic<bool> stop_answering{false};
+  std::exception_ptr answer_error;
+  std::thread answering([&] {
+    try {
+      answer(listener.get(), secret, deadline, stop_answering);
+    } catch (...) {
+      answer_error = std::current_exception();
+    }
+  });
+  try {
+    for (int peer = 0; peer < rank_; ++peer) {
+      Contact theirs = read_record<Contact>(rendezvous, store_keys::tcp_contact(peer));
+      std::vector<std::string> candidates = std::move(theirs.addresses);
+      if (theirs.host == mine.host) candidates.insert(candidates.begin(), "127.0.0.1");
+      TP_CHECK(!candidates.empty(), "rank ", peer, " (host ", theirs.host.hostname,
+               ") published no IPv4 address to connect to; set TORCHPAR_SOCKET_IFNAME on it");
+      call(peer, std::move(candidates), theirs.port, secret, deadline);
+    }
+  } catch (...) {
+    stop_answering.store(true);
+    answering.join();
+    throw;
   }
-  answer(listener.get(), token, deadline);
+  answering.join();
+  if (answer_error) std::rethrow_exception(answer_error);
   for (int peer = 0; peer < size_; ++peer) {
     if (peer != rank_) tune_connected(sockets_[peer].get());
   }
 }
 
-void TcpTransport::call(int peer, std::vector<std::string> addresses, uint16_t port, uint64_t token,
+void TcpTransport::call(int peer, std::vector<std::string> addresses, uint16_t port, const Secret& secret,
                         Clock::time_point deadline) {
   // Each address in turn, round after round, until one answers as rank `peer` of this
   // group: an address may be unreachable from here, or lead to another process (a
@@ -115,21 +172,30 @@ void TcpTransport::call(int peer, std::vector<std::string> addresses, uint16_t p
         it = transient(err) ? it + 1 : addresses.erase(it);
         continue;
       }
+      std::string refused;
       try {
-        // The reply may take a while: the peer answers once it has called its own lower
-        // ranks. Only the group's deadline bounds it.
-        Hello hello{kHelloMagic, token, rank_, peer, size_, 0};
-        send_all(fd.get(), &hello, sizeof(hello), deadline);
-        Hello reply{};
-        recv_all(fd.get(), &reply, sizeof(reply), deadline);
-        TP_CHECK(reply.magic == kHelloMagic && reply.token == token && reply.rank == peer && reply.to == rank_,
-                 "the process listening there is not rank ", peer, " of this group");
-        sockets_[peer] = std::move(fd);
-        return;
+        const auto step_deadline = std::min(deadline, Clock::now() + kChallengeWait);
+        const Nonce nonce = random_nonce();
+        Hello hello{kHandshakeMagic, rank_, peer, size_, nonce};
+        send_all(fd.get(), &hello, sizeof(hello), step_deadline);
+        Challenge challenge{};
+        recv_all(fd.get(), &challenge, sizeof(challenge), step_deadline);
+        // Our proof goes out only to a listener that has proved itself.
+        refused = check_challenge(challenge, secret, rank_, peer, size_, nonce);
+        if (refused.empty()) {
+          Proof proof{kHandshakeMagic, caller_mac(secret, peer, rank_, size_, nonce, challenge.nonce)};
+          send_all(fd.get(), &proof, sizeof(proof), step_deadline);
+          sockets_[peer] = std::move(fd);
+          return;
+        }
       } catch (const Error& e) {
+        // It hung up or was slow: perhaps busy; try it again next round.
         note(*it, e.what());
-        it = addresses.erase(it);  // it leads elsewhere, or hung up on a valid hello
+        ++it;
+        continue;
       }
+      note(*it, refused);
+      it = addresses.erase(it);  // it leads to some other process
     }
     TP_CHECK(!addresses.empty() && Clock::now() < deadline, "rank ", rank_, " could not reach rank ", peer,
              " at port ", port, " of any of its addresses", errors,
@@ -138,37 +204,94 @@ void TcpTransport::call(int peer, std::vector<std::string> addresses, uint16_t p
   }
 }
 
-void TcpTransport::answer(int listener, uint64_t token, Clock::time_point deadline) {
-  for (int pending = size_ - 1 - rank_; pending > 0;) {
-    Fd fd;
-    try {
-      fd = accept_until(listener, deadline);
-    } catch (const TimeoutError&) {
-      std::string missing;
+void TcpTransport::answer(int listener, const Secret& secret, Clock::time_point deadline,
+                          const std::atomic<bool>& stop) {
+  int flags = ::fcntl(listener, F_GETFL);
+  TP_CHECK_ERRNO(flags >= 0 && ::fcntl(listener, F_SETFL, flags | O_NONBLOCK) == 0, "O_NONBLOCK");
+  std::deque<Pending> pending;
+  std::vector<pollfd> fds;
+  size_t refused = 0;
+  std::string last_refusal;
+  auto refuse = [&](const std::string& why) {
+    ++refused;
+    last_refusal = why;
+  };
+  int missing = size_ - 1 - rank_;
+  while (missing > 0 && !stop.load()) {
+    const auto now = Clock::now();
+    if (now >= deadline) {
+      std::string ranks;
       for (int r = rank_ + 1; r < size_; ++r) {
-        if (sockets_[r].get() < 0) missing += (missing.empty() ? "" : ", ") + std::to_string(r);
+        if (sockets_[r].get() < 0) ranks += (ranks.empty() ? "" : ", ") + std::to_string(r);
       }
-      TP_THROW_TIMEOUT("timed out setting up TCP connections: rank(s) ", missing, " never connected to rank ",
-                       rank_);
+      TP_THROW_TIMEOUT("timed out setting up TCP connections: rank(s) ", ranks, " never connected to rank ", rank_,
+                       refused ? " (" + std::to_string(refused) + " other connection(s) refused, the last one: " +
+                                     last_refusal + ")"
+                               : std::string());
     }
-    Hello hello{};
-    try {
-      recv_all(fd.get(), &hello, sizeof(hello), std::min(deadline, Clock::now() + std::chrono::seconds(10)));
-    } catch (const Error&) {
-      continue;  // not one of ours
-    }
-    if (hello.magic != kHelloMagic || hello.token != token || hello.size != size_ || hello.to != rank_ ||
-        hello.rank <= rank_ || hello.rank >= size_ || sockets_[hello.rank].get() >= 0) {
+    fds.clear();
+    fds.push_back(pollfd{listener, POLLIN, 0});
+    for (auto& p : pending) fds.push_back(pollfd{p.fd.get(), POLLIN, 0});
+    auto wait = std::chrono::duration_cast<std::chrono::milliseconds>(deadline - now).count();
+    if (::poll(fds.data(), fds.size(), static_cast<int>(std::clamp<int64_t>(wait, 0, 100))) < 0) {
+      TP_CHECK_ERRNO(errno == EINTR, "poll");
       continue;
     }
-    try {
-      Hello reply{kHelloMagic, token, rank_, hello.rank, size_, 0};
-      send_all(fd.get(), &reply, sizeof(reply), std::min(deadline, Clock::now() + std::chrono::seconds(10)));
-    } catch (const Error&) {
-      continue;  // it hung up; it will call again
+    // Look at the connections first (fds[i + 1] is pending[i]); new ones join after.
+    size_t i = 0;
+    for (auto it = pending.begin(); it != pending.end(); ++i) {
+      Pending& p = *it;
+      bool drop = Clock::now() >= p.deadline;
+      if (drop) refuse("no handshake within " + std::to_string(kHandshakeDeadline.count()) + " s");
+      if (!drop && (fds[i + 1].revents & (POLLIN | POLLHUP | POLLERR))) {
+        if (!p.challenged) {
+          drop = !read_part(p.fd.get(), &p.hello, sizeof(p.hello), &p.hello_got);
+          if (!drop && p.hello_got == sizeof(p.hello)) {
+            std::string why = check_hello(p.hello, rank_, size_);
+            if (!why.empty()) {
+              refuse(why);
+              drop = true;
+            } else {
+              p.nonce = random_nonce();
+              Challenge c{kHandshakeMagic, rank_, p.hello.rank, size_, p.nonce,
+                          listener_mac(secret, rank_, p.hello.rank, size_, p.hello.nonce, p.nonce)};
+              // A fresh socket's buffer takes these few bytes at once.
+              drop = ::send(p.fd.get(), &c, sizeof(c), MSG_NOSIGNAL | MSG_DONTWAIT) != static_cast<ssize_t>(sizeof(c));
+              p.challenged = true;
+            }
+          }
+        } else {
+          drop = !read_part(p.fd.get(), &p.proof, sizeof(p.proof), &p.proof_got);
+          if (!drop && p.proof_got == sizeof(p.proof)) {
+            if (check_proof(p.proof, secret, rank_, p.hello, p.nonce)) {
+              // A rank calls again only after giving up on its earlier connection.
+              if (sockets_[p.hello.rank].get() < 0) --missing;
+              sockets_[p.hello.rank] = std::move(p.fd);
+            } else {
+              refuse("a caller claiming rank " + std::to_string(p.hello.rank) +
+                     " did not prove that it knows the group's secret");
+            }
+            drop = true;
+          }
+        }
+      }
+      it = drop ? pending.erase(it) : it + 1;
     }
-    sockets_[hello.rank] = std::move(fd);
-    --pending;
+    if (fds[0].revents & POLLIN) {
+      while (true) {
+        Fd fd(::accept4(listener, nullptr, nullptr, SOCK_CLOEXEC | SOCK_NONBLOCK));
+        if (fd.get() < 0) {
+          TP_CHECK_ERRNO(errno == EAGAIN || errno == EWOULDBLOCK || errno == EINTR || errno == ECONNABORTED,
+                         "accept");
+          break;
+        }
+        if (pending.size() >= kMaxPending) {
+          refuse("too many handshakes at once");
+          pending.pop_front();
+        }
+        pending.push_back(Pending{std::move(fd), Clock::now() + kHandshakeDeadline});
+      }
+    }
   }
 }
 

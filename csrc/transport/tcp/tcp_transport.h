@@ -4,7 +4,8 @@
 //
 // Set-up goes through the rendezvous: each rank listens on a kernel-chosen port and
 // publishes it with its host identity and IPv4 addresses; the higher rank of each pair
-// connects (over loopback when both share a host) and introduces itself.
+// connects (over loopback when both share a host), and the two prove to each other that
+// they know the group's secret (transport/tcp/handshake.h).
 #pragma once
 
 #include <poll.h>
@@ -18,6 +19,7 @@
 
 #include "common/env.h"
 #include "transport/rendezvous.h"
+#include "transport/tcp/handshake.h"
 #include "transport/tcp/socket.h"
 #include "transport/transport.h"
 
@@ -48,10 +50,12 @@ class TcpTransport final : public Transport {
  private:
   void connect_all(Rendezvous& rendezvous, const Config& config, std::chrono::milliseconds timeout);
   // Connects to lower rank `peer` at one of `addresses` and introduces this rank.
-  void call(int peer, std::vector<std::string> addresses, uint16_t port, uint64_t token,
+  void call(int peer, std::vector<std::string> addresses, uint16_t port, const Secret& secret,
             Clock::time_point deadline);
-  // Accepts and answers every higher rank on `listener`.
-  void answer(int listener, uint64_t token, Clock::time_point deadline);
+  // Accepts and answers every higher rank on `listener`, many handshakes at once, each with
+  // a short deadline; returns once all have connected (or when `stop` is set).
+  void answer(int listener, const Secret& secret, Clock::time_point deadline, const std::atomic<bool>& stop);
+  struct Pending;
   // Records why the connection to `peer` broke (first reason wins); the engine hears of it
   // through check_peer.
   void lost(int peer, const std::string& why);
