@@ -92,7 +92,8 @@ FUZZ_SECONDS ?= 30
 FUZZ_SOURCES := csrc/transport/records.cpp csrc/transport/tcp/handshake.cpp csrc/transport/p2p_engine.cpp \
 	csrc/transport/request.cpp
 build/fuzz-wire: tests/fuzz/fuzz_wire.cpp $(FUZZ_SOURCES) $(wildcard csrc/*/*.h csrc/*/*/*.h) | $(OPENSSL_DEV)
-	@command -v clang++-14 >/dev/null || apt-get install -y -q clang-14 libfuzzer-14-dev >/dev/null 2>&1 || \
+	@(command -v clang++-14 >/dev/null && dpkg -s libfuzzer-14-dev >/dev/null 2>&1) || \
+	  apt-get install -y -q clang-14 libfuzzer-14-dev >/dev/null 2>&1 || \
 	  (apt-get update -q >/dev/null 2>&1 && apt-get install -y -q clang-14 libfuzzer-14-dev >/dev/null 2>&1)
 	@mkdir -p build
 	clang++-14 -g -O1 -std=c++20 -fsanitize=fuzzer,address,undefined -fno-sanitize-recover=undefined -Icsrc \
@@ -144,7 +145,7 @@ define cuda_setup
 	TORCH_CUDA_ARCH_LIST="$(CUDA_ARCHS)" $(1) setup.py -q build_ext $(2)
 endef
 
-build-cuda: $(CUDA_VENV)/.deps
+build-cuda: $(CUDA_VENV)/.deps | $(OPENSSL_DEV)
 	$(call cuda_setup,$(CUDA_VENV)/bin/python,--build-temp $(CUDA_BUILD)-temp --build-lib $(CUDA_BUILD)-lib)
 
 # The CUDA build on a machine without a GPU: it loads (every symbol, NCCL included, resolves

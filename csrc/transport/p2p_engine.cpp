@@ -350,11 +350,12 @@ void P2PEngine::on_header(int peer, Inbox& in) {
       // A size mismatch fails this receive only, and the payload is read and dropped so the
       // pipe stays in step; but a length no message could have (more than the early-arrival
       // limit, e.g. 2^64-1) means the stream itself is corrupt.
+      // The receive fails first: once off posted_, nothing else would ever complete it.
+      deliver(recv, peer, nullptr, bytes, in.header.tag);
       TP_CHECK(bytes <= unexpected_max_, "rank ", peer, " sent a message of ", bytes, " bytes (tag ", tag,
                ") to a receive of ", recv->bytes,
                " bytes, more than TORCHPAR_UNEXPECTED_MAX_BYTES=", unexpected_max_,
                " to read and drop; the stream from it cannot be trusted");
-      deliver(recv, peer, nullptr, bytes, in.header.tag);
     }
   }
   if (bytes == 0) on_payload_done(peer, in);

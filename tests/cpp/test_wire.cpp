@@ -98,6 +98,28 @@ TEST_P(Frames, EarlyArrivalsPastTheCapFailTheGroup) {
   }, std::chrono::milliseconds(10000), GetParam(), config);
 }
 
+// A posted receive whose message is of another size and past the cap: the receive fails
+// with the size error (it had been taken off the posted list before the cap's check threw,
+// and nothing completed it: its wait() never returned).
+TEST_P(Frames, AMismatchedMessagePastTheCapFailsItsReceive) {
+  Config config = small_config();
+  config.unexpected_max_bytes = 64 << 10;
+  run_ranks(2, [&](int rank, Transport& t) {
+    const auto deadline = Clock::now() + std::chrono::seconds(8);
+    if (rank == 0) {
+      std::this_thread::sleep_for(std::chrono::milliseconds(300));  // the receive is posted first
+      std::vector<char> big(100 << 10, 'x');
+      error_of([&] { t.p2p().isend(1, 3, big.data(), big.size(), deadline)->wait(); });
+    } else {
+      auto start = Clock::now();
+      int small = 0;
+      std::string why = error_of([&] { t.p2p().irecv(0, 3, &small, sizeof(small), deadline)->wait(); });
+      EXPECT_TRUE(contains(why, "102400 bytes")) << why;
+      EXPECT_LT(Clock::now() - start, std::chrono::seconds(6));
+    }
+  }, std::chrono::milliseconds(10000), GetParam(), config);
+}
+
 // Buffered bytes are counted back when a receive takes them: early arrivals that each fit
 // never add up to a failure.
 TEST_P(Frames, EarlyArrivalsUnderTheCapAreCountedBackWhenReceived) {
