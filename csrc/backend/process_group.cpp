@@ -237,10 +237,7 @@ void ProcessGroupTorchpar::startCoalescing() {
 c10::intrusive_ptr<c10d::Work> ProcessGroupTorchpar::endCoalescing() {
   TORCH_CHECK(coalescing_, "torchpar: endCoalescing without startCoalescing");
   coalescing_ = false;
-  if (std::exchange(cuda_in_block_, false)) {
-    auto work = cuda_->endCoalescing();
-    if (work) return work;  // none when no CUDA call got as far as NCCL
-  }
+  if (std::exchange(cuda_in_block_, false)) return cuda_->endCoalescing();
   return GroupWork::create(getRank(), std::exchange(coalesced_, {}));
 }
 
