@@ -11,14 +11,26 @@ BACKEND_NAME = "torchpar"
 
 
 def _create_backend(dist_backend_opts, backend_options):
-    """Called by torch.distributed (extended API) for each new group."""
-    return _C.ProcessGroupTorchpar(
-        dist_backend_opts.store,
-        dist_backend_opts.group_rank,
-        dist_backend_opts.group_size,
-        dist_backend_opts.timeout,
-        str(dist_backend_opts.group_id),
-    )
+    """Called by torch.distributed (extended API) for each new group.
+
+    Returns the group itself (``_C.TorchparGroup``, a c10d ProcessGroup carrying the backend
+    for CPU and CUDA), not only the backend: torch's own group calls every plugin "custom",
+    and DDP's logging data took that name from it (issue 23). torch skips its
+    ``TORCH_DISTRIBUTED_DEBUG=DETAIL`` wrapper for a group a creator returns, so it is
+    applied here, as torch would.
+    """
+    opts = dist_backend_opts
+    backend = _C.ProcessGroupTorchpar(opts.store, opts.group_rank, opts.group_size, opts.timeout, str(opts.group_id))
+    if dist.get_debug_level() == dist.DebugLevel.DETAIL and dist.is_gloo_available():
+        backend = dist.distributed_c10d._create_process_group_wrapper(
+            wrapped_pg=backend,
+            store_prefix=str(opts.group_id),
+            store=opts.store,
+            rank=opts.group_rank,
+            world_size=opts.group_size,
+            timeout=opts.timeout,
+        )
+    return _C.TorchparGroup(opts.store, opts.group_rank, opts.group_size, backend)
 
 
 def register_backend():

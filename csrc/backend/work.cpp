@@ -2,6 +2,8 @@
 
 #include <ATen/core/jit_type.h>
 
+#include "transport/request.h"
+
 namespace torchpar {
 
 Work::Work(int rank, c10d::OpType type, const char* title, std::vector<at::Tensor> outputs)
@@ -17,6 +19,11 @@ void Work::complete(std::exception_ptr error) {
     future_->markCompleted(c10::IValue(outputs_));
   }
   finish(error);
+}
+
+bool Work::wait(std::chrono::milliseconds timeout) {
+  if (!isCompleted()) check_not_on_progress_thread("wait() on a torchpar work");
+  return c10d::Work::wait(timeout);
 }
 
 int Work::sourceRank() const {

@@ -23,6 +23,8 @@ class Work : public c10d::Work {
   void complete(std::exception_ptr error = nullptr);
   void set_source_rank(int rank) { source_rank_.store(rank); }
 
+  // Refuses to block the point-to-point progress thread (see check_not_on_progress_thread).
+  bool wait(std::chrono::milliseconds timeout = ::kNoTimeout) override;
   c10::intrusive_ptr<c10::ivalue::Future> getFuture() override { return future_; }
   std::vector<at::Tensor> result() override { return outputs_; }
   int sourceRank() const override;

@@ -185,8 +185,13 @@ void TcpTransport::call(int peer, std::vector<std::string> addresses, uint16_t p
         if (refused.empty()) {
           Proof proof{kHandshakeMagic, caller_mac(secret, peer, rank_, size_, nonce, challenge.nonce)};
           send_all(fd.get(), &proof, sizeof(proof), step_deadline);
-          sockets_[peer] = std::move(fd);
-          return;
+          Accepted accepted{};
+          recv_all(fd.get(), &accepted, sizeof(accepted), step_deadline);
+          if (accepted.magic == kAcceptedMagic) {
+            sockets_[peer] = std::move(fd);
+            return;
+          }
+          refused = "the listener did not accept the connection";
         }
       } catch (const Error& e) {
         // It hung up or was slow: perhaps busy; try it again next round.
@@ -216,6 +221,9 @@ void TcpTransport::answer(int listener, const Secret& secret, Clock::time_point 
     ++refused;
     last_refusal = why;
   };
+  // After accept() runs short of descriptors or memory, the listener rests briefly rather
+  // than spinning on a queue it cannot take from yet.
+  Clock::time_point accept_paused_until{};
   int missing = size_ - 1 - rank_;
   while (missing > 0 && !stop.load()) {
     const auto now = Clock::now();
@@ -230,7 +238,7 @@ void TcpTransport::answer(int listener, const Secret& secret, Clock::time_point 
                                : std::string());
     }
     fds.clear();
-    fds.push_back(pollfd{listener, POLLIN, 0});
+    fds.push_back(pollfd{listener, static_cast<short>(now < accept_paused_until ? 0 : POLLIN), 0});
     for (auto& p : pending) fds.push_back(pollfd{p.fd.get(), POLLIN, 0});
     auto wait = std::chrono::duration_cast<std::chrono::milliseconds>(deadline - now).count();
     if (::poll(fds.data(), fds.size(), static_cast<int>(std::clamp<int64_t>(wait, 0, 100))) < 0) {
@@ -264,9 +272,13 @@ void TcpTransport::answer(int listener, const Secret& secret, Clock::time_point 
           drop = !read_part(p.fd.get(), &p.proof, sizeof(p.proof), &p.proof_got);
           if (!drop && p.proof_got == sizeof(p.proof)) {
             if (check_proof(p.proof, secret, rank_, p.hello, p.nonce)) {
-              // A rank calls again only after giving up on its earlier connection.
-              if (sockets_[p.hello.rank].get() < 0) --missing;
-              sockets_[p.hello.rank] = std::move(p.fd);
+              const Accepted accepted{kAcceptedMagic};
+              if (::send(p.fd.get(), &accepted, sizeof(accepted), MSG_NOSIGNAL | MSG_DONTWAIT) ==
+                  static_cast<ssize_t>(sizeof(accepted))) {
+                // A rank calls again only after giving up on its earlier connection.
+                if (sockets_[p.hello.rank].get() < 0) --missing;
+                sockets_[p.hello.rank] = std::move(p.fd);
+              }
             } else {
               refuse("a caller claiming rank " + std::to_string(p.hello.rank) +
                      " did not prove that it knows the group's secret");
@@ -281,13 +293,21 @@ void TcpTransport::answer(int listener, const Secret& secret, Clock::time_point 
       while (true) {
         Fd fd(::accept4(listener, nullptr, nullptr, SOCK_CLOEXEC | SOCK_NONBLOCK));
         if (fd.get() < 0) {
-          TP_CHECK_ERRNO(errno == EAGAIN || errno == EWOULDBLOCK || errno == EINTR || errno == ECONNABORTED,
-                         "accept");
-          break;
+          const int err = errno;
+          TP_CHECK_ERRNO(err == EWOULDBLOCK || accept_error_passes(err), "accept");
+          if (err == EMFILE || err == ENFILE || err == ENOBUFS || err == ENOMEM) {
+            refuse(std::string("accept: ") + std::strerror(err));
+            accept_paused_until = Clock::now() + std::chrono::milliseconds(20);
+          }
+          if (err == EWOULDBLOCK || err == EAGAIN || accept_paused_until > Clock::now()) break;
+          continue;  // that connection failed in the queue; the next may be fine
         }
         if (pending.size() >= kMaxPending) {
+          // Silent connections go first: a rank sends its hello at once, so one that has
+          // not is most likely a stranger. A dropped rank hears no Accepted and calls again.
           refuse("too many handshakes at once");
-          pending.pop_front();
+          auto silent = std::find_if(pending.begin(), pending.end(), [](const Pending& p) { return !p.challenged; });
+          pending.erase(silent != pending.end() ? silent : pending.begin());
         }
         pending.push_back(Pending{std::move(fd), Clock::now() + kHandshakeDeadline});
       }
