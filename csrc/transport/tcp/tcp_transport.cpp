@@ -86,6 +86,7 @@ TcpTransport::TcpTransport(int rank, int size, Rendezvous& rendezvous, const Con
   p2p_ = std::make_unique<P2PEngine>(rank_, size_, *this, std::chrono::microseconds(0),
                                      std::chrono::microseconds(0),
                                      static_cast<size_t>(config.unexpected_max_bytes));
+  engine_.store(p2p_.get(), std::memory_order_release);
 }
 
 TcpTransport::~TcpTransport() {
@@ -404,7 +405,7 @@ void TcpTransport::abort(const std::string& reason) {
   } catch (const std::exception&) {
     // The store may be gone (the job is ending); peers then see the connection end.
   }
-  if (p2p_) p2p_->fail(std::make_exception_ptr(Error(reason)));
+  if (auto* engine = engine_.load(std::memory_order_acquire)) engine->fail(std::make_exception_ptr(Error(reason)));
   // Peers blocked on this rank see the connection end now rather than at their timeout.
   for (int peer = 0; peer < size_; ++peer) {
     if (peer != rank_) ::shutdown(sockets_[peer].get(), SHUT_RDWR);
