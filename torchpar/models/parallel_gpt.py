@@ -38,7 +38,7 @@ from torchpar.parallel import DistributedDataParallel, MixedPrecision, fully_sha
 from torchpar.parallel.pipeline import (PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B,
                                         ScheduleZeroBubble)
 from torchpar.parallel.pipeline.split import split_boundaries
-from torchpar.parallel.tensor import vocab_parallel_cross_entropy
+from torchpar.parallel.tensor import model_parallel_seed, vocab_parallel_cross_entropy
 
 SCHEDULES = {"1f1b": Schedule1F1B, "interleaved": ScheduleInterleaved1F1B, "zero-bubble": ScheduleZeroBubble,
              "gpipe": ScheduleGPipe}
@@ -117,11 +117,13 @@ def tensor_parallel_plan(sequence_parallel=False, embeddings=True, head=True):
     """The ``parallelize`` plan of GPT (Megatron-LM's: q/k/v and fc1 column-parallel, out_proj
     and fc2 row-parallel, vocabulary-parallel embedding and logits); under sequence parallelism
     the LayerNorms, the embedding dropout and the position embedding run on sequence shards.
-    ``embeddings``/``head``: whether the (stage) module holds them."""
+    Dropout on split activations (each rank's heads; under SP, every dropout of a block) draws
+    from the model-parallel RNG stream. ``embeddings``/``head``: whether the (stage) module
+    holds them."""
     plan = {"blocks.*.attn.[qkv]_proj": "colwise", "blocks.*.attn.out_proj": "rowwise",
-            "blocks.*.mlp.fc1": "colwise", "blocks.*.mlp.fc2": "rowwise"}
+            "blocks.*.mlp.fc1": "colwise", "blocks.*.mlp.fc2": "rowwise", "blocks.*.attn": "model_parallel_rng"}
     if sequence_parallel:
-        plan["blocks.*.ln[12]"] = "sequence"
+        plan.update({"blocks.*.ln[12]": "sequence", "blocks.*": "model_parallel_rng"})
     if embeddings:
         plan["tok_emb"] = "vocab"
         if sequence_parallel:
@@ -175,7 +177,7 @@ class ParallelGPT:
         self.pp_group, self.dp_group, self.tp_group = (self.mesh[d].get_group() for d in ("pp", "dp", "tp"))
         self.pp_rank, self.dp_rank, self.tp_rank = (self.mesh.get_local_rank(d) for d in ("pp", "dp", "tp"))
 
-        torch.manual_seed(seed)
+        model_parallel_seed(seed, self.tp_group)  # torch.manual_seed(seed), and the tp ranks' dropout streams
         model = GPT(config).set_recompute(L.recompute)
         num_stages = L.pp * L.virtual_stages
         bounds = split_boundaries([str(i) for i in range(config.layers)], num_stages)
