@@ -7,7 +7,7 @@ under torchrun or started directly with RANK, WORLD_SIZE, MASTER_ADDR and MASTER
                                            # KILL_RANK dies mid-collective, the second finishes
 
 Every line a test reads starts with "HOSTS "; a failure is an exception (exit status 1).
-Settings: HOSTS_TIMEOUT (the group's timeout in seconds), KILL_RANK, KILL_AFTER_S.
+Settings: HOSTS_TIMEOUT (the group's timeout in seconds), KILL_RANK, KILL_AFTER_S, KILL_MARKER.
 """
 import copy
 import os
@@ -224,7 +224,7 @@ def suite():
     dist.destroy_process_group()
 
 
-def loop():
+def loop(before_kill=None):
     """All-reduces of 1 MiB until the group fails; KILL_RANK SIGKILLs itself KILL_AFTER_S
     seconds after the first one, in the middle of whichever all-reduce is running."""
     W, r = init()
@@ -234,6 +234,8 @@ def loop():
     say("ready", r, "pid", os.getpid())
     if r == kill_rank:
         def die():
+            if before_kill:
+                before_kill()
             say("killing", r, "at", repr(time.time()))
             os.kill(os.getpid(), signal.SIGKILL)
         threading.Timer(float(os.environ.get("KILL_AFTER_S", "0.5")), die).start()
@@ -247,16 +249,18 @@ def loop():
 
 
 def restart():
-    """Under torchrun --max-restarts=1: the first attempt loses KILL_RANK mid-collective; the
-    second (TORCHELASTIC_RESTART_COUNT=1) forms the group again and runs the suite's
-    collectives to the end."""
-    attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
-    if attempt == 0:
-        loop()
+    """Under torchrun --max-restarts=1: the first attempt loses KILL_RANK mid-collective (it
+    creates the file KILL_MARKER as it dies); the next forms the group again and runs the
+    suite's collectives to the end. The marker, not TORCHELASTIC_RESTART_COUNT, tells the
+    attempts apart: an agent that restarts its workers because another host's agent came
+    back to the rendezvous does not count that as a restart."""
+    marker = os.environ["KILL_MARKER"]
+    if not os.path.exists(marker):
+        loop(before_kill=lambda: open(marker, "w").close())
         return
     W, r = init()
     collectives(W, r, 1000)
-    say("restart-ok", r, "attempt", attempt)
+    say("restart-ok", r, "restart-count", os.environ.get("TORCHELASTIC_RESTART_COUNT"))
     dist.destroy_process_group()
 
 

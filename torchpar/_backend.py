@@ -10,10 +10,26 @@ from torchpar import _C
 BACKEND_NAME = "torchpar"
 
 
+def _incarnation_store(store, size):
+    """The group's store, scoped to this incarnation of the group.
+
+    A store can outlive the processes that used it: torchrun's agents share one TCPStore
+    with their workers and keep it across ``--max-restarts`` attempts, so a restarted group
+    of the same name finds the last attempt's keys (its ports, its abort notice) and would
+    take them for its own (pytorch/pytorch#135712; issue 21). Every member counts itself in
+    with one atomic add; the ``size`` members of one incarnation draw ``k*size+1 ...
+    (k+1)*size`` and all scope their keys by ``k``. This holds when every member of each
+    earlier incarnation got as far as creating the group; when one did not, the next
+    incarnation's members may disagree on ``k`` and its set-up times out (an error, not a
+    mix-up). The first incarnation keeps the store's own key names."""
+    incarnation = (store.add("torchpar/arrivals", 1) - 1) // size
+    return store if incarnation == 0 else dist.PrefixStore(f"torchpar/incarnation{incarnation}", store)
+
+
 def _create_backend(dist_backend_opts, backend_options):
     """Called by torch.distributed (extended API) for each new group."""
     return _C.ProcessGroupTorchpar(
-        dist_backend_opts.store,
+        _incarnation_store(dist_backend_opts.store, dist_backend_opts.group_size),
         dist_backend_opts.group_rank,
         dist_backend_opts.group_size,
         dist_backend_opts.timeout,
