@@ -264,6 +264,38 @@ def restart():
     dist.destroy_process_group()
 
 
+def ddp_bench():
+    """Step times of torchpar's DDP (overlapped) and of the no-overlap baseline, with the
+    same model, steps and interleaved rounds as ``python -m torchpar.bench ddp`` (its
+    ``_steps``); rank 0 prints one JSON line of medians (ms). Sizes from BENCH_* settings."""
+    import json
+    import statistics
+    from types import SimpleNamespace
+
+    from torchpar.bench.ddp import _mlp, _steps
+
+    e = os.environ
+    args = SimpleNamespace(width=int(e["BENCH_WIDTH"]), depth=int(e["BENCH_DEPTH"]), batch=int(e["BENCH_BATCH"]),
+                           bucket_cap_mb=float(e.get("BENCH_BUCKET_MB", "25")), gradient_as_bucket_view=False)
+    steps_per_round, rounds = int(e.get("BENCH_STEPS", "2")), int(e.get("BENCH_ROUNDS", "5"))
+    W, r = init()
+    torch.manual_seed(0)
+    steps = _steps(_mlp(args.width, args.depth), dist.group.WORLD, args)
+    modes = ["torchpar_ddp", "torch_ddp", "no_overlap", "compute_only", "comm_only"]
+    samples = {m: [] for m in modes}
+    for round_ in range(rounds):
+        for mode in modes[round_ % len(modes):] + modes[:round_ % len(modes)]:
+            steps[mode]()  # warm-up
+            dist.barrier()
+            for _ in range(steps_per_round):
+                t0 = time.perf_counter()
+                steps[mode]()
+                samples[mode].append(time.perf_counter() - t0)
+    if r == 0:
+        say("bench", json.dumps({m: round(statistics.median(v) * 1e3, 1) for m, v in samples.items()}))
+    dist.destroy_process_group()
+
+
 if __name__ == "__main__":
     torch.set_num_threads(1)  # several ranks share two cores
-    {"suite": suite, "loop": loop, "restart": restart}[sys.argv[1]]()
+    {"suite": suite, "loop": loop, "restart": restart, "ddp_bench": ddp_bench}[sys.argv[1]]()
