@@ -118,19 +118,19 @@ def _run_suite(nprocs, tmp_path, timeout):
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(240)
+@pytest.mark.timeout(360)
 def test_torchrun_two_hosts_two_ranks_each(can_make_hosts, tmp_path):
     """torchrun --nnodes=2 --nproc-per-node=2, c10d rendezvous: every collective against its
     exact value, a sub-group over part of each host, per-host groups on shared memory, TCP
     between the hosts, TORCHPAR_TRANSPORT=shm refused across them, DDP equal to one process."""
-    _run_suite([2, 2], tmp_path, timeout=200)
+    _run_suite([2, 2], tmp_path, timeout=300)
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(240)
+@pytest.mark.timeout(360)
 def test_torchrun_three_hosts_uneven_ranks(can_make_hosts, tmp_path):
     """Three hosts with 2, 1 and 1 ranks (each torchrun its own --nproc-per-node)."""
-    _run_suite([2, 1, 1], tmp_path, timeout=200)
+    _run_suite([2, 1, 1], tmp_path, timeout=300)
 
 
 @pytest.mark.slow
@@ -156,14 +156,14 @@ def test_rank_killed_mid_collective_fails_every_host(can_make_hosts, tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(300)
+@pytest.mark.timeout(480)
 def test_torchrun_restart_after_a_kill_finishes_the_job(can_make_hosts, tmp_path):
     """torchrun --max-restarts=1: the first attempt loses rank 3 mid-collective, the agents
     form the group again and the second attempt finishes on every rank."""
     with Hosts(2) as hosts:
         codes, text = _wait(_torchrun(hosts, [2, 2], "restart", tmp_path, max_restarts=1, HOSTS_TIMEOUT=20,
                                       KILL_RANK=3, KILL_AFTER_S=0.5, KILL_MARKER=tmp_path / "killed"),
-                            timeout=240)
+                            timeout=420)
     assert codes == [0, 0], f"torchrun exit statuses {codes}:\n{text[-6000:]}"
     assert len(_lines(text, "killing")) == 1, text[-6000:]
     done = _lines(text, "restart-ok")
