@@ -16,7 +16,7 @@ export CCACHE_NOHASHDIR ?= 1
 
 SOURCES := setup.py $(shell find csrc -name '*.cpp' -o -name '*.h' -o -name '*.cu' 2>/dev/null)
 
-.PHONY: all deps build test test-py test-slow test-conformance test-cpp fuzz demo bench build-cuda test-cuda-build test-gpu clean
+.PHONY: all deps build test test-py test-slow test-hosts test-conformance test-cpp fuzz demo bench build-cuda test-cuda-build test-gpu clean
 
 all: build
 
@@ -57,6 +57,12 @@ test-py: build
 
 test-slow: build
 	$(PY) -m pytest -q -m slow tests || test $$? -eq 5
+
+# Jobs across test hosts (network namespaces joined by a bridge; needs root, skips without):
+# torchrun --nnodes=2/3, collectives, DDP, a killed rank, a restart, a link going down
+# (docs/hosts.md). Its cases are marked slow, so `make test-slow` runs them too.
+test-hosts: build
+	$(PY) -m pytest -q -rs tests/test_hosts.py
 
 # PyTorch's own backend suite (torch/testing/_internal/distributed/distributed_test.py) run on
 # torchpar, as a plugin and with gloo's cases, over shared memory and TCP, at world sizes 2

@@ -10,6 +10,22 @@ from torchpar import _C
 BACKEND_NAME = "torchpar"
 
 
+def _incarnation_store(store, size):
+    """The group's store, scoped to this incarnation of the group.
+
+    A store can outlive the processes that used it: torchrun's agents share one TCPStore
+    with their workers and keep it across ``--max-restarts`` attempts, so a restarted group
+    of the same name finds the last attempt's keys (its ports, its abort notice) and would
+    take them for its own (pytorch/pytorch#135712; issue 21). Every member counts itself in
+    with one atomic add; the ``size`` members of one incarnation draw ``k*size+1 ...
+    (k+1)*size`` and all scope their keys by ``k``. This holds when every member of each
+    earlier incarnation got as far as creating the group; when one did not, the next
+    incarnation's members may disagree on ``k`` and its set-up times out (an error, not a
+    mix-up). The first incarnation keeps the store's own key names."""
+    incarnation = (store.add("torchpar/arrivals", 1) - 1) // size
+    return store if incarnation == 0 else dist.PrefixStore(f"torchpar/incarnation{incarnation}", store)
+
+
 def _create_backend(dist_backend_opts, backend_options):
     """Called by torch.distributed (extended API) for each new group.
 
@@ -20,7 +36,8 @@ def _create_backend(dist_backend_opts, backend_options):
     applied here, as torch would.
     """
     opts = dist_backend_opts
-    backend = _C.ProcessGroupTorchpar(opts.store, opts.group_rank, opts.group_size, opts.timeout, str(opts.group_id))
+    backend = _C.ProcessGroupTorchpar(_incarnation_store(opts.store, opts.group_size), opts.group_rank,
+                                      opts.group_size, opts.timeout, str(opts.group_id))
     if dist.get_debug_level() == dist.DebugLevel.DETAIL and dist.is_gloo_available():
         backend = dist.distributed_c10d._create_process_group_wrapper(
             wrapped_pg=backend,

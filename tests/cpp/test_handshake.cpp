@@ -135,7 +135,7 @@ TEST(Tcp, TheSecretNeverCrossesTheWire) {
   const uint64_t token = 0x1122334455667788ULL;  // what the old protocol sent in its hello
   rv.set(store_keys::kTcpSecret, secret_to_hex(secret));
   rv.set("torchpar/tcp/token", std::to_string(token));
-  rv.set(store_keys::tcp_contact(0), Contact{port, HostIdentity{"elsewhere", "b", "n"}, {"127.0.0.1"}}.encode());
+  rv.set(store_keys::tcp_contact(0), Contact{port, HostIdentity{"elsewhere", "b", "n", "net"}, {"127.0.0.1"}}.encode());
 
   std::string heard;
   std::thread impostor([&] {
