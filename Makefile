@@ -164,7 +164,8 @@ test-cuda-build: build-cuda
 	  $(addprefix $(CURDIR)/,$(wildcard tests/test_kernels_*.py) tests/test_init.py tests/test_nccl.py)
 
 # On a machine with a GPU whose $(GPU_PYTHON) holds a CUDA build of torch: build in place
-# with it and run the kernel tests and the backend's CUDA (NCCL) tests, the GPU ones included.
+# with it and run the kernel tests, the backend's CUDA (NCCL) tests and the GPT on the GPUs
+# (tests/test_gpt_cuda.py: one rank per GPU), the GPU ones included.
 # PYTHONPATH: the in-place build is not installed, and the tests' rank processes import it. CUDA_HOME defaults as above;
 # e.g. `make test-gpu CUDA_ARCHS=9.0 MAX_JOBS=16` on an H100.
 GPU_PYTHON ?= python3
@@ -172,7 +173,8 @@ GPU_PYTEST_ARGS ?= -q
 test-gpu:
 	$(call cuda_setup,$(GPU_PYTHON),--inplace)
 	PYTHONPATH=$(CURDIR)$${PYTHONPATH:+:$$PYTHONPATH} \
-	  $(GPU_PYTHON) -m pytest $(GPU_PYTEST_ARGS) -p no:cacheprovider -rs tests/test_nccl.py tests/test_init.py tests/test_kernels_*.py
+	  $(GPU_PYTHON) -m pytest $(GPU_PYTEST_ARGS) -p no:cacheprovider -rs tests/test_nccl.py tests/test_init.py tests/test_kernels_*.py \
+	  tests/test_gpt_cuda.py
 
 clean:
 	rm -rf build torchpar/_C*.so torchpar/_C.stamp *.egg-info

@@ -204,7 +204,7 @@ TEST(Ring, CorruptCountersAreAnErrorNotACopy) {
 // Values from the store and the environment
 
 TEST(Records, MalformedNumbersAreTorchparErrorsNamingTheValue) {
-  const std::string host = "|node|boot|ns|10.0.0.1";
+  const std::string host = "|node|boot|pidns|netns|10.0.0.1";
   for (const std::string port : {"http", "", "70000", "0", "-1", "12x", "99999999999999999999999"}) {
     std::string why = error_of([&] { Contact::decode(port + host); });
     EXPECT_TRUE(contains(why, "'" + port + "'")) << "port " << port << ": " << why;
@@ -220,7 +220,7 @@ TEST(Records, GarbageInTheStoreNamesTheKey) {
   tptest::MemoryRendezvous rv;
   rv.set("torchpar/tcp/secret", std::string(64, 'a'));
   rv.set("torchpar/tcp/token", "12345");
-  rv.set("torchpar/tcp/0", "port?|node|boot|ns|127.0.0.1");
+  rv.set("torchpar/tcp/0", "port?|node|boot|pidns|netns|127.0.0.1");
   std::string why;
   std::thread rank1([&] {
     try {

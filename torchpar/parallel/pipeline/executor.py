@@ -67,6 +67,11 @@ class Executor:
             else:
                 pending.works.append(work)
 
+    def _empty(self, specs, stage):
+        """Receive buffers for stage ``stage`` (of this rank), on its device. The headers stay
+        on the CPU: a group of the torchpar backend carries CPU and CUDA tensors alike."""
+        return _comm.empty(specs, self.s._by_index[stage].device)
+
     def _post_recv(self, tensors, stage, tag):
         pending = _Pending(tensors)
         for t in tensors:
@@ -114,7 +119,7 @@ class Executor:
         h = self._post_recv([header], stage - 1, _comm.tag_header(stage))
         data = None
         if stage in self.recv_known:  # learned for these input shapes: post the data now
-            data = self._post_recv(_comm.empty(self.recv_known[stage]), stage - 1, _comm.tag_activation(stage))
+            data = self._post_recv(self._empty(self.recv_known[stage], stage), stage - 1, _comm.tag_activation(stage))
         self.pending_f[(mb, stage)] = (h, data)
 
     def send_f(self, mb, stage):
@@ -142,7 +147,7 @@ class Executor:
 
     def _recv_gradient(self, mb, stage):
         self.pending_b[(mb, stage)] = self._post_recv(
-            _comm.empty([sp for sp in self.out_specs[stage] if sp[2]]), stage + 1, _comm.tag_gradient(stage))
+            self._empty([sp for sp in self.out_specs[stage] if sp[2]], stage), stage + 1, _comm.tag_gradient(stage))
 
     def _post_deferred_b(self, stage):
         # Receives of one tag match the peer's sends in posting order, so the ones deferred
@@ -161,7 +166,7 @@ class Executor:
         h.wait()
         got = _comm.decode(h.tensors[0])
         if data is None:
-            data = self._post_recv(_comm.empty(got), stage - 1, _comm.tag_activation(stage))
+            data = self._post_recv(self._empty(got, stage), stage - 1, _comm.tag_activation(stage))
             self._flush()
         elif [sp[:2] for sp in got] != [sp[:2] for sp in self.recv_known[stage]]:
             raise ValueError(f"pipeline stage {stage}: micro-batch {mb} arrived as {_comm.describe(got)}, but "
@@ -207,7 +212,7 @@ class Executor:
         backward = st.backward_input if stage in self.split_stages else st.backward
         in_grads = backward(mb, grads, self.scale)
         if not st.is_first:
-            self.to_send_b[(mb, stage)] = [g for g in _needed(in_grads, self.recv_learned[stage])]
+            self.to_send_b[(mb, stage)] = _needed(in_grads, self.recv_learned[stage], st.device)
         return t_wait
 
     def do_w(self, mb, stage):
@@ -225,12 +230,12 @@ def _post(op):
     return op.op(op.tensor, group=op.group, tag=op.tag, **kw)
 
 
-def _needed(in_grads, specs):
+def _needed(in_grads, specs, device):
     """Gradients of the inputs that require one (zeros where autograd found none)."""
     out = []
     for g, (shape, dtype, rg) in zip(in_grads, specs):
         if rg:
-            out.append(g if g is not None else torch.zeros(shape, dtype=dtype))
+            out.append(g if g is not None else torch.zeros(shape, dtype=dtype, device=device))
     return out
 
 
