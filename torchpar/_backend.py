@@ -36,18 +36,18 @@ def _create_backend(dist_backend_opts, backend_options):
     applied here, as torch would.
     """
     opts = dist_backend_opts
-    backend = _C.ProcessGroupTorchpar(_incarnation_store(opts.store, opts.group_size), opts.group_rank,
-                                      opts.group_size, opts.timeout, str(opts.group_id))
+    store = _incarnation_store(opts.store, opts.group_size)
+    backend = _C.ProcessGroupTorchpar(store, opts.group_rank, opts.group_size, opts.timeout, str(opts.group_id))
     if dist.get_debug_level() == dist.DebugLevel.DETAIL and dist.is_gloo_available():
         backend = dist.distributed_c10d._create_process_group_wrapper(
             wrapped_pg=backend,
             store_prefix=str(opts.group_id),
-            store=opts.store,
+            store=store,
             rank=opts.group_rank,
             world_size=opts.group_size,
             timeout=opts.timeout,
         )
-    return _C.TorchparGroup(opts.store, opts.group_rank, opts.group_size, backend)
+    return _C.TorchparGroup(store, opts.group_rank, opts.group_size, backend)
 
 
 def register_backend():

@@ -186,8 +186,10 @@ void TcpTransport::call(int peer, std::vector<std::string> addresses, uint16_t p
         if (refused.empty()) {
           Proof proof{kHandshakeMagic, caller_mac(secret, peer, rank_, size_, nonce, challenge.nonce)};
           send_all(fd.get(), &proof, sizeof(proof), step_deadline);
+          // A deadline of its own: the listener counts the connection once Accepted is
+          // sent, so giving up on it early would leave the listener with a dead socket.
           Accepted accepted{};
-          recv_all(fd.get(), &accepted, sizeof(accepted), step_deadline);
+          recv_all(fd.get(), &accepted, sizeof(accepted), std::min(deadline, Clock::now() + kChallengeWait));
           if (accepted.magic == kAcceptedMagic) {
             sockets_[peer] = std::move(fd);
             return;
