@@ -266,6 +266,16 @@ def _no_sync_accumulation(ctx, use_context):
             torch.testing.assert_close(p.grad, expected, rtol=1e-5, atol=1e-6, msg=lambda m: f"{name}: {m}")
 
 
+def _assert_shard_grads(model, ref, step):
+    """Every FSDP unit's gradient shard equals its piece of the reference model's gradient."""
+    for u in (m._fsdp for m in model.modules() if isinstance(m, FSDPModule)):
+        for _, _, i, name in u.sites:
+            start, length = u.flat.shard_range(i)
+            expected = ref.get_parameter(_full_name(model, u, name)).grad.reshape(-1)[start:start + length]
+            torch.testing.assert_close(u.sharded[i].grad, expected, rtol=1e-5, atol=1e-6,
+                                       msg=lambda m: f"step {step}, {name}: {m}")
+
+
 def _full_name(model, unit, name):
     for prefix, m in model.named_modules():
         if isinstance(m, FSDPModule) and m._fsdp is unit:
@@ -528,12 +538,7 @@ def _pattern_grads_match(ctx, pattern, steps=2):
         ref_opt.zero_grad()
         _run_pattern(model, _part(x, ctx), _part(y, ctx), pattern)
         _run_pattern(ref, x, y, pattern)
-        for u in (m._fsdp for m in model.modules() if isinstance(m, FSDPModule)):
-            for _, _, i, name in u.sites:
-                start, length = u.flat.shard_range(i)
-                expected = ref.get_parameter(_full_name(model, u, name)).grad.reshape(-1)[start:start + length]
-                torch.testing.assert_close(u.sharded[i].grad, expected, rtol=1e-5, atol=1e-6,
-                                           msg=lambda m: f"step {step}, {name}: {m}")
+        _assert_shard_grads(model, ref, step)
         opt.step()
         ref_opt.step()
         _assert_matches(model.state_dict(), ref, step)
@@ -661,12 +666,7 @@ def _branch_grads_match(ctx, steps=3):
             _loss(ref(x), y).backward()
         for p in ref.parameters():
             p.grad = torch.zeros_like(p) if p.grad is None else p.grad / ctx.world_size
-        for u in (m._fsdp for m in model.modules() if isinstance(m, FSDPModule)):
-            for _, _, i, name in u.sites:
-                start, length = u.flat.shard_range(i)
-                expected = ref.get_parameter(_full_name(model, u, name)).grad.reshape(-1)[start:start + length]
-                torch.testing.assert_close(u.sharded[i].grad, expected, rtol=1e-5, atol=1e-6,
-                                           msg=lambda m: f"step {step}, {name}: {m}")
+        _assert_shard_grads(model, ref, step)
         opt.step()
         ref_opt.step()
         _assert_matches(model.state_dict(), ref, step)
