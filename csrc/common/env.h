@@ -64,17 +64,22 @@ inline bool env_set(const char* name) {
 }
 
 // The default bound on early arrivals: half of the memory this process may use (the
-// machine's, or the cgroup's limit where one is set). A fixed bound such as 1 GiB refused
+// machine's, or the cgroup's limit where one is set), shared by the ranks of this host
+// (torchrun's LOCAL_WORLD_SIZE; 1 when unset). A fixed bound such as 1 GiB refused
 // collectives that worked before it existed: a broadcast or all-gather of more than that to
-// a rank still computing arrives ahead of its receives. Past half of memory the process
-// would be near an out-of-memory kill anyway, and failing names the sender and sizes.
+// a rank still computing arrives ahead of its receives. Past half of memory the host would
+// be near an out-of-memory kill anyway, and failing names the sender and sizes. Each rank
+// taking half for itself would let eight ranks of one host hold four times its memory.
 inline int64_t default_unexpected_max_bytes() {
   int64_t memory = static_cast<int64_t>(::sysconf(_SC_PHYS_PAGES)) * static_cast<int64_t>(::sysconf(_SC_PAGE_SIZE));
   std::ifstream cgroup("/sys/fs/cgroup/memory.max");  // cgroup v2; "max" when unlimited
   std::string limit;
   int64_t parsed = 0;
   if (cgroup >> limit && parse_size(limit, &parsed) && parsed > 0) memory = memory > 0 ? std::min(memory, parsed) : parsed;
-  return memory > 0 ? memory / 2 : int64_t{1} << 30;
+  int64_t local_ranks = 1;
+  const char* local = std::getenv("LOCAL_WORLD_SIZE");
+  if (local != nullptr && parse_size(local, &parsed) && parsed > 1) local_ranks = parsed;
+  return memory > 0 ? memory / 2 / local_ranks : int64_t{1} << 30;
 }
 
 struct Config {

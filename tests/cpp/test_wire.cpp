@@ -175,6 +175,7 @@ INSTANTIATE_TEST_SUITE_P(Transports, Frames, ::testing::Values("shm", "tcp"));
 // a broadcast or all-gather of more than that to a rank still computing: those had worked.
 TEST(Config, EarlyArrivalsAreBoundedByHalfOfMemoryByDefault) {
   ::unsetenv("TORCHPAR_UNEXPECTED_MAX_BYTES");
+  ::unsetenv("LOCAL_WORLD_SIZE");
   const int64_t memory = static_cast<int64_t>(::sysconf(_SC_PHYS_PAGES)) * ::sysconf(_SC_PAGE_SIZE);
   EXPECT_EQ(Config{}.unexpected_max_bytes, default_unexpected_max_bytes());
   EXPECT_LE(default_unexpected_max_bytes(), memory / 2);
@@ -183,6 +184,20 @@ TEST(Config, EarlyArrivalsAreBoundedByHalfOfMemoryByDefault) {
   std::string limit;
   if (cgroup >> limit && limit != "max") GTEST_SKIP() << "a cgroup memory limit is set: " << limit;
   EXPECT_GT(default_unexpected_max_bytes(), int64_t{1} << 30);
+}
+
+// The ranks of one host share that half: eight ranks each holding half of memory could
+// together hold four times what the host has.
+TEST(Config, RanksOfOneHostShareTheBoundOnEarlyArrivals) {
+  ::unsetenv("TORCHPAR_UNEXPECTED_MAX_BYTES");
+  ::unsetenv("LOCAL_WORLD_SIZE");
+  const int64_t alone = default_unexpected_max_bytes();
+  ::setenv("LOCAL_WORLD_SIZE", "4", 1);
+  EXPECT_EQ(default_unexpected_max_bytes(), alone / 4);
+  EXPECT_EQ(Config{}.unexpected_max_bytes, alone / 4);
+  ::setenv("LOCAL_WORLD_SIZE", "not a number", 1);  // torchrun's variable, not ours: ignored
+  EXPECT_EQ(default_unexpected_max_bytes(), alone);
+  ::unsetenv("LOCAL_WORLD_SIZE");
 }
 
 // A ring whose counters say more bytes are waiting than it holds (a corrupt or hostile
