@@ -6,7 +6,9 @@ import sys
 
 import pytest
 
-pytestmark = pytest.mark.timeout(120)
+# The bench measures the copy-bandwidth ceiling (hundreds of DRAM-sized copies) even for one
+# tiny shape: 40-70 s on the 2-core machine, minutes under load. So `make test-slow`.
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(330)]
 
 
 def test_kernels_bench_writes_its_report(tmp_path):
@@ -15,7 +17,7 @@ def test_kernels_bench_writes_its_report(tmp_path):
         [sys.executable, "-m", "torchpar.bench", "kernels", "--shapes", "64x1024", "--dtypes",
          "float32", "bfloat16", "--reps", "1", "--no-compile", "--json", str(out),
          "--plot", str(tmp_path / "kernels.png")],
-        capture_output=True, text=True, timeout=110)
+        capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr
     assert "ceiling" in proc.stdout
     assert (tmp_path / "kernels.png").stat().st_size > 0
@@ -37,7 +39,7 @@ def test_kernels_bench_times_frozen_parameters_with_streamed_outputs(tmp_path):
         [sys.executable, "-m", "torchpar.bench", "kernels", "--frozen", "--shapes", "64x1024",
          "--dtypes", "bfloat16", "--reps", "1", "--no-compile", "--streaming-stores", "always",
          "--json", str(out)],
-        capture_output=True, text=True, timeout=110)
+        capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr
     assert "frozen parameters" in proc.stdout
     report = json.loads(out.read_text())
