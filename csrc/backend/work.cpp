@@ -25,6 +25,16 @@ int Work::sourceRank() const {
   return r;
 }
 
+bool Work::wait(std::chrono::milliseconds timeout) {
+  if (!waiters_) return c10d::Work::wait(timeout);
+  struct Waiting {
+    std::atomic<int>& count;
+    explicit Waiting(std::atomic<int>& n) : count(n) { count.fetch_add(1, std::memory_order_relaxed); }
+    ~Waiting() { count.fetch_sub(1, std::memory_order_relaxed); }
+  } waiting(*waiters_);
+  return c10d::Work::wait(timeout);
+}
+
 bool Work::isCompleted() {
   std::lock_guard<std::mutex> lock(mutex_);
   return completed_;
@@ -41,6 +51,7 @@ GroupWork::GroupWork(int rank, size_t parts)
 c10::intrusive_ptr<GroupWork> GroupWork::create(int rank, const std::vector<c10::intrusive_ptr<Work>>& parts) {
   auto group = c10::make_intrusive<GroupWork>(rank, parts.size());
   for (auto& part : parts) {
+    if (part->waits_counted_in()) group->count_waits_in(part->waits_counted_in());  // point-to-point parts
     // The callback holds the group alive until the last part is done.
     part->getFuture()->addCallback([group](c10::ivalue::Future& f) {
       group->part_done(f.hasError() ? f.exception_ptr() : nullptr);

@@ -26,6 +26,11 @@ DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int
 _TAG_LIMIT = 2**31 - 1  # tags are a C int
 
 
+class ShapeMismatch(ValueError):
+    """A stage's output shape changed under the same input shapes: raised by the sender and,
+    reading the header, by the receiver."""
+
+
 def tag_base(step, num_stages):
     """Offset added to every tag of step number ``step``. A step that failed half-way leaves
     receives posted that nothing will ever cancel; with tags of their own per step, the next

@@ -1,0 +1,159 @@
+"""A stage that fails mid-step: every pipeline rank raises promptly, naming the failed stage.
+
+Without it, a rank whose stage raises leaves its neighbours waiting for messages it will never
+send, and ranks two stages away waiting on those neighbours, until the group's timeout. The
+groups here time out after ``TIMEOUT`` s; each rank must raise well before, with an error
+that names the stage and pipeline rank that failed and what it raised. A rank that had
+finished the failed step before the failure raises at the start of the next one.
+
+torchpar: the failed rank's process stays alive (a training loop that logs and checkpoints),
+so nothing but the pipeline's own abort of the group can tell its peers. gloo cannot reach a
+peer's pending receive from another process while that process lives (its ``abort`` leaves
+the connections open), so there the failed rank exits, as an uncaught exception makes it do,
+and its peers learn why from the store (docs/pipeline.md, "Failures").
+"""
+import time
+from datetime import timedelta
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+
+import torchpar
+from harness import spawn
+from torchpar.parallel.pipeline import PipelineStage, Schedule1F1B, ScheduleGPipe
+
+TIMEOUT = 30  # the group's; a rank that waits this long has missed the failure
+BACKENDS = ["torchpar", "gloo"]
+
+
+def _mse(out, y):
+    return ((out - y) ** 2).mean()
+
+
+class _Raises(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, g):
+        raise RuntimeError("boom in backward")
+
+
+class _FailsOnCall(nn.Module):
+    """A Linear whose ``n``-th forward (or the backward of its ``n``-th forward) raises."""
+
+    def __init__(self, n, where):
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+        self.n, self.where, self.calls = n, where, 0
+
+    def forward(self, x):
+        self.calls += 1
+        if self.calls == self.n and self.where == "forward":
+            raise RuntimeError("boom in forward")
+        y = self.lin(x)
+        return _Raises.apply(y) if self.calls == self.n else y
+
+
+def _init(rank, world_size, init_file, backend):
+    if backend == "torchpar" and not hasattr(torchpar._C, "ProcessGroupTorchpar"):
+        pytest.skip("the torchpar backend is not built in this tree")
+    dist.init_process_group(backend, init_method=f"file://{init_file}", rank=rank, world_size=world_size,
+                            timeout=timedelta(seconds=TIMEOUT))
+
+
+def _first_error(sched, rank, p, x, y, steps):
+    """Runs up to ``steps`` steps; returns (step, error type, message, when it was raised) for
+    the first that raised, or None. ``when`` is the machine's clock, the same in every rank."""
+    for step in range(steps):
+        try:
+            sched.step(*((x,) if rank == 0 else ()), target=y if rank == p - 1 else None)
+        except Exception as e:  # noqa: BLE001 - the test inspects it
+            return step, type(e).__name__, str(e), time.time()
+    return None
+
+
+def _late(results):
+    """How long after the first rank raised each rank did (None: it never raised)."""
+    first = min(r[3] for r in results if r is not None)
+    return [None if r is None else r[3] - first for r in results]
+
+
+def _answer(backend, world_size, result):
+    """On torchpar, keep every process alive until all have answered (so no peer learns of
+    the failure from a process exit); on gloo, let each go as soon as it has."""
+    if backend != "torchpar":
+        return result
+    store = dist.distributed_c10d._get_default_store()
+    store.add("answered", 1)
+    deadline = time.monotonic() + 2 * TIMEOUT
+    while store.add("answered", 0) < world_size and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return result
+
+
+def _stage_raises(rank, world_size, init_file, backend, failing, where):
+    _init(rank, world_size, init_file, backend)
+    try:
+        torch.manual_seed(0)
+        mod = _FailsOnCall(7, where) if rank == failing else nn.Linear(8, 8)  # micro-batch 2 of step 1
+        sched = Schedule1F1B(PipelineStage(mod, rank, world_size), 4, loss_fn=_mse)
+        x, y = torch.randn(8, 8), torch.randn(8, 8)
+        return _answer(backend, world_size, _first_error(sched, rank, world_size, x, y, steps=3))
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("world_size,failing", [(2, 1), (3, 1), (4, 2)])
+@pytest.mark.parametrize("where", ["forward", "backward"])
+def test_a_stage_that_raises_fails_every_rank_promptly(backend, world_size, failing, where):
+    results = spawn(_stage_raises, world_size, backend, failing, where, timeout=4 * TIMEOUT)
+    for rank, (result, seconds) in enumerate(zip(results, _late(results))):
+        assert result is not None, f"rank {rank} finished three steps although stage {failing} raised"
+        step, kind, msg, _ = result
+        assert step == 1 or (step == 2 and rank != failing), f"rank {rank}, step {step}: {msg}"
+        assert f"boom in {where}" in msg, f"rank {rank}: {msg}"
+        assert seconds < TIMEOUT / 2, f"rank {rank} raised {seconds:.1f}s after the first: {msg}"
+        if rank != failing:
+            assert f"pipeline stage {failing} (pipeline rank {failing}) failed in the {where}" in msg, \
+                f"rank {rank}: {msg}"
+
+
+class _ShrinksOnSecondStep(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+        self.calls = 0
+
+    def forward(self, x):
+        self.calls += 1
+        out = self.lin(x)
+        return out if self.calls <= 2 else out[:, :4]
+
+
+def _shape_changes(rank, world_size, init_file, backend):
+    _init(rank, world_size, init_file, backend)
+    try:
+        torch.manual_seed(0)
+        mod = _ShrinksOnSecondStep() if rank == 0 else nn.Linear(8, 8)
+        sched = ScheduleGPipe(PipelineStage(mod, rank, world_size), 2, loss_fn=_mse)
+        x, y = torch.randn(4, 8), torch.randn(4, 8)
+        return _answer(backend, world_size, _first_error(sched, rank, world_size, x, y, steps=3))
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_shape_change_reaches_ranks_two_stages_away(backend):
+    """Stage 0's output narrows in the second step under the same input shape: stages 0 and 1
+    see it in the header and raise; stage 2, which only waits on stage 1, must hear of it."""
+    results = spawn(_shape_changes, 3, backend, timeout=4 * TIMEOUT)
+    for rank, (result, seconds) in enumerate(zip(results, _late(results))):
+        assert result is not None, f"rank {rank} finished three steps"
+        step, kind, msg, _ = result
+        assert step == 1 and "(2, 4)" in msg and "(2, 8)" in msg, f"rank {rank}: {kind}: {msg}"
+        assert seconds < TIMEOUT / 2, f"rank {rank} raised {seconds:.1f}s after the first: {msg}"
