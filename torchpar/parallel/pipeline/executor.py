@@ -13,6 +13,7 @@ import time
 
 import torch
 
+from torchpar.parallel.ddp import DistributedDataParallel
 from torchpar.parallel.fsdp import FSDPModule
 from torchpar.parallel.pipeline import _comm
 
@@ -22,7 +23,7 @@ _CACHE_KEYS = 16  # input shapes remembered (variable sequence length)
 class Executor:
     """State of one step while the action list runs."""
 
-    def __init__(self, sched, key, first_mbs, targets, train):
+    def __init__(self, sched, key, first_mbs, targets, train, ddp=None):
         self.s = sched
         self.group = sched.group
         self.key = key
@@ -48,7 +49,10 @@ class Executor:
         self.to_send_f, self.to_send_b = {}, {}
         self.sends, self.ops = [], []       # posted sends (work, tensor); ops not yet posted
         self.outputs, self.losses, self.events = [], [], []
-        self.sync_in_last_backward = {}  # stage -> our DDP module, armed before its last B
+        # Stage -> its module, when it is our DDP and its backward is not split: armed just
+        # before the stage's last B, which then reduces as it runs (schedules.py says why).
+        self.sync_in_last_backward = {i: m for i, m in (ddp or {}).items()
+                                      if isinstance(m, DistributedDataParallel) and i not in self.split_stages}
         self.last_b = {}
         self.action = (None, None, None)  # the action running now, and whether it is waiting
         self.waiting = False               # for a peer (failure.py tells the two apart)

@@ -27,7 +27,6 @@ import torch
 import torch.distributed as dist
 
 from torchpar import _C
-from torchpar.parallel.ddp import DistributedDataParallel
 from torchpar.parallel.pipeline import _comm
 from torchpar.parallel.pipeline.executor import Executor
 from torchpar.parallel.pipeline.failure import StepFailure
@@ -165,10 +164,7 @@ class _PipelineSchedule:
             with contextlib.ExitStack() as no_sync:
                 for module in ddp.values():
                     no_sync.enter_context(module.no_sync())
-                executor = Executor(self, key, first_mbs, targets, train)
-                executor.sync_in_last_backward = {i: m for i, m in ddp.items()
-                                                  if isinstance(m, DistributedDataParallel)
-                                                  and i not in executor.split_stages}
+                executor = Executor(self, key, first_mbs, targets, train, ddp)
                 try:
                     out = executor.run(actions)
                 except Exception as e:
