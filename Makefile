@@ -16,7 +16,7 @@ export CCACHE_NOHASHDIR ?= 1
 
 SOURCES := setup.py $(shell find csrc -name '*.cpp' -o -name '*.h' -o -name '*.cu' 2>/dev/null)
 
-.PHONY: all deps build test test-py test-slow test-conformance test-cpp fuzz demo bench build-cuda test-cuda-build test-gpu clean
+.PHONY: all deps build test test-py test-slow test-hosts test-conformance test-cpp fuzz demo bench build-cuda test-cuda-build test-gpu clean
 
 all: build
 
@@ -57,6 +57,12 @@ test-py: build
 
 test-slow: build
 	$(PY) -m pytest -q -m slow tests || test $$? -eq 5
+
+# Jobs across test hosts (network namespaces joined by a bridge; needs root, skips without):
+# torchrun --nnodes=2/3, collectives, DDP, a killed rank, a restart, a link going down
+# (docs/hosts.md). Its cases are marked slow, so `make test-slow` runs them too.
+test-hosts: build
+	$(PY) -m pytest -q -rs tests/test_hosts.py
 
 # PyTorch's own backend suite (torch/testing/_internal/distributed/distributed_test.py) run on
 # torchpar, as a plugin and with gloo's cases, over shared memory and TCP, at world sizes 2
@@ -158,7 +164,8 @@ test-cuda-build: build-cuda
 	  $(addprefix $(CURDIR)/,$(wildcard tests/test_kernels_*.py) tests/test_init.py tests/test_nccl.py)
 
 # On a machine with a GPU whose $(GPU_PYTHON) holds a CUDA build of torch: build in place
-# with it and run the kernel tests and the backend's CUDA (NCCL) tests, the GPU ones included.
+# with it and run the kernel tests, the backend's CUDA (NCCL) tests and the GPT on the GPUs
+# (tests/test_gpt_cuda.py: one rank per GPU), the GPU ones included.
 # PYTHONPATH: the in-place build is not installed, and the tests' rank processes import it. CUDA_HOME defaults as above;
 # e.g. `make test-gpu CUDA_ARCHS=9.0 MAX_JOBS=16` on an H100.
 GPU_PYTHON ?= python3
@@ -166,7 +173,8 @@ GPU_PYTEST_ARGS ?= -q
 test-gpu:
 	$(call cuda_setup,$(GPU_PYTHON),--inplace)
 	PYTHONPATH=$(CURDIR)$${PYTHONPATH:+:$$PYTHONPATH} \
-	  $(GPU_PYTHON) -m pytest $(GPU_PYTEST_ARGS) -p no:cacheprovider -rs tests/test_nccl.py tests/test_init.py tests/test_kernels_*.py
+	  $(GPU_PYTHON) -m pytest $(GPU_PYTEST_ARGS) -p no:cacheprovider -rs tests/test_nccl.py tests/test_init.py tests/test_kernels_*.py \
+	  tests/test_gpt_cuda.py
 
 clean:
 	rm -rf build torchpar/_C*.so torchpar/_C.stamp *.egg-info

@@ -2,13 +2,15 @@
 
     torchrun --standalone --nproc_per_node=8 examples/train_gpt.py --dp 2 --tp 2 --pp 2
     torchrun --standalone --nproc_per_node=4 examples/train_gpt.py --dp 2 --tp 2 --fsdp --dtype bfloat16
+    torchrun --standalone --nproc_per_node=4 examples/train_gpt.py --tp 2 --pp 2 --device cuda
 
 The model is torchpar.models.GPT, made parallel by torchpar.models.ParallelGPT (parallelize plan,
 pipeline cut, DDP or fully_shard). The data, unless --data names a file or folder, is the
 Python standard library's own .py sources, present on every machine: read as bytes, the last
 10 % held out for validation. Batches are drawn from a generator seeded by the step, so every
 rank (and every layout) sees the same global batch at the same step. Rank 0 shows a progress
-bar with loss, tokens/s and ETA, and writes a loss-curve PNG at the end.
+bar with loss, tokens/s and ETA, and writes a loss-curve PNG at the end. Gradients are clipped
+to a global norm of 1.0 (--clip-grad) over the whole layout, as Megatron-LM does.
 
 Without torchrun it runs as a single process (dp = tp = pp = 1).
 """
@@ -48,11 +50,14 @@ def parse_args(argv=None):
     g.add_argument("--dtype", choices=list(DTYPES), default="float32", help="bfloat16: O2 mixed precision")
     g.add_argument("--recompute", choices=RECOMPUTE, default="none")
     g.add_argument("--backend", choices=["torchpar", "gloo"], default="torchpar")
+    g.add_argument("--device", choices=["cpu", "cuda"], default="cpu",
+                   help="cuda: each rank on cuda:LOCAL_RANK (torchpar carries CUDA tensors over NCCL)")
     g = p.add_argument_group("model")
     g.add_argument("--model", choices=list(MODELS), default="default")
     for name in ("seq-len", "hidden", "heads", "layers"):
         g.add_argument(f"--{name}", type=int, default=None, help="overrides the --model preset")
     g.add_argument("--dropout", type=float, default=0.0)
+    g.add_argument("--tie-embeddings", action="store_true", help="lm_head shares the token embedding's weight")
     g = p.add_argument_group("training")
     g.add_argument("--data", default=None, help="a text file or a folder of them (default: the stdlib's .py files)")
     g.add_argument("--steps", type=int, default=200)
@@ -61,6 +66,7 @@ def parse_args(argv=None):
     g.add_argument("--lr", type=float, default=1e-3)
     g.add_argument("--warmup", type=int, default=20, help="steps of linear warm-up, then cosine decay to lr/10")
     g.add_argument("--weight-decay", type=float, default=0.1)
+    g.add_argument("--clip-grad", type=float, default=1.0, help="max global gradient norm (0: no clipping)")
     g.add_argument("--eval-every", type=int, default=50)
     g.add_argument("--eval-batches", type=int, default=4)
     g.add_argument("--seed", type=int, default=0)
@@ -76,7 +82,8 @@ def parse_args(argv=None):
 
 def model_config(args):
     over = {k: getattr(args, k) for k in ("seq_len", "hidden", "heads", "layers") if getattr(args, k) is not None}
-    return GPTConfig(**{**MODELS[args.model].to_dict(), **over, "dropout": args.dropout})
+    return GPTConfig(**{**MODELS[args.model].to_dict(), **over, "dropout": args.dropout,
+                        "tie_embeddings": args.tie_embeddings})
 
 
 # ---- data ----
@@ -131,6 +138,18 @@ def checkpoint_functions(args):
     return save_checkpoint, load_checkpoint
 
 
+def check_device(args):
+    """A ValueError on every rank, before any collective, for a device this run cannot use."""
+    if args.device == "cuda":
+        if args.backend != "torchpar":
+            raise ValueError(f"--device cuda needs --backend torchpar (its NCCL path), not {args.backend}")
+        if not torch.cuda.is_available():
+            raise ValueError("--device cuda, but torch sees no CUDA device here")
+        if torch.cuda.device_count() < int(os.environ.get("LOCAL_WORLD_SIZE", 1)):
+            raise ValueError(f"--device cuda: {os.environ.get('LOCAL_WORLD_SIZE')} ranks on this machine but "
+                             f"{torch.cuda.device_count()} GPU(s); one rank per GPU")
+
+
 def lr_at(step, args):
     if step < args.warmup:
         return args.lr * (step + 1) / args.warmup
@@ -143,7 +162,11 @@ def evaluate(trainer, batches, n):
 
 
 def plot(history, path, title):
-    import matplotlib
+    """Draws the loss curve into ``path``; returns where it went, for the last lines printed."""
+    try:
+        import matplotlib
+    except ImportError:  # e.g. the CUDA torch environment of a GPU host (make test-gpu)
+        return "not drawn (matplotlib is not installed)"
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     fig, ax = plt.subplots(figsize=(7, 4))
@@ -158,6 +181,7 @@ def plot(history, path, title):
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
+    return os.path.abspath(path)
 
 
 def init_distributed(backend):
@@ -176,6 +200,7 @@ def main(argv=None):
         layout = Layout(args.dp, args.tp, args.pp, args.fsdp, args.schedule, args.virtual_stages,
                         args.sequence_parallel, args.dtype, args.recompute, args.micro_batches)
         check_layout(cfg, layout, world, args.batch_size)  # every rank, before any collective
+        check_device(args)
         save, load = checkpoint_functions(args)
         if args.resume:  # another model's checkpoint: refused here, before any collective
             from torchpar.models.checkpoint import check_checkpoint
@@ -185,11 +210,12 @@ def main(argv=None):
         print(f"train_gpt.py (rank {rank}): error: {e}", file=sys.stderr)
         dist.destroy_process_group()
         return 2
-    trainer = ParallelGPT(cfg, layout, lr=args.lr, weight_decay=args.weight_decay, seed=args.seed)
+    trainer = ParallelGPT(cfg, layout, lr=args.lr, weight_decay=args.weight_decay, seed=args.seed,
+                          device=args.device, clip_grad=args.clip_grad)
     start = load(args.resume, trainer) if args.resume else 0
     if rank == 0:
         print(f"GPT {num_parameters(GPT(cfg)) / 1e6:.1f}M "
-              f"parameters {cfg}\nlayout {layout} on {world} ranks ({args.backend}); corpus "
+              f"parameters {cfg}\nlayout {layout} on {world} ranks ({args.backend}, {args.device}); corpus "
               f"{len(batches.train) + len(batches.val)} bytes; global batch {args.batch_size} x {cfg.seq_len} tokens")
     history = {"train": [], "val": []}
     bar = None
@@ -210,6 +236,8 @@ def main(argv=None):
             history["val"].append((step + 1, evaluate(trainer, batches, args.eval_batches)))
         if bar is not None:
             post = dict(loss=f"{loss:.3f}", tok_s=f"{tokens / dt_avg:,.0f}")
+            if trainer.grad_norm is not None:
+                post["gnorm"] = f"{trainer.grad_norm:.2f}"
             if history["val"]:
                 post["val"] = f"{history['val'][-1][1]:.3f}"
             bar.set_postfix(post, refresh=False)
@@ -221,15 +249,18 @@ def main(argv=None):
         save(args.save, trainer)
     if rank == 0:
         os.makedirs(args.out, exist_ok=True)
-        png = os.path.join(args.out, "loss.png")
+        curve = "not drawn (no step run)"
         if history["train"]:
-            plot(history, png, f"GPT {cfg.layers}x{cfg.hidden}, {layout}, {args.backend}")
+            curve = plot(history, os.path.join(args.out, "loss.png"),
+                         f"GPT {cfg.layers}x{cfg.hidden}, {layout}, {args.backend}")
         steps = args.steps - start
         val = history["val"][-1][1] if history["val"] else float("nan")
         print(f"{steps} steps in {elapsed:.1f} s ({steps * tokens / max(elapsed, 1e-9):,.0f} tokens/s); "
               f"final train loss {history['train'][-1][1] if history['train'] else float('nan'):.3f}, "
               f"validation loss {val:.3f}")
-        print(f"loss curve: {os.path.abspath(png)}")
+        if trainer.grad_norm is not None:
+            print(f"gradient norm at the last step: {trainer.grad_norm:.4f} (clipped to {args.clip_grad:g})")
+        print(f"loss curve: {curve}")
         print(f"checkpoint: {os.path.abspath(args.save) if args.save else 'not saved (pass --save DIR)'}")
     dist.destroy_process_group()
     return 0

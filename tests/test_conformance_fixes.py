@@ -69,11 +69,14 @@ def _all_gather_object_subgroup_detail(rank, world_size, init_file, transport):
     # TORCH_DISTRIBUTED_DEBUG=DETAIL wraps the group in c10d's ProcessGroupWrapper, whose
     # checks ask the backend for its sequence numbers (what failed before issue 23).
     import os
+    from torch._C._distributed_c10d import _ProcessGroupWrapper
     os.environ["TORCH_DISTRIBUTED_DEBUG"] = "DETAIL"
+    dist.set_debug_level_from_env()  # c10d read the variable when torch was imported
     os.environ["TORCHPAR_TRANSPORT"] = transport
     import torchpar  # noqa: F401
     dist.init_process_group("torchpar", init_method=f"file://{init_file}", rank=rank, world_size=world_size)
     sub = dist.new_group(backend="torchpar")
+    assert isinstance(sub._get_backend(torch.device("cpu")), _ProcessGroupWrapper)
     objs = [None] * world_size
     dist.all_gather_object(objs, ("x", rank), group=sub)
     dist.destroy_process_group()
@@ -83,6 +86,38 @@ def _all_gather_object_subgroup_detail(rank, world_size, init_file, transport):
 def test_all_gather_object_on_a_subgroup_under_debug_detail(transport):
     results = spawn(_all_gather_object_subgroup_detail, 2, transport)
     assert results == [[("x", 0), ("x", 1)]] * 2
+
+
+# ------------------------------------------------------------ the group's name
+
+def _names(rank, world_size, init_file, transport, detail):
+    import os
+    if detail:
+        os.environ["TORCH_DISTRIBUTED_DEBUG"] = "DETAIL"
+        dist.set_debug_level_from_env()  # c10d read the variable when torch was imported
+    os.environ["TORCHPAR_TRANSPORT"] = transport
+    import torchpar  # noqa: F401
+    from torch._C._distributed_c10d import _ProcessGroupWrapper
+    dist.init_process_group("torchpar", init_method=f"file://{init_file}", rank=rank, world_size=world_size)
+    pg = dist.group.WORLD
+    backend = pg._get_backend(torch.device("cpu"))
+    ddp = nn.parallel.DistributedDataParallel(nn.Linear(3, 2))
+    ddp(torch.ones(4, 3)).sum().backward()
+    t = torch.ones(2)
+    dist.all_reduce(t)
+    names = (pg.name(), dist.get_backend(pg), ddp._get_ddp_logging_data().get("backend_name"),
+             isinstance(backend, _ProcessGroupWrapper), pg._get_backend(torch.device("cuda")) is backend, t.tolist())
+    dist.destroy_process_group()
+    return names
+
+
+@pytest.mark.parametrize("detail", [False, True], ids=["plain", "debug-detail"])
+def test_the_group_and_ddp_logging_name_the_backend(transport, detail):
+    # torch's own group names every plugin "custom", and DDP's logging data said so
+    # (distributed_test.py's test_ddp_logging_data_cpu). The group torchpar returns names it;
+    # under TORCH_DISTRIBUTED_DEBUG=DETAIL its backend is still wrapped in torch's checks.
+    for names in spawn(_names, 2, transport, detail):
+        assert names == ("torchpar", "torchpar", "torchpar", detail, True, [2.0, 2.0])
 
 
 # ------------------------------------------------------------ sparse all_reduce

@@ -266,6 +266,16 @@ def _no_sync_accumulation(ctx, use_context):
             torch.testing.assert_close(p.grad, expected, rtol=1e-5, atol=1e-6, msg=lambda m: f"{name}: {m}")
 
 
+def _assert_shard_grads(model, ref, step):
+    """Every FSDP unit's gradient shard equals its piece of the reference model's gradient."""
+    for u in (m._fsdp for m in model.modules() if isinstance(m, FSDPModule)):
+        for _, _, i, name in u.sites:
+            start, length = u.flat.shard_range(i)
+            expected = ref.get_parameter(_full_name(model, u, name)).grad.reshape(-1)[start:start + length]
+            torch.testing.assert_close(u.sharded[i].grad, expected, rtol=1e-5, atol=1e-6,
+                                       msg=lambda m: f"step {step}, {name}: {m}")
+
+
 def _full_name(model, unit, name):
     for prefix, m in model.named_modules():
         if isinstance(m, FSDPModule) and m._fsdp is unit:
@@ -528,12 +538,7 @@ def _pattern_grads_match(ctx, pattern, steps=2):
         ref_opt.zero_grad()
         _run_pattern(model, _part(x, ctx), _part(y, ctx), pattern)
         _run_pattern(ref, x, y, pattern)
-        for u in (m._fsdp for m in model.modules() if isinstance(m, FSDPModule)):
-            for _, _, i, name in u.sites:
-                start, length = u.flat.shard_range(i)
-                expected = ref.get_parameter(_full_name(model, u, name)).grad.reshape(-1)[start:start + length]
-                torch.testing.assert_close(u.sharded[i].grad, expected, rtol=1e-5, atol=1e-6,
-                                           msg=lambda m: f"step {step}, {name}: {m}")
+        _assert_shard_grads(model, ref, step)
         opt.step()
         ref_opt.step()
         _assert_matches(model.state_dict(), ref, step)
@@ -599,3 +604,80 @@ def _hooked_training(ctx, backend):
 @on_backends
 def test_parameter_hooks_and_markers_survive_sharding(backend):
     assert all(_pool(backend, 2).run(_hooked_training, backend)), "the sequence_parallel marker was dropped"
+
+
+# ---- a parameter that gets a gradient on some ranks only (a data-dependent branch) ----
+
+class GatedBlock(Block):
+    """A block whose ``extra`` layer runs only when asked: its parameters get a gradient on the
+    ranks whose data took the branch and none on the others."""
+
+    def __init__(self, d):
+        super().__init__(d)
+        self.extra = nn.Linear(d, d)
+
+    def forward(self, x, use_extra):
+        x = super().forward(x)
+        return x + self.extra(x) if use_extra else x
+
+
+class BranchNet(Net):
+    """Net with a gated block in the middle, taken when the batch's inputs sum above zero."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        torch.manual_seed(7)
+        self.blocks[1] = GatedBlock(self.out.in_features)
+
+    def forward(self, x):
+        use_extra = bool(x.sum() > 0)
+        h = self.inp(x)
+        for b in self.blocks:
+            h = b(h, use_extra) if isinstance(b, GatedBlock) else b(h)
+        return self.out(h)
+
+
+def _branch_batch(step, ctx):
+    """Each rank's part shifted up or down, so that the branch is taken on some ranks only (and
+    which ones changes with the step; in the last step, on none)."""
+    x, y = _batch(step, 2 * ctx.world_size)
+    takes = [(r + step) % 2 == 0 and step < 2 for r in range(ctx.world_size)]
+    parts = [p + (3.0 if take else -3.0) for p, take in zip(x.chunk(ctx.world_size), takes)]
+    return parts, y.chunk(ctx.world_size), takes
+
+
+def _branch_grads_match(ctx, steps=3):
+    _setup(ctx)
+    model = BranchNet()
+    ref = copy.deepcopy(model)
+    _shard_model(model, ctx.pg)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    taken = []
+    for step in range(steps):
+        xs, ys, takes = _branch_batch(step, ctx)
+        assert bool(xs[ctx.rank].sum() > 0) == takes[ctx.rank]
+        taken.append(takes[ctx.rank])
+        opt.zero_grad()
+        _loss(model(xs[ctx.rank]), ys[ctx.rank]).backward()
+        # One process running every rank's branch: the average of the ranks' gradients.
+        ref_opt.zero_grad()
+        for x, y in zip(xs, ys):
+            _loss(ref(x), y).backward()
+        for p in ref.parameters():
+            p.grad = torch.zeros_like(p) if p.grad is None else p.grad / ctx.world_size
+        _assert_shard_grads(model, ref, step)
+        opt.step()
+        ref_opt.step()
+        _assert_matches(model.state_dict(), ref, step)
+    return taken
+
+
+@on_backends
+@multi_rank
+def test_parameters_with_gradients_on_some_ranks_only_equal_single_process(backend, world_size):
+    # Hung before: a unit was reduced when its last parameter's gradient arrived, so a rank whose
+    # branch left some without one reduced that unit at the end of backward instead, out of order
+    # with the ranks that had them all.
+    taken = _pool(backend, world_size).run(_branch_grads_match, timeout=60)
+    assert [t[:2] for t in taken] == [[r % 2 == 0, r % 2 == 1] for r in range(world_size)]

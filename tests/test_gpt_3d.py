@@ -16,6 +16,7 @@ from torch.nn import functional as F
 
 from harness import get_pool
 from torchpar.models import GPT, GPTConfig
+from torchpar.models.checkpoint import _held_parameters
 from torchpar.models.parallel_gpt import Layout, ParallelGPT, check_layout
 
 CFG = GPTConfig.tiny()
@@ -46,6 +47,25 @@ def _reference(steps, cfg=CFG):
         opt.step()
         out.append(loss.item())
     return out, model
+
+
+def dense_boxes(trainer, grads=False):
+    """[(dense name, offsets, values)]: this rank's pieces of every parameter (or of its
+    gradient) placed in the single-process model's tensors (tensor-parallel shards, fully_shard
+    runs, the tied embedding's last-stage copy as tok_emb.weight)."""
+    out = []
+    for name, p, _, held in _held_parameters(trainer):
+        t = p.grad if grads else p
+        out += [(name, offsets, v.detach().cpu().clone()) for offsets, v in held.like(t.detach()).boxes()]
+    return out
+
+
+def assert_boxes_equal(boxes, dense, rank, rtol, atol):
+    """Each box of ``dense_boxes`` equals that part of ``dense`` ({name: tensor})."""
+    for name, offsets, got in boxes:
+        want = dense[name][tuple(slice(o, o + n) for o, n in zip(offsets, got.shape))]
+        torch.testing.assert_close(got, want, rtol=rtol, atol=atol,
+                                   msg=lambda m: f"rank {rank}: {name} at {list(offsets)}: {m}")
 
 
 def _parallel_losses(ctx, layout, steps=STEPS, cfg=CFG):
@@ -122,6 +142,39 @@ def test_bfloat16_o2_tracks_float32(fsdp):
         torch.testing.assert_close(losses, want, rtol=2e-2, atol=2e-2, msg=lambda m: f"rank {rank}: {m}")
 
 
+def _losses_and_weights(ctx, layout, cfg):
+    torch.set_num_threads(1)
+    trainer = ParallelGPT(cfg, layout, lr=LR, optimizer="sgd")
+    return [trainer.train_step(*_batch(step)) for step in range(STEPS)], dense_boxes(trainer)
+
+
+TIED_LAYOUTS = {
+    "1x1x4": Layout(pp=4, microbatches=4),
+    "2x1x2": Layout(dp=2, pp=2, microbatches=2),
+    "1x2x2": Layout(tp=2, pp=2, microbatches=2),
+    "fsdp-2x1x2": Layout(dp=2, pp=2, fsdp=True, microbatches=2),
+    "interleaved-sp-1x2x2": Layout(tp=2, pp=2, schedule="interleaved", sequence_parallel=True, microbatches=2),
+}
+
+
+@pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.slow) if n.startswith(("fsdp", "interleaved"))
+                                  else n for n in TIED_LAYOUTS])
+def test_tied_embeddings_across_pipeline_stages(name):
+    """pp > 1: the first stage's tok_emb and the last stage's copy in lm_head get the sum of
+    their gradients (the embedding group's all-reduce), so after 5 steps both copies, and every
+    other weight, equal the single-process tied model's, as do the losses."""
+    cfg = GPTConfig.tiny(tie_embeddings=True)
+    want, model = _reference(STEPS, cfg)
+    dense = {n: p.detach() for n, p in model.named_parameters()}
+    results = get_pool(4).run(_losses_and_weights, TIED_LAYOUTS[name], cfg)
+    for rank, (losses, boxes) in enumerate(results):
+        torch.testing.assert_close(losses, want, rtol=1e-4, atol=1e-5, msg=lambda m: f"rank {rank}: {m}")
+        assert_boxes_equal(boxes, dense, rank, rtol=1e-4, atol=1e-6)
+    # Rank 0 holds the first stage, rank 3 the last: both copies were compared.
+    holders = {rank for rank, (_, boxes) in enumerate(results) if any(n == "tok_emb.weight" for n, _, _ in boxes)}
+    assert {0, 3} <= holders, holders
+
+
 def _pos_emb_after_steps(ctx, layout, steps):
     torch.set_num_threads(1)
     trainer = ParallelGPT(CFG, layout, lr=LR, optimizer="sgd")
@@ -170,3 +223,6 @@ def test_check_layout_lists_every_problem():
         check_layout(CFG, Layout(tp=8, pp=2), 8)
     with pytest.raises(ValueError, match=r"batch size 6 does not split into dp x micro-batches = 2 x 2"):
         check_layout(CFG, Layout(dp=2, pp=2, microbatches=2), 4, batch_size=6)
+    with pytest.raises(ValueError, match=r"tie_embeddings with pp = 1 and 2 virtual stages"):
+        check_layout(GPTConfig.tiny(tie_embeddings=True), Layout(dp=4, schedule="interleaved"), 4)
+    check_layout(GPTConfig.tiny(tie_embeddings=True), Layout(dp=2, pp=2), 4)  # each end stage its copy

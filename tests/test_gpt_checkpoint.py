@@ -9,6 +9,7 @@ import re
 
 import pytest
 import torch
+from torch.distributed.checkpoint import FileSystemReader
 
 from harness import get_pool
 from test_gpt_3d import CFG, LR, _batch, _reference_losses
@@ -34,11 +35,11 @@ LAYOUTS = {
 }
 
 
-def _train_and_save(ctx, layout, path, optimizer="sgd", dtype="float32"):
+def _train_and_save(ctx, layout, path, optimizer="sgd", dtype="float32", cfg=CFG):
     """SAVED_AT steps, the checkpoint, then AFTER more steps (the run without a restart)."""
     torch.set_num_threads(1)
     layout = Layout(**{**layout.__dict__, "dtype": dtype})
-    trainer = ParallelGPT(CFG, layout, lr=LR, optimizer=optimizer)
+    trainer = ParallelGPT(cfg, layout, lr=LR, optimizer=optimizer)
     for step in range(SAVED_AT):
         trainer.train_step(*_batch(step))
     save_checkpoint(path, trainer)
@@ -126,6 +127,29 @@ def test_checkpoint_of_another_model_is_refused_on_every_rank(saved, cfg, optimi
 def test_missing_checkpoint_is_refused_on_every_rank(tmp_path):
     for rank, err in enumerate(get_pool(4).run(_resume, Layout(dp=4), str(tmp_path / "nothing"))):
         assert isinstance(err, str) and "not a torch.distributed.checkpoint folder" in err, f"rank {rank}: {err!r}"
+
+
+TIED = GPTConfig.tiny(tie_embeddings=True)
+
+
+@pytest.mark.parametrize("saved_at,resume_at", [
+    ("2x1x2", "1x2x2"),
+    ("fsdp-sp-2x2x1", "1x1x4"),
+    pytest.param("2x1x2", "4x1x1", marks=pytest.mark.slow),
+    pytest.param("fsdp-2x1x2", "sp-1x2x2", marks=pytest.mark.slow),
+])
+def test_tied_embeddings_resume_across_layouts(tmp_path, saved_at, resume_at):
+    """The tied embedding is saved once, as the dense model's tok_emb.weight, whether the saving
+    layout held one parameter (pp = 1) or two copies (pp > 1, the last stage's in lm_head); a
+    resume at either kind of layout reads it into every copy, with its momentum."""
+    path = str(tmp_path / "ckpt")
+    pool = get_pool(4)
+    pool.run(_train_and_save, LAYOUTS[saved_at], path, "sgd", "float32", TIED)
+    saved = FileSystemReader(path).read_metadata().state_dict_metadata
+    assert "model.tok_emb.weight" in saved and "optim.tok_emb.weight.momentum_buffer" in saved
+    assert not any(k.startswith(("model.lm_head", "optim.lm_head")) for k in saved), sorted(saved)
+    want = _reference_losses(SAVED_AT + AFTER, cfg=TIED)[SAVED_AT:]
+    _check_resumed(pool.run(_resume, LAYOUTS[resume_at], path, "sgd", TIED), want)
 
 
 def _save_untrained(ctx, layout, path):

@@ -52,6 +52,18 @@ def _check_linears(group, rank, tp, sp, dtype):
     _close("column weight grad", col.weight.grad, dense.weight.grad.chunk(tp, 0)[rank], dtype)
     _close("column bias grad", col.bias.grad, dense.bias.grad.chunk(tp, 0)[rank], dtype)
 
+    # Column with stride 2 (two fused blocks, a gate/up projection): block i's slice r on rank
+    # r, gathered back in the dense order.
+    fused = ColumnParallelLinear.from_dense(dense, group, gather_output=not sp, sequence_parallel=sp, stride=2)
+    xt = _leaf(seq_shard(x, rank, tp) if sp else x)
+    out = fused(xt)
+    want = dense(x) if not sp else torch.cat([b.chunk(tp, -1)[rank] for b in dense(x).chunk(2, -1)], -1)
+    _close("column stride 2 output", out, want, dtype)
+    out.backward(gout if not sp else torch.cat([b.chunk(tp, -1)[rank] for b in gout.chunk(2, -1)], -1))
+    _close("column stride 2 input grad", xt.grad, seq_shard(xd.grad, rank, tp) if sp else xd.grad, dtype)
+    _close("column stride 2 weight grad", fused.weight.grad,
+           torch.cat([b.chunk(tp, 0)[rank] for b in dense.weight.grad.chunk(2, 0)]), dtype)
+
     # Row: input features split; output all-reduced (or reduce-scattered along the sequence).
     row = RowParallelLinear.from_dense(dense, group, sequence_parallel=sp)
     xt = _leaf(x.chunk(tp, -1)[rank])
@@ -71,7 +83,7 @@ def _check_linears(group, rank, tp, sp, dtype):
     _close("row(full input) input grad", xt.grad, xd.grad, dtype)
 
     # to_dense round trip.
-    for layer in (col, row):
+    for layer in (col, fused, row):
         back = layer.to_dense()
         assert torch.equal(back.weight, dense.weight) and torch.equal(back.bias, dense.bias)
 

@@ -27,18 +27,18 @@ def _data(step, batch=BATCH):
     return idx, torch.randint(0, VOCAB, (SEQ, batch), generator=g)
 
 
-def _models(group, sp, dtype):
+def _models(group, sp, dtype, fused_qkv=False):
     torch.manual_seed(0)
-    dense = GPT(VOCAB).to(dtype)
-    tp_model = parallelize(copy.deepcopy(dense), gpt_plan(sp), group)
+    dense = GPT(VOCAB, fused_qkv=fused_qkv).to(dtype)
+    tp_model = parallelize(copy.deepcopy(dense), gpt_plan(sp, fused_qkv), group)
     return dense, tp_model
 
 
-def _gpt_grads(ctx, backend, sp, dtype):
+def _gpt_grads(ctx, backend, sp, dtype, fused_qkv=False):
     torch.set_num_threads(1)
     group = group_for(ctx, backend)
     rank, tp = dist.get_rank(group), dist.get_world_size(group)
-    dense, model = _models(group, sp, dtype)
+    dense, model = _models(group, sp, dtype, fused_qkv)
     idx, target = _data(0)
     want_logits = dense(idx)
     dense_loss(want_logits, target).backward()
@@ -58,6 +58,42 @@ def _gpt_grads(ctx, backend, sp, dtype):
 @pytest.mark.parametrize("world_size", [1, 2, 4])
 def test_parallelized_gpt_equals_dense(world_size, backend, sp, dtype):
     get_pool(world_size).run(_gpt_grads, backend, sp, dtype)
+
+
+# ---- a fused q/k/v projection (one nn.Linear(h, 3h), GPT-2's c_attn): plan style "colwise:3" ----
+
+@pytest.mark.parametrize("sp", [False, True], ids=["tp", "tp+sp"])
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("world_size", [1, 2, 4])
+def test_parallelized_fused_qkv_gpt_equals_dense(world_size, backend, sp):
+    """Each rank's shard of qkv is its heads' q, k and v: logits, loss and every gradient (qkv's
+    compared block by block) equal the dense model's."""
+    get_pool(world_size).run(_gpt_grads, backend, sp, torch.float32, True)
+
+
+def _fused_qkv_round_trip_and_naive_split(ctx, backend):
+    torch.set_num_threads(1)
+    group = group_for(ctx, backend)
+    rank, tp = dist.get_rank(group), dist.get_world_size(group)
+    dense, model = _models(group, False, torch.float32, fused_qkv=True)
+    for i, block in enumerate(model.blocks):
+        qkv = dense.blocks[i].attn.qkv
+        back = block.attn.qkv.to_dense()
+        assert torch.equal(back.weight, qkv.weight) and torch.equal(back.bias, qkv.bias)
+        q, k, v = qkv.weight.chunk(3)
+        assert torch.equal(block.attn.qkv.weight, torch.cat([t.chunk(tp)[rank] for t in (q, k, v)]))
+    # A plain "colwise" split of the concatenation gives rank 0 all of q and half of k: wrong.
+    naive_plan = {**gpt_plan(False, fused_qkv=True), "blocks.*.attn.qkv": "colwise"}
+    naive = parallelize(copy.deepcopy(dense), naive_plan, group)
+    idx, _ = _data(0)
+    want = dense(idx).chunk(tp, -1)[rank]
+    assert torch.allclose(model(idx), want, rtol=1e-4, atol=1e-5)
+    assert not torch.allclose(naive(idx), want, rtol=1e-2, atol=1e-3)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_fused_qkv_round_trips_exactly_and_naive_colwise_does_not_match(backend):
+    get_pool(2).run(_fused_qkv_round_trip_and_naive_split, backend)
 
 
 def _gpt_training(ctx, backend, sp, steps):
@@ -104,6 +140,10 @@ def _bad_plans(ctx, backend):
                       ({"tok_emb": "rowwise"}, TypeError),
                       ({"blocks.*.attn.q_proj": "sequence"}, TypeError),
                       ({"lm_head": "diagonal"}, ValueError),
+                      ({"blocks.*.attn.q_proj": "colwise:0"}, ValueError),
+                      ({"blocks.*.attn.q_proj": "rowwise:2"}, ValueError),
+                      # q_proj's 16 outputs are not 3 equal blocks
+                      ({"blocks.*.attn.q_proj": "colwise:3"}, ValueError),
                       # two entries giving one module different styles: not "the last one wins"
                       ({"blocks.*.mlp.fc1": "colwise", "blocks.0.mlp.fc1": "rowwise"}, ValueError)):
         with pytest.raises(exc) as info:
@@ -121,7 +161,10 @@ def test_bad_plan_names_the_entry(backend):
         assert "'tok_emb'" in messages[2] and "Embedding" in messages[2]
         assert "'blocks.0.attn.q_proj'" in messages[3] and "Linear" in messages[3]
         assert "'diagonal'" in messages[4]
-        assert "'blocks.0.mlp.fc1'" in messages[5] and "'blocks.*.mlp.fc1'" in messages[5], messages[5]
+        assert "'colwise:0'" in messages[5] and "colwise:N" in messages[5], messages[5]
+        assert "'rowwise:2'" in messages[6]
+        assert "3 equal fused blocks" in messages[7] and "(16)" in messages[7], messages[7]
+        assert "'blocks.0.mlp.fc1'" in messages[8] and "'blocks.*.mlp.fc1'" in messages[8], messages[8]
 
 
 # ---- tp=2 x dp=2 on 4 ranks: tp inner (ranks 2d, 2d+1), dp outer; groups from explicit

@@ -1,6 +1,6 @@
-"""examples/train_gpt.py (issue 20) as users run it: one process without torchrun (on --data), 4 ranks
-under torchrun (2 x 2 x 1 and 1 x 2 x 2 with a loss-curve PNG), and a layout that does not fit
-the world size refused by every rank before training."""
+"""examples/train_gpt.py (issue 20) as users run it: one process without torchrun (on --data,
+clipping every step), 4 ranks under torchrun (2 x 2 x 1 and 1 x 2 x 2 with a loss-curve PNG), and
+a layout that does not fit the world size refused by every rank before training."""
 import os
 import re
 import subprocess
@@ -20,12 +20,16 @@ def _torchrun(nproc, *args, timeout=200):
 
 @pytest.mark.timeout(120)
 def test_single_process_run(tmp_path):
+    """With --clip-grad 0.01, below any gradient norm here: the last step's norm is reported,
+    above the bound it was clipped to."""
     out = subprocess.run([sys.executable, SCRIPT, "--model", "tiny", "--steps", "4", "--eval-every", "2",
-                          "--batch-size", "4", "--no-progress", "--out", str(tmp_path),
+                          "--batch-size", "4", "--no-progress", "--out", str(tmp_path), "--clip-grad", "0.01",
                           "--data", os.path.join(ROOT, "docs")],
                          capture_output=True, text=True, timeout=100, env=ENV)
     assert out.returncode == 0, out.stdout + out.stderr
     assert "4 steps in" in out.stdout and (tmp_path / "loss.png").stat().st_size > 1000
+    norm = re.search(r"gradient norm at the last step: ([0-9.]+) \(clipped to 0.01\)", out.stdout)
+    assert norm and float(norm.group(1)) > 0.01, out.stdout
 
 
 @pytest.mark.slow

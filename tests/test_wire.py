@@ -15,7 +15,7 @@ from harness import spawn, transport_env
 
 pytestmark = pytest.mark.timeout(120)
 
-HELLO_MAGIC = 0x7470617274637032  # "tpartcp2" (csrc/transport/tcp/handshake.h)
+HELLO_MAGIC = 0x7470617274637033  # "tpartcp3" (csrc/transport/tcp/handshake.h)
 HELLO = struct.Struct("<Qiii16s")  # magic, caller, listener, world size, nonce
 CHALLENGE = struct.Struct("<Qiii16s32s")  # ... listener's nonce, its MAC
 PROOF = struct.Struct("<Q32s")

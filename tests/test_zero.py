@@ -172,6 +172,41 @@ def test_optimizer_state_per_rank_is_one_over_world_size(backend, world_size, st
         assert grads == (full_grads // world_size if stage == 2 else full_grads)
 
 
+# ---- ZeRO-2: gradient memory during backward ----
+
+def _zero2_peak_grad_bytes(ctx, backend):
+    torch.set_num_threads(1)
+    torch.manual_seed(0)
+    model = nn.Sequential(*[nn.Linear(16, 16, bias=False) for _ in range(4 * ctx.world_size)])
+    # Buckets of one 1 KiB parameter per rank: several buckets, each split evenly.
+    ddp, opt = _wrap(ctx, _group(ctx, backend), model, 2, cap_mb=ctx.world_size * 1024 / 2 ** 20)
+    x, y = torch.randn(4, 16), torch.randn(4, 16)
+    for step in range(2):  # the second step is measured (the first allocates the shards)
+        if step == 1:
+            ddp.reducer.reset_peak_grad_bytes()
+        opt.zero_grad()
+        _loss(ddp(x), y).backward()
+        opt.step()
+    layout = ddp.reducer.shard_layout()
+    shards = sum(4 * shard_numel for _, _, _, shard_numel in layout)
+    full = [4 * shard_numel * ctx.world_size for _, _, _, shard_numel in layout]
+    return ddp.reducer.peak_grad_bytes(), ddp.reducer.bucket_bytes(), shards, full
+
+
+@on_backends
+@multi_rank
+def test_zero2_frees_each_full_bucket_once_reduce_scattered(backend, world_size):
+    # Before: every bucket's full gradient buffer lived until backward ended, so the peak held
+    # all of them (the whole model's gradients) beside the shards.
+    for peak, after, shards, full in _pool(backend, world_size).run(_zero2_peak_grad_bytes, backend):
+        assert len(full) >= 4
+        param = 16 * 16 * 4
+        # Analytic: the 1/W shards, one bucket in flight, one filling, one gradient being copied.
+        assert shards + max(full) <= peak <= shards + 2 * max(full) + param, (peak, shards, full)
+        assert peak < shards + sum(full)
+        assert after == shards  # between steps, only the shards
+
+
 # ---- state dicts ----
 
 def _state_dict_round_trip(ctx, backend, stage, saved=None):
@@ -466,21 +501,68 @@ def test_o2_load_state_dict_when_a_rank_owns_no_parameter(backend):
             assert torch.equal(p, q)
 
 
-def _zero2_join(ctx, backend):
-    """Review finding: a joined rank shadowed the reduce-scatters but not the optimizer's
-    all-gather (and dropped the gradients of the parameters it owns), so the ranks still
-    training hung in step(). Until join is supported, every rank refuses it up front."""
-    ddp, opt = _wrap(ctx, _group(ctx, backend), _mlp(), 2)
-    with pytest.raises(NotImplementedError, match="join.*shard_gradients=True"):
-        with ddp.join():
-            pass
-    with ddp.join(enable=False):  # a disabled join is a no-op, as in torch
-        pass
+def _uneven_steps(rank):
+    return 2 + rank  # rank 0 runs out first; the last rank trains longest
+
+
+def _train_uneven(ctx, backend, stage, how):
+    """Rank r trains 2 + r steps under join(); a joined rank shadows the others' collectives,
+    DDP's and the optimizer's (hung in step() before: it never entered the all-gather)."""
+    from torch.distributed.algorithms.join import Join
+
+    torch.set_num_threads(1)
+    group = _group(ctx, backend)
+    model = _mlp()
+    ref = copy.deepcopy(model)
+    ddp, opt = _wrap(ctx, group, model, stage)
+    joinables = {"ddp.join()": None, "model first": [ddp, opt], "optimizer first": [opt, ddp],
+                 "model only": [ddp]}[how]
+    with ddp.join() if joinables is None else Join(joinables):
+        for step in range(_uneven_steps(ctx.rank)):
+            x, y = _batch(100 * ctx.rank + step, 4)
+            opt.zero_grad()
+            _loss(ddp(x), y).backward()
+            opt.step()
+    # One process: each step, the gradients of the ranks still training, divided by the whole
+    # group's size (divide_by_initial_world_size, as torch's DDP.join()).
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+    for step in range(_uneven_steps(ctx.world_size - 1)):
+        ref_opt.zero_grad()
+        for r in range(ctx.world_size):
+            if step < _uneven_steps(r):
+                x, y = _batch(100 * r + step, 4)
+                _loss(ref(x), y).backward()
+        for p in ref.parameters():
+            p.grad /= ctx.world_size
+        ref_opt.step()
+    _assert_close(model, ref, "end")
 
 
 @on_backends
-def test_zero2_join_is_refused_on_every_rank(backend):
-    _pool(backend, 2).run(_zero2_join, backend, timeout=30)
+@multi_rank
+@STAGES
+@pytest.mark.parametrize("how", ["ddp.join()", "model first", "optimizer first", "model only"])
+def test_uneven_inputs_under_join_train_like_one_process(backend, world_size, stage, how):
+    _pool(backend, world_size).run(_train_uneven, backend, stage, how, timeout=60)
+
+
+def _optimizer_joined_without_its_ddp(ctx, backend):
+    """Join([optimizer]) without the DDP that reduces its gradients cannot work (the joined rank
+    would not shadow the backward's collectives): every rank raises, at the same collective."""
+    from torch.distributed.algorithms.join import Join
+
+    ddp, opt = _wrap(ctx, _group(ctx, backend), _mlp(), 1)
+    with pytest.raises(RuntimeError, match=r"Join\(\[ddp, optimizer\]\)"):
+        with Join([opt]):
+            for step in range(_uneven_steps(ctx.rank)):
+                x, y = _batch(step, 4)
+                _loss(ddp(x), y).backward()
+                opt.step()
+
+
+@on_backends
+def test_optimizer_joined_without_its_ddp_raises_on_every_rank(backend):
+    _pool(backend, 2).run(_optimizer_joined_without_its_ddp, backend, timeout=30)
 
 
 def _wrong_shard_on_one_rank(ctx, backend):

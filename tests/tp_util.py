@@ -32,7 +32,10 @@ def expected_param_grads(tp_model, dense_model, rank, tp):
         dense = dense_model.get_submodule(name)
         for pname, p in module.named_parameters(recurse=False):
             shard = lambda t: t  # noqa: E731
-            if isinstance(module, (ColumnParallelLinear, VocabParallelEmbedding)):
+            if isinstance(module, ColumnParallelLinear):  # each of its `stride` fused blocks split
+                shard = lambda t, n=module.stride: torch.cat(  # noqa: E731
+                    [b.chunk(tp, 0)[rank] for b in t.chunk(n, 0)])
+            elif isinstance(module, VocabParallelEmbedding):
                 shard = lambda t: t.chunk(tp, 0)[rank]  # noqa: E731
             elif isinstance(module, RowParallelLinear) and pname == "weight":
                 shard = lambda t: t.chunk(tp, 1)[rank]  # noqa: E731
@@ -42,16 +45,23 @@ def expected_param_grads(tp_model, dense_model, rank, tp):
 
 class Attention(nn.Module):
     """Plain causal self-attention on [s, b, h]; reads its local head count from the
-    projection's output, so it runs unchanged on tensor-parallel shards."""
+    projection's output, so it runs unchanged on tensor-parallel shards. With ``fused_qkv``
+    one ``qkv = nn.Linear(h, 3h)`` projects q, k and v side by side (GPT-2's c_attn)."""
 
-    def __init__(self, hidden, heads):
+    def __init__(self, hidden, heads, fused_qkv=False):
         super().__init__()
         self.num_heads, self.head_dim = heads, hidden // heads
-        self.q_proj, self.k_proj, self.v_proj = (nn.Linear(hidden, hidden) for _ in range(3))
+        if fused_qkv:
+            self.qkv = nn.Linear(hidden, 3 * hidden)
+        else:
+            self.q_proj, self.k_proj, self.v_proj = (nn.Linear(hidden, hidden) for _ in range(3))
         self.out_proj = nn.Linear(hidden, hidden)
 
     def forward(self, x):
-        q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        if hasattr(self, "qkv"):
+            q, k, v = self.qkv(x).chunk(3, -1)
+        else:
+            q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
         s, b = q.shape[:2]
         q, k, v = (t.reshape(s, b, -1, self.head_dim).permute(1, 2, 0, 3) for t in (q, k, v))
         o = F.scaled_dot_product_attention(q, k, v, is_causal=True)
@@ -68,9 +78,9 @@ class MLP(nn.Module):
 
 
 class Block(nn.Module):
-    def __init__(self, hidden, heads):
+    def __init__(self, hidden, heads, fused_qkv=False):
         super().__init__()
-        self.ln1, self.attn = nn.LayerNorm(hidden), Attention(hidden, heads)
+        self.ln1, self.attn = nn.LayerNorm(hidden), Attention(hidden, heads, fused_qkv)
         self.ln2, self.mlp = nn.LayerNorm(hidden), MLP(hidden)
 
     def forward(self, x):
@@ -82,10 +92,10 @@ class GPT(nn.Module):
     """Token ids [s, b] -> logits [s, b, vocab] (no position embedding: causal attention
     alone orders the tokens, enough for equivalence tests)."""
 
-    def __init__(self, vocab=32, hidden=16, heads=4, layers=2):
+    def __init__(self, vocab=32, hidden=16, heads=4, layers=2, fused_qkv=False):
         super().__init__()
         self.tok_emb = nn.Embedding(vocab, hidden)
-        self.blocks = nn.ModuleList(Block(hidden, heads) for _ in range(layers))
+        self.blocks = nn.ModuleList(Block(hidden, heads, fused_qkv) for _ in range(layers))
         self.ln_f = nn.LayerNorm(hidden)
         self.lm_head = nn.Linear(hidden, vocab, bias=False)
 
@@ -96,10 +106,10 @@ class GPT(nn.Module):
         return self.lm_head(self.ln_f(x))
 
 
-def gpt_plan(sequence_parallel):
+def gpt_plan(sequence_parallel, fused_qkv=False):
     plan = {
         "tok_emb": "vocab",
-        "blocks.*.attn.[qkv]_proj": "colwise",
+        **({"blocks.*.attn.qkv": "colwise:3"} if fused_qkv else {"blocks.*.attn.[qkv]_proj": "colwise"}),
         "blocks.*.attn.out_proj": "rowwise",
         "blocks.*.mlp.fc1": "colwise",
         "blocks.*.mlp.fc2": "rowwise",

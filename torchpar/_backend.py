@@ -10,15 +10,44 @@ from torchpar import _C
 BACKEND_NAME = "torchpar"
 
 
+def _incarnation_store(store, size):
+    """The group's store, scoped to this incarnation of the group.
+
+    A store can outlive the processes that used it: torchrun's agents share one TCPStore
+    with their workers and keep it across ``--max-restarts`` attempts, so a restarted group
+    of the same name finds the last attempt's keys (its ports, its abort notice) and would
+    take them for its own (pytorch/pytorch#135712; issue 21). Every member counts itself in
+    with one atomic add; the ``size`` members of one incarnation draw ``k*size+1 ...
+    (k+1)*size`` and all scope their keys by ``k``. This holds when every member of each
+    earlier incarnation got as far as creating the group; when one did not, the next
+    incarnation's members may disagree on ``k`` and its set-up times out (an error, not a
+    mix-up). The first incarnation keeps the store's own key names."""
+    incarnation = (store.add("torchpar/arrivals", 1) - 1) // size
+    return store if incarnation == 0 else dist.PrefixStore(f"torchpar/incarnation{incarnation}", store)
+
+
 def _create_backend(dist_backend_opts, backend_options):
-    """Called by torch.distributed (extended API) for each new group."""
-    return _C.ProcessGroupTorchpar(
-        dist_backend_opts.store,
-        dist_backend_opts.group_rank,
-        dist_backend_opts.group_size,
-        dist_backend_opts.timeout,
-        str(dist_backend_opts.group_id),
-    )
+    """Called by torch.distributed (extended API) for each new group.
+
+    Returns the group itself (``_C.TorchparGroup``, a c10d ProcessGroup carrying the backend
+    for CPU and CUDA), not only the backend: torch's own group calls every plugin "custom",
+    and DDP's logging data took that name from it (issue 23). torch skips its
+    ``TORCH_DISTRIBUTED_DEBUG=DETAIL`` wrapper for a group a creator returns, so it is
+    applied here, as torch would.
+    """
+    opts = dist_backend_opts
+    store = _incarnation_store(opts.store, opts.group_size)
+    backend = _C.ProcessGroupTorchpar(store, opts.group_rank, opts.group_size, opts.timeout, str(opts.group_id))
+    if dist.get_debug_level() == dist.DebugLevel.DETAIL and dist.is_gloo_available():
+        backend = dist.distributed_c10d._create_process_group_wrapper(
+            wrapped_pg=backend,
+            store_prefix=str(opts.group_id),
+            store=store,
+            rank=opts.group_rank,
+            world_size=opts.group_size,
+            timeout=opts.timeout,
+        )
+    return _C.TorchparGroup(store, opts.group_rank, opts.group_size, backend)
 
 
 def register_backend():

@@ -2,9 +2,16 @@
 
 #include <c10/util/Exception.h>
 
+#include <utility>
+
 #include "backend/errors.h"
 
 namespace torchpar {
+namespace {
+// The queue whose operation this thread is running now (its worker, or a caller running one
+// inline), if any: a future callback that issues an operation re-enters submit() here.
+thread_local const CollectiveQueue* running_here = nullptr;
+}  // namespace
 
 CollectiveQueue::CollectiveQueue(Transport& transport, const Config& config, int rank, int size,
                                  std::string group_name)
@@ -25,6 +32,24 @@ void CollectiveQueue::stop() {
 void CollectiveQueue::submit(c10::intrusive_ptr<Work> work, const char* name, Task task,
                              std::chrono::milliseconds timeout, bool async_op) {
   Queued item{std::move(work), name, std::move(task), timeout};
+  if (running_here == this) {
+    // A callback on the future of an operation this thread just finished issues another.
+    // Nobody else runs the queue until the callback returns, so an operation queued now and
+    // waited on by the callback would never start (issue 21). What was queued before it
+    // runs here first, then it: the order of issue is kept.
+    std::deque<Queued> earlier;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      TORCH_CHECK(!stopping_, "torchpar ", name, ": group '", group_name_, "' has been shut down");
+      earlier.swap(queue_);
+    }
+    for (auto& q : earlier) execute(q, /*caller_blocks=*/false);
+    execute(item, /*caller_blocks=*/!async_op);
+    return;
+  }
+  // On the point-to-point progress thread (a callback on a send's or recv's future), a
+  // blocking collective would wait for that very thread; an async one is left to the worker.
+  if (!async_op) check_not_on_progress_thread("a blocking collective");
   {
     std::lock_guard<std::mutex> lock(mu_);
     TORCH_CHECK(!stopping_, "torchpar ", name, ": group '", group_name_, "' has been shut down");
@@ -64,6 +89,11 @@ void CollectiveQueue::run_worker() {
 }
 
 void CollectiveQueue::execute(Queued& item, bool caller_blocks) {
+  const CollectiveQueue* outer = std::exchange(running_here, this);
+  struct Restore {
+    const CollectiveQueue* outer;
+    ~Restore() { running_here = outer; }
+  } restore{outer};
   uint64_t seq = next_seq_++;
   std::exception_ptr failed;
   {
@@ -71,7 +101,7 @@ void CollectiveQueue::execute(Queued& item, bool caller_blocks) {
     failed = group_error_;
   }
   if (failed) {
-    item.work->complete(failed);
+    finish(item, failed);
     return;
   }
   std::exception_ptr error;
@@ -89,7 +119,19 @@ void CollectiveQueue::execute(Queued& item, bool caller_blocks) {
       if (!group_error_) group_error_ = error;
     }
   }
-  item.work->complete(error);
+  finish(item, error);
+}
+
+void CollectiveQueue::finish(Queued& item, std::exception_ptr error) {
+  // Completing runs the future's callbacks; nothing they throw may leave the worker thread
+  // (std::terminate), and the operation itself is over either way.
+  try {
+    item.work->complete(error);
+  } catch (const std::exception& e) {
+    TORCH_WARN("torchpar ", item.name, ": completing the operation failed: ", e.what());
+  } catch (...) {
+    TORCH_WARN("torchpar ", item.name, ": completing the operation failed");
+  }
 }
 
 }  // namespace torchpar

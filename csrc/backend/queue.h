@@ -49,6 +49,8 @@ class CollectiveQueue {
   void run_worker();
   // Runs a collective; `caller_blocks` when the caller is waiting for it (inline execution).
   void execute(Queued& item, bool caller_blocks);
+  // Completes the item's work with `error` (null: success), never throwing.
+  void finish(Queued& item, std::exception_ptr error);
 
   Transport& transport_;
   const Config& config_;

@@ -2,6 +2,8 @@
 
 #include <ATen/core/jit_type.h>
 
+#include "transport/request.h"
+
 namespace torchpar {
 
 Work::Work(int rank, c10d::OpType type, const char* title, std::vector<at::Tensor> outputs)
@@ -19,20 +21,24 @@ void Work::complete(std::exception_ptr error) {
   finish(error);
 }
 
-int Work::sourceRank() const {
-  int r = source_rank_.load();
-  TORCH_CHECK(r >= 0, "sourceRank() is only defined for a completed receive");
-  return r;
-}
-
 bool Work::wait(std::chrono::milliseconds timeout) {
+  if (isCompleted()) return c10d::Work::wait(timeout);
+  check_not_on_progress_thread("wait() on a torchpar work");
   if (!waiters_) return c10d::Work::wait(timeout);
+  // A point-to-point work is counted while it blocks: its engine's progress thread polls for
+  // transfers only then (P2PEngine::waiters).
   struct Waiting {
     std::atomic<int>& count;
     explicit Waiting(std::atomic<int>& n) : count(n) { count.fetch_add(1, std::memory_order_relaxed); }
     ~Waiting() { count.fetch_sub(1, std::memory_order_relaxed); }
   } waiting(*waiters_);
   return c10d::Work::wait(timeout);
+}
+
+int Work::sourceRank() const {
+  int r = source_rank_.load();
+  TORCH_CHECK(r >= 0, "sourceRank() is only defined for a completed receive");
+  return r;
 }
 
 bool Work::isCompleted() {

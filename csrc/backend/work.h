@@ -27,8 +27,9 @@ class Work : public c10d::Work {
   // (P2PEngine::waiters says why).
   void count_waits_in(std::shared_ptr<std::atomic<int>> waiters) { waiters_ = std::move(waiters); }
   const std::shared_ptr<std::atomic<int>>& waits_counted_in() const { return waiters_; }
-  bool wait(std::chrono::milliseconds timeout = ::kNoTimeout) override;
 
+  // Refuses to block the point-to-point progress thread (see check_not_on_progress_thread).
+  bool wait(std::chrono::milliseconds timeout = ::kNoTimeout) override;
   c10::intrusive_ptr<c10::ivalue::Future> getFuture() override { return future_; }
   std::vector<at::Tensor> result() override { return outputs_; }
   int sourceRank() const override;

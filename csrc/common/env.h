@@ -1,8 +1,12 @@
 // TORCHPAR_* environment settings, read once per group at construction.
 #pragma once
 
+#include <unistd.h>
+
+#include <algorithm>
 #include <cstdint>
 #include <cstdlib>
+#include <fstream>
 #include <string>
 
 #include "common/error.h"
@@ -59,6 +63,20 @@ inline bool env_set(const char* name) {
   return v != nullptr && *v != '\0';
 }
 
+// The default bound on early arrivals: half of the memory this process may use (the
+// machine's, or the cgroup's limit where one is set). A fixed bound such as 1 GiB refused
+// collectives that worked before it existed: a broadcast or all-gather of more than that to
+// a rank still computing arrives ahead of its receives. Past half of memory the process
+// would be near an out-of-memory kill anyway, and failing names the sender and sizes.
+inline int64_t default_unexpected_max_bytes() {
+  int64_t memory = static_cast<int64_t>(::sysconf(_SC_PHYS_PAGES)) * static_cast<int64_t>(::sysconf(_SC_PAGE_SIZE));
+  std::ifstream cgroup("/sys/fs/cgroup/memory.max");  // cgroup v2; "max" when unlimited
+  std::string limit;
+  int64_t parsed = 0;
+  if (cgroup >> limit && parse_size(limit, &parsed) && parsed > 0) memory = memory > 0 ? std::min(memory, parsed) : parsed;
+  return memory > 0 ? memory / 2 : int64_t{1} << 30;
+}
+
 struct Config {
   // Bytes per rank in the group's shared arena (collectives stage chunks here).
   int64_t slot_bytes = env_int("TORCHPAR_SHM_SLOT_BYTES", 4 << 20);
@@ -84,7 +102,7 @@ struct Config {
   int64_t p2p_chunk_bytes = env_int("TORCHPAR_P2P_CHUNK_BYTES", 1 << 20);
   // Most bytes of messages that arrived before their receive was posted that a rank holds
   // at once (see P2PEngine::on_header for why exceeding it fails the group).
-  int64_t unexpected_max_bytes = env_int("TORCHPAR_UNEXPECTED_MAX_BYTES", int64_t{1} << 30);
+  int64_t unexpected_max_bytes = env_int("TORCHPAR_UNEXPECTED_MAX_BYTES", default_unexpected_max_bytes());
 };
 
 }  // namespace torchpar

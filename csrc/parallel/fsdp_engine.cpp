@@ -2,7 +2,6 @@
 
 #include <torch/csrc/autograd/engine.h>
 #include <torch/csrc/autograd/graph_task.h>
-#include <torch/csrc/autograd/utils/lambda_post_hook.h>
 
 #include <algorithm>
 
@@ -28,30 +27,8 @@ FsdpEngine::FsdpEngine(std::vector<std::shared_ptr<FlatParam>> units, int64_t ro
     unit.flat = std::move(units[u]);
     const auto& params = unit.flat->unsharded_params();
     TORCH_CHECK(params.size() == unit.flat->size(), "torchpar fully_shard: unit ", u, " is not bound");
-    for (const auto& p : params) {
-      if (!p.requires_grad()) {
-        continue;
-      }
-      auto acc = autograd::impl::grad_accumulator(p);
-      TORCH_CHECK(acc, "torchpar fully_shard: a gathered parameter has no gradient accumulator");
-      // Post-hooks of AccumulateGrad run once the gradient is in .grad.
-      auto hook = std::make_unique<autograd::utils::LambdaPostHook>(
-          [this, u](const autograd::variable_list& outputs, const autograd::variable_list&) {
-            on_gradient(static_cast<int64_t>(u));
-            return outputs;
-          });
-      hook_keys_.push_back(acc->add_post_hook(std::move(hook)));
-      accumulators_.push_back(std::move(acc));
-      ++unit.hooked;
-    }
+    unit.trained = std::any_of(params.begin(), params.end(), [](const at::Tensor& p) { return p.requires_grad(); });
     units_.push_back(std::move(unit));
-  }
-}
-
-FsdpEngine::~FsdpEngine() {
-  // A graph built before the engine died may still run backward: the hooks must go first.
-  for (size_t i = 0; i < accumulators_.size(); ++i) {
-    accumulators_[i]->del_post_hook(hook_keys_[i]);
   }
 }
 
@@ -81,6 +58,7 @@ void FsdpEngine::begin_step_locked() {
   for (auto& u : units_) {
     u.needs_backward = false;
     u.ran_forward = false;
+    u.nodes = u.pending = 0;
   }
   backward_queued_ = false;
 }
@@ -154,11 +132,8 @@ bool FsdpEngine::post_forward(int64_t unit, bool grad_enabled) {
   std::lock_guard<std::mutex> lock(mutex_);
   record(FsdpEvent::kPostForward, unit);
   Unit& u = units_[unit];
-  if (grad_enabled && !u.needs_backward && u.hooked > 0) {  // nothing to reduce for frozen units
+  if (grad_enabled && u.trained) {  // nothing to reduce for frozen units
     u.needs_backward = true;
-    u.pending = u.hooked;
-  }
-  if (grad_enabled && u.hooked > 0) {
     u.ran_forward = true;
   }
   if (in_backward()) {
@@ -194,7 +169,7 @@ void FsdpEngine::pre_backward(int64_t unit) {
     // A further backward over the same graph (retain_graph=True): its gradients are reduced and
     // added to the sharded .grad as the first backward's were.
     u.needs_backward = true;
-    u.pending = u.hooked;
+    u.pending = u.nodes;
   }
   unshard_locked(unit);
   // Backward runs the units in reverse forward order; the root (gathered throughout) comes first,
@@ -206,11 +181,25 @@ void FsdpEngine::pre_backward(int64_t unit) {
   }
 }
 
-void FsdpEngine::on_gradient(int64_t unit) {
+bool FsdpEngine::register_post_backward(int64_t unit) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  Unit& u = units_[unit];
+  // A recomputation whose forward is already in the graph (non-reentrant checkpointing) makes no
+  // node: its graph is only read for saved tensors and never runs backward. A reentrant one's
+  // forward ran without grad, so it has none yet, and its backward runs this node.
+  if (!u.trained || (in_backward() && u.needs_backward)) {
+    return false;
+  }
+  ++u.nodes;
+  ++u.pending;
+  return true;
+}
+
+void FsdpEngine::post_backward(int64_t unit) {
   std::lock_guard<std::mutex> lock(mutex_);
   Unit& u = units_[unit];
   if (!u.needs_backward) {
-    return;  // a gradient outside a step this engine runs (nothing to reduce)
+    return;  // a backward outside a step this engine runs (nothing to reduce)
   }
   if (u.pending > 0 && --u.pending == 0) {
     post_backward_locked(unit);

@@ -6,15 +6,24 @@
 //             so that it travels while u computes; post_forward(u): free u's gathered storage
 //             (reshard_after_forward; the root keeps its own, backward needs it at once).
 //   backward  pre_backward(u), when gradients reach u's outputs: gather u again (prefetched),
-//             launch the all-gather of the unit before it; once every parameter of u has its
-//             gradient (AccumulateGrad post-hooks), post_backward(u): free u's storage, pack its
-//             gradients and launch their reduce-scatter, which runs while backward goes on.
-//             One reduce-scatter is in flight at a time: the previous one is waited on before the
-//             next is launched, so packed gradients of at most two units are alive (as torch's
-//             FSDP2 does).
-//   end       a callback queued on the autograd engine: reduce what no hook reached (units whose
-//             outputs or parameters got no gradient), wait for the last reduce-scatter, hand the
-//             shards to the sharded parameters' .grad, free every gathered unit.
+//             launch the all-gather of the unit before it; post_backward(u), when the gradients
+//             of u's inputs are computed (an identity node on the inputs, made in forward:
+//             register_post_backward): free u's storage, pack its gradients (zeros for a
+//             parameter that got none) and launch their reduce-scatter, which runs while backward
+//             goes on. One reduce-scatter is in flight at a time: the previous one is waited on
+//             before the next is launched, so packed gradients of at most two units are alive (as
+//             torch's FSDP2 does).
+//   end       a callback queued on the autograd engine: reduce the units no post_backward reached
+//             (inputs that need no gradient, as the root's token ids), in backward order; wait for
+//             the last reduce-scatter, hand the shards to the sharded parameters' .grad, free
+//             every gathered unit.
+// Why the inputs' gradient, not the parameters' (AccumulateGrad hooks, until issue 19's review):
+// which parameters get a gradient depends on the data (a branch taken on some ranks only), so a
+// unit reduced by its last parameter's gradient was reduced in backward on some ranks and at the
+// end on others, and the ranks' collectives went out of order (a hang). Whether a unit's inputs
+// get a gradient depends on the model's structure, the same on every rank. The autograd engine
+// runs a device's nodes in decreasing sequence number, and the identity node is made before every
+// node of the unit's forward, so it runs after all of them: every gradient of u is in .grad then.
 // A forward inside backward (activation checkpointing's recomputation) keeps its unit gathered
 // until that unit's post_backward; a no_grad forward while a backward is pending starts no step;
 // a second backward over a retained graph re-arms each unit it reaches (pre_backward), so its
@@ -24,9 +33,6 @@
 #pragma once
 
 #include "parallel/fsdp_flat_param.h"
-
-#include <torch/csrc/autograd/function.h>
-#include <torch/csrc/autograd/variable.h>
 
 #include <memory>
 #include <mutex>
@@ -59,19 +65,25 @@ struct FsdpMemory {
 
 class FsdpEngine : public std::enable_shared_from_this<FsdpEngine> {
  public:
-  // `units` in the order fully_shard made them; `root` indexes the unit whose forward holds the
-  // others'. Installs the gradient hooks on every unit's unsharded parameters (bound already).
+  // `units` in the order fully_shard made them (bound already); `root` indexes the unit whose
+  // forward holds the others'.
   FsdpEngine(std::vector<std::shared_ptr<FlatParam>> units, int64_t root);
-  ~FsdpEngine();
 
   FsdpEngine(const FsdpEngine&) = delete;
   FsdpEngine& operator=(const FsdpEngine&) = delete;
 
   // Called by the module hooks (torchpar/parallel/fsdp.py).
   void pre_forward(int64_t unit, bool grad_enabled);
+  // In a forward with grad, before the caller puts u's inputs that require grad through an
+  // identity node whose backward calls post_backward(u). Returns false where it must not: u has
+  // no trained parameter, or this is the recomputation (non-reentrant checkpointing) of a forward
+  // whose node is already in the graph. A forward run twice in a step has two nodes; u is reduced
+  // once both have run.
+  bool register_post_backward(int64_t unit);
   // Returns whether u's gathered parameters were freed.
   bool post_forward(int64_t unit, bool grad_enabled);
   void pre_backward(int64_t unit);
+  void post_backward(int64_t unit);
 
   // Free every unit's gathered parameters (after a forward without backward, or by the user).
   void reshard_all();
@@ -85,8 +97,9 @@ class FsdpEngine : public std::enable_shared_from_this<FsdpEngine> {
  private:
   struct Unit {
     std::shared_ptr<FlatParam> flat;
-    size_t pending = 0;             // parameter gradients still to arrive this backward
-    size_t hooked = 0;              // parameters with a gradient hook (those requiring grad)
+    bool trained = false;           // has a parameter that requires grad
+    size_t nodes = 0;               // post-backward nodes made this step (one per forward)
+    size_t pending = 0;             // of those, the ones still to run this backward
     bool needs_backward = false;    // ran forward with grad this step, not reduced yet
     bool ran_forward = false;       // ran forward with grad this step (a backward may come again)
   };
@@ -96,7 +109,6 @@ class FsdpEngine : public std::enable_shared_from_this<FsdpEngine> {
     at::Tensor packed, out;
   };
 
-  void on_gradient(int64_t unit);
   void post_backward_locked(int64_t unit);
   void finalize();
   void unshard_locked(int64_t unit);
@@ -111,10 +123,6 @@ class FsdpEngine : public std::enable_shared_from_this<FsdpEngine> {
 
   std::vector<Unit> units_;
   int64_t root_;
-  using AccumulatorPtr =
-      decltype(torch::autograd::impl::grad_accumulator(std::declval<const at::Tensor&>()));
-  std::vector<AccumulatorPtr> accumulators_;
-  std::vector<uintptr_t> hook_keys_;
 
   mutable std::mutex mutex_;        // hooks run on autograd's threads
   std::vector<int64_t> order_;      // forward order, recorded in the first forward

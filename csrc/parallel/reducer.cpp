@@ -8,6 +8,7 @@
 #include <torch/csrc/autograd/utils/lambda_post_hook.h>
 #include <torch/csrc/autograd/variable.h>
 
+#include <algorithm>
 #include <sstream>
 #include <unordered_set>
 
@@ -337,6 +338,7 @@ void Reducer::mark_ready(int64_t index, bool has_gradient) {
   if (in_place) {
     b.inputs[slot.offset] = view;  // zeros, or a strided gradient copied in
   }
+  peak_grad_bytes_ = std::max(peak_grad_bytes_, bucket_bytes_locked() + (grad.defined() ? static_cast<int64_t>(grad.nbytes()) : 0));
   if (b.shard_numel && has_gradient && grad.defined()) {
     param.mutable_grad().reset();  // in the bucket now; only the owner gets it back, reduced
   }
@@ -347,6 +349,9 @@ void Reducer::mark_ready(int64_t index, bool has_gradient) {
 void Reducer::launch_ready_buckets() {
   while (next_launch_ < buckets_.size() && buckets_[next_launch_].pending == 0) {
     Bucket& b = buckets_[next_launch_];
+    if (b.shard_numel && next_launch_ > 0) {
+      release_flat(buckets_[next_launch_ - 1]);  // one reduce-scatter in flight
+    }
     if (reduces_in_place(b)) {
       b.reduction = Reduction{group_->allreduce_coalesced(b.inputs), {}};
     } else {
@@ -366,8 +371,8 @@ Reducer::Reduction Reducer::start_reduction(size_t index, const at::Tensor& buff
   Reduction r;
   const Bucket& b = buckets_[index];
   if (b.shard_numel) {
-    // This rank's segment of the sum; a joined rank's zeros reduce into a scratch shard.
-    at::Tensor out = buffer.is_same(b.flat) ? b.shard : at::empty({b.shard_numel}, b.options);
+    // This rank's segment of the sum (a joined rank's too: its zeros, the others' gradients).
+    at::Tensor out = b.shard;
     at::Tensor in = buffer;
 #pragma GCC diagnostic push
 #pragma GCC diagnostic ignored "-Wdeprecated-declarations"  // reduce_scatter_single is torch >= 2.13
@@ -416,22 +421,49 @@ void Reducer::join_shadow_backward() {
   std::lock_guard<std::mutex> lock(mutex_);
   at::NoGradGuard no_grad;
   synced_once_ = true;
+  reset_step();
+  std::vector<at::Tensor> reduced;
   for (size_t i = 0; i < buckets_.size(); ++i) {
     at::Tensor zeros = at::zeros({buckets_[i].numel}, buckets_[i].options);
     Reduction r = start_reduction(i, zeros);
-    finish_reduction(r, zeros);
+    reduced.push_back(finish_reduction(r, zeros));
   }
+  std::vector<int32_t> used_anywhere(params_.size(), 1);
   if (step_reduces_used_flags()) {
     std::vector<at::Tensor> tensors{at::zeros({static_cast<int64_t>(params_.size())},
                                               params_.front().options().dtype(at::kInt))};
     group_->allreduce(tensors)->wait();
+    at::Tensor used = tensors[0].cpu();
+    used_anywhere.assign(used.data_ptr<int32_t>(), used.data_ptr<int32_t>() + used.numel());
     if (options_.static_graph && !flags_recorded_) {
       // The training ranks' first step: keep their flags, as they do. This rank's own gradient
       // counts are recorded in its first step of training, if it has one (a later epoch).
-      at::Tensor used = tensors[0].cpu();
-      used_in_record_.assign(used.data_ptr<int32_t>(), used.data_ptr<int32_t>() + used.numel());
+      used_in_record_ = used_anywhere;
       flags_recorded_ = true;
     }
+  } else if (flags_recorded_) {
+    used_anywhere = used_in_record_;
+  }
+  // .grad as after a synchronised backward, from what the others reduced.
+  for (size_t i = 0; i < buckets_.size(); ++i) {
+    Bucket& b = buckets_[i];
+    if (b.shard_numel) {
+      write_back_shard(b, used_anywhere);
+      continue;
+    }
+    if (!b.flat.defined()) {  // reduced where the gradients lie in training steps: no flat tensor
+      for (size_t k = 0; k < b.params.size(); ++k) {
+        const at::Tensor& param = params_[b.params[k]];
+        if (used_anywhere[b.params[k]]) {
+          param.mutable_grad() = reduced[i].narrow(0, b.offsets[k], param.numel()).view(param.sizes());
+        }
+      }
+      continue;
+    }
+    if (!reduced[i].is_same(b.flat)) {
+      b.flat.copy_(reduced[i].reshape(b.flat.sizes()));
+    }
+    write_back(b, used_anywhere);
   }
   if (!rebuilt_) {
     rebuild_in_observed_order();  // takes rank 0's order, as the training ranks do
@@ -495,11 +527,12 @@ void Reducer::finalize() {
     // Bucket by bucket, so that copying out an early bucket overlaps the all-reduce of
     // the later ones.
     for (auto& b : buckets_) {
-      const at::Tensor reduced = finish_reduction(b.reduction, b.flat);
       if (b.shard_numel) {
+        release_flat(b);
         write_back_shard(b, used_anywhere);
         continue;
       }
+      const at::Tensor reduced = finish_reduction(b.reduction, b.flat);
       if (!reduced.is_same(b.flat)) {
         b.flat.copy_(reduced.reshape(b.flat.sizes()));
       }
@@ -597,6 +630,13 @@ void Reducer::write_back_shard(Bucket& b, const std::vector<int32_t>& used_anywh
     at::Tensor g = b.shard.narrow(0, b.offsets[k] - rank * b.shard_numel, param.numel()).view(param.sizes());
     param.mutable_grad() = g.scalar_type() == param.scalar_type() ? g : g.to(param.scalar_type());
   }
+}
+
+void Reducer::release_flat(Bucket& b) {
+  if (b.reduction.work) {
+    finish_reduction(b.reduction, b.flat);
+    b.reduction = Reduction{};
+  }
   // The whole bucket is needed again only in the next backward.
   b.flat = at::Tensor();
   b.views.clear();
@@ -628,6 +668,20 @@ std::vector<std::vector<int64_t>> Reducer::bucket_indices() const {
 
 int64_t Reducer::bucket_bytes() const {
   std::lock_guard<std::mutex> lock(mutex_);
+  return bucket_bytes_locked();
+}
+
+int64_t Reducer::peak_grad_bytes() const {
+  std::lock_guard<std::mutex> lock(mutex_);
+  return peak_grad_bytes_;
+}
+
+void Reducer::reset_peak_grad_bytes() {
+  std::lock_guard<std::mutex> lock(mutex_);
+  peak_grad_bytes_ = bucket_bytes_locked();
+}
+
+int64_t Reducer::bucket_bytes_locked() const {
   int64_t bytes = 0;
   for (const auto& b : buckets_) {
     bytes += b.flat.defined() ? static_cast<int64_t>(b.flat.nbytes()) : 0;

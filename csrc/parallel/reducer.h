@@ -13,7 +13,10 @@
 // With shard_gradients (ZeRO-2, Rajbhandari et al. 2020, arXiv:1910.02054) each bucket is
 // laid out as one segment per rank (BucketShards, bucket_assignment.h) and reduce-scattered
 // instead of all-reduced: a rank keeps the averaged gradients of its own parameters only,
-// in one persistent shard tensor per bucket; the full flat bucket lives only during backward.
+// in one persistent shard tensor per bucket. The full flat bucket lives from its first
+// gradient until its reduce-scatter is done, which is waited for (and the bucket freed) when
+// the next bucket is launched: one reduce-scatter in flight, as FSDP2 does, so at most two full
+// buckets (one in flight, one filling, in backward order) exist beside the shards.
 //
 // Only the public c10d API (ProcessGroup::allreduce, Work::wait) is used, so the reducer
 // runs on any backend: torchpar, gloo, nccl.
@@ -107,8 +110,10 @@ class Reducer {
   bool records_static_graph() const;
 
   // For a rank whose inputs have run out while others train on (DDP's join()): issues the
-  // collectives of one synchronised backward (each bucket's all-reduce or comm hook, the
-  // unused-parameter flags, the one-time bucket rebuild) with zeros as this rank's share.
+  // collectives of one synchronised backward (each bucket's all-reduce, reduce-scatter or comm
+  // hook, the unused-parameter flags, the one-time bucket rebuild) with zeros as this rank's
+  // share, and leaves the result in .grad as a synchronised backward does (the others' average:
+  // a ZeRO optimizer steps this rank's shard with it).
   void join_shadow_backward();
 
   // The events of the last synchronised step, in order.
@@ -118,6 +123,11 @@ class Reducer {
   std::vector<at::Tensor> bucket_tensors();  // allocates any not made yet
   // Bytes of bucket tensors allocated so far (flat buckets and gradient shards).
   int64_t bucket_bytes() const;
+  // The highest bucket_bytes() plus the bytes of the parameter gradient being copied in, seen at
+  // any gradient's arrival since reset_peak_grad_bytes(): a synchronised backward's peak of
+  // gradient memory (the .grad autograd made lives only until its copy into the bucket).
+  int64_t peak_grad_bytes() const;
+  void reset_peak_grad_bytes();
   // With shard_gradients: each bucket's whole-parameter shards, the layout the ZeRO
   // optimizer must step and all-gather by.
   std::vector<BucketShards> shard_layout() const;
@@ -167,7 +177,9 @@ class Reducer {
   Reduction start_reduction(size_t index, const at::Tensor& buffer);
   at::Tensor finish_reduction(Reduction& r, const at::Tensor& buffer);
   c10d::GradBucket grad_bucket(size_t index, const at::Tensor& buffer) const;
-  void wait(Bucket& b);
+  // shard_gradients: wait for b's reduce-scatter (its shard is final) and free its flat tensor.
+  void release_flat(Bucket& b);
+  int64_t bucket_bytes_locked() const;
   void finalize();
   // The first static_graph step: every parameter counts ready now, with or without a gradient.
   void mark_all_ready_for_recording();
@@ -214,6 +226,7 @@ class Reducer {
   bool flags_recorded_ = false;       // static_graph: used_in_record_ is set (the group's first step)
   bool hooks_recorded_ = false;       // static_graph: hooks_expected_ is set (this rank's first step)
   bool rebuilt_ = false;
+  int64_t peak_grad_bytes_ = 0;
 };
 
 }  // namespace torchpar::parallel

@@ -83,7 +83,9 @@ TORCHPAR_PYBIND(fsdp) {
       .def(py::init<std::vector<std::shared_ptr<FlatParam>>, int64_t>(), py::arg("units"), py::arg("root"))
       .def("pre_forward", &FsdpEngine::pre_forward, py::call_guard<py::gil_scoped_release>())
       .def("post_forward", &FsdpEngine::post_forward, py::call_guard<py::gil_scoped_release>())
+      .def("register_post_backward", &FsdpEngine::register_post_backward)
       .def("pre_backward", &FsdpEngine::pre_backward, py::call_guard<py::gil_scoped_release>())
+      .def("post_backward", &FsdpEngine::post_backward, py::call_guard<py::gil_scoped_release>())
       .def("reshard_all", &FsdpEngine::reshard_all, py::call_guard<py::gil_scoped_release>())
       .def("forward_order", &FsdpEngine::forward_order)
       .def("trace",

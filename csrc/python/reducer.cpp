@@ -98,5 +98,9 @@ TORCHPAR_PYBIND(reducer) {
            [](const Reducer& r) { return shard_layout_to_python(r.shard_layout()); },
            "shard_gradients: per bucket (params, owners, offsets, shard_numel), the ZeRO layout.")
       .def("bucket_bytes", &Reducer::bucket_bytes, py::call_guard<py::gil_scoped_release>(),
-           "Bytes of bucket tensors allocated so far.");
+           "Bytes of bucket tensors allocated so far.")
+      .def("peak_grad_bytes", &Reducer::peak_grad_bytes,
+           "Highest bucket bytes plus the gradient in transit, at any gradient's arrival since "
+           "reset_peak_grad_bytes().")
+      .def("reset_peak_grad_bytes", &Reducer::reset_peak_grad_bytes);
 }

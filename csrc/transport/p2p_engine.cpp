@@ -13,6 +13,11 @@ namespace {
 
 constexpr auto kCheckPeriod = std::chrono::milliseconds(50);
 constexpr auto kIdleSleep = std::chrono::milliseconds(50);
+// What an early message costs beyond its payload (its record in `unexpected_`), counted
+// against the cap too: otherwise a peer could queue zero-byte messages without limit.
+constexpr size_t kEarlyRecordBytes = 64;
+
+size_t held_bytes(size_t payload) { return payload + kEarlyRecordBytes; }
 
 bool matches(const Request& r, int source, uint64_t tag) {
   return (r.peer == -1 || r.peer == source) && r.tag == tag;
@@ -92,7 +97,7 @@ std::shared_ptr<Request> P2PEngine::irecv(int peer, uint64_t tag, void* data, si
       if (u->complete) {
         done = u;
         unexpected_.erase(it);  // `u` refers into the list: use `done` from here on
-        unexpected_bytes_ -= std::min(unexpected_bytes_, done->data.size());
+        unexpected_bytes_ -= std::min(unexpected_bytes_, held_bytes(done->data.size()));
       } else {
         u->claimed = req;  // still streaming in; delivered when its last byte arrives
       }
@@ -182,6 +187,7 @@ void P2PEngine::fail_group(const std::string& why) {
 }
 
 void P2PEngine::run() {
+  mark_progress_thread();
   auto idle_since = Clock::now();
   auto last_check = Clock::now();
   while (!stop_.load(std::memory_order_acquire)) {
@@ -328,8 +334,9 @@ void P2PEngine::on_header(int peer, Inbox& in) {
       }
     }
     if (!recv) {
-      TP_CHECK(bytes <= unexpected_max_ - std::min(unexpected_bytes_, unexpected_max_), "rank ", peer,
-               " sent a message of ", bytes, " bytes (tag ", tag, ") before rank ", rank_,
+      const size_t room = unexpected_max_ - std::min(unexpected_bytes_, unexpected_max_);
+      TP_CHECK(bytes <= unexpected_max_ && held_bytes(bytes) <= room, "rank ", peer, " sent a message of ", bytes,
+               " bytes (tag ", tag, ") before rank ", rank_,
                " posted a receive for it, with ", unexpected_bytes_,
                " bytes of such early messages held already; holding it would exceed TORCHPAR_UNEXPECTED_MAX_BYTES=",
                unexpected_max_, " (post the receive sooner, or raise the limit)");
@@ -337,7 +344,7 @@ void P2PEngine::on_header(int peer, Inbox& in) {
       u->source = peer;
       u->tag = in.header.tag;
       u->data.resize(bytes);
-      unexpected_bytes_ += bytes;
+      unexpected_bytes_ += held_bytes(bytes);
       unexpected_.push_back(u);
       in.unexpected = u;
       in.target = u->data.data();
@@ -373,7 +380,7 @@ void P2PEngine::on_payload_done(int peer, Inbox& in) {
       claimed = in.unexpected->claimed;
       if (claimed) {
         unexpected_.remove(in.unexpected);
-        unexpected_bytes_ -= std::min(unexpected_bytes_, in.unexpected->data.size());
+        unexpected_bytes_ -= std::min(unexpected_bytes_, held_bytes(in.unexpected->data.size()));
       }
     }
     if (claimed) {

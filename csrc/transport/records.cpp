@@ -40,6 +40,14 @@ int64_t number(const std::string& text, int64_t lo, int64_t hi, const char* what
   return value;
 }
 
+// The inode of /proc/self/ns/`kind`, which names this process's namespace of that kind;
+// empty where /proc does not say (then every rank reads the same empty value).
+std::string namespace_inode(const char* kind) {
+  struct stat st {};
+  const std::string path = std::string("/proc/self/ns/") + kind;
+  return ::stat(path.c_str(), &st) == 0 ? std::to_string(st.st_ino) : std::string();
+}
+
 }  // namespace
 
 HostIdentity HostIdentity::local() {
@@ -48,16 +56,18 @@ HostIdentity HostIdentity::local() {
   HostIdentity id;
   id.hostname = host;
   std::ifstream("/proc/sys/kernel/random/boot_id") >> id.boot_id;
-  struct stat st {};
-  if (::stat("/proc/self/ns/pid", &st) == 0) id.pid_namespace = std::to_string(st.st_ino);
+  id.pid_namespace = namespace_inode("pid");
+  id.net_namespace = namespace_inode("net");
   return id;
 }
 
-std::string HostIdentity::encode() const { return hostname + "|" + boot_id + "|" + pid_namespace; }
+std::string HostIdentity::encode() const {
+  return hostname + "|" + boot_id + "|" + pid_namespace + "|" + net_namespace;
+}
 
 HostIdentity HostIdentity::decode(const std::string& text) {
-  auto f = fields(text, 3, "host identity");
-  return HostIdentity{f[0], f[1], f[2]};
+  auto f = fields(text, 4, "host identity");
+  return HostIdentity{f[0], f[1], f[2], f[3]};
 }
 
 std::string Contact::encode() const {
@@ -67,11 +77,11 @@ std::string Contact::encode() const {
 }
 
 Contact Contact::decode(const std::string& text) {
-  auto f = fields(text, 5, "TCP contact");
+  auto f = fields(text, 6, "TCP contact");
   Contact c;
   c.port = static_cast<uint16_t>(number(f[0], 1, 65535, "port"));
-  c.host = HostIdentity{f[1], f[2], f[3]};
-  std::istringstream list(f[4]);
+  c.host = HostIdentity{f[1], f[2], f[3], f[4]};
+  std::istringstream list(f[5]);
   for (std::string a; std::getline(list, a, ',');) {
     if (!a.empty()) c.addresses.push_back(a);
   }

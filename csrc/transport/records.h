@@ -13,17 +13,21 @@
 namespace torchpar {
 
 // A host and IPC view: two ranks with equal identities can map each other's POSIX shared
-// memory and see each other's pids.
+// memory and see each other's pids. A network namespace counts as a host of its own (issue
+// 21): namespaces on one kernel may share /dev/shm, but they stand for separate machines
+// (containers, or the test hosts of tests/netns.py), so ranks in different ones talk TCP.
 struct HostIdentity {
   std::string hostname;
   std::string boot_id;        // the kernel's boot id: a hostname may be reused by containers
   std::string pid_namespace;  // inode of /proc/self/ns/pid
+  std::string net_namespace;  // inode of /proc/self/ns/net
 
   static HostIdentity local();
   std::string encode() const;
   static HostIdentity decode(const std::string& text);
   bool operator==(const HostIdentity& o) const {
-    return hostname == o.hostname && boot_id == o.boot_id && pid_namespace == o.pid_namespace;
+    return hostname == o.hostname && boot_id == o.boot_id && pid_namespace == o.pid_namespace &&
+           net_namespace == o.net_namespace;
   }
   bool operator!=(const HostIdentity& o) const { return !(*this == o); }
 };

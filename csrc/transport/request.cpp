@@ -2,7 +2,21 @@
 
 #include <utility>
 
+#include "common/error.h"
+
 namespace torchpar {
+namespace {
+thread_local bool on_progress_thread = false;
+}  // namespace
+
+void mark_progress_thread() { on_progress_thread = true; }
+
+void check_not_on_progress_thread(const char* what) {
+  TP_CHECK_USAGE(!on_progress_thread, "torchpar: ", what,
+                 " was called on torchpar's point-to-point progress thread (from a callback on the future of "
+                 "a send or recv, which that thread runs), and would wait forever: only that thread could "
+                 "finish it. Wait in the caller's thread instead, or chain the work with then().");
+}
 
 bool Request::done() const {
   std::lock_guard<std::mutex> lock(mu_);
@@ -15,6 +29,7 @@ bool Request::wait_for(std::chrono::milliseconds timeout) {
 }
 
 void Request::wait() {
+  if (!done()) check_not_on_progress_thread("a blocking send or recv");
   std::unique_lock<std::mutex> lock(mu_);
   cv_.wait(lock, [&] { return done_; });
   if (error_) std::rethrow_exception(error_);

@@ -14,6 +14,13 @@ namespace torchpar {
 
 using Clock = std::chrono::steady_clock;
 
+// A point-to-point progress thread finishes requests, and so runs the callbacks users chain
+// on their futures. Such a callback must not block on another operation: only this thread
+// could finish it (issue 21). The thread marks itself, and every blocking wait of ours
+// called on it throws this error naming `what` instead of hanging.
+void mark_progress_thread();
+void check_not_on_progress_thread(const char* what);
+
 class Request {
  public:
   enum class Kind { kSend, kRecv };

@@ -8,6 +8,7 @@
 #include <unistd.h>
 
 #include <atomic>
+#include <cerrno>
 #include <cstring>
 #include <string>
 #include <thread>
@@ -134,7 +135,7 @@ TEST(Tcp, TheSecretNeverCrossesTheWire) {
   const uint64_t token = 0x1122334455667788ULL;  // what the old protocol sent in its hello
   rv.set(store_keys::kTcpSecret, secret_to_hex(secret));
   rv.set("torchpar/tcp/token", std::to_string(token));
-  rv.set(store_keys::tcp_contact(0), Contact{port, HostIdentity{"elsewhere", "b", "n"}, {"127.0.0.1"}}.encode());
+  rv.set(store_keys::tcp_contact(0), Contact{port, HostIdentity{"elsewhere", "b", "n", "net"}, {"127.0.0.1"}}.encode());
 
   std::string heard;
   std::thread impostor([&] {
@@ -204,6 +205,67 @@ TEST(Tcp, AStrangerWithoutTheSecretCannotTakeARanksPlace) {
   for (int fd : strangers) ::close(fd);
   EXPECT_EQ(errors[0], "");
   EXPECT_EQ(errors[1], "");
+}
+
+// The listener may drop a connection after the caller's proof (too many handshakes at once,
+// or past its deadline). The caller used to keep such a connection as its link to the
+// listener, and the group then waited on a socket nobody read until its timeout. Now it
+// keeps a connection only once the listener sends Accepted, and calls again otherwise. Here
+// rank 0 is played by hand: it drops the first connection after checking its proof.
+TEST(Tcp, ACallerDroppedAfterItsProofCallsAgain) {
+  MemoryRendezvous rv;
+  uint16_t port = 0;
+  Fd listener = listen_on("127.0.0.1", 16, &port);
+  const Secret secret = random_secret();
+  rv.set(store_keys::kTcpSecret, secret_to_hex(secret));
+  rv.set(store_keys::tcp_contact(0), Contact{port, HostIdentity::local(), {}}.encode());
+  int connections = 0;
+  std::string fake_error;
+  std::atomic<bool> rank1_done{false};
+  std::thread rank0([&] {
+    try {
+      for (bool accept : {false, true}) {
+        Fd fd = accept_until(listener.get(), Clock::now() + std::chrono::seconds(4));
+        ++connections;
+        const auto deadline = Clock::now() + std::chrono::seconds(4);
+        Hello hello{};
+        recv_all(fd.get(), &hello, sizeof(hello), deadline);
+        const Nonce nonce = random_nonce();
+        Challenge c{kHandshakeMagic, 0, 1, 2, nonce, listener_mac(secret, 0, 1, 2, hello.nonce, nonce)};
+        send_all(fd.get(), &c, sizeof(c), deadline);
+        Proof proof{};
+        recv_all(fd.get(), &proof, sizeof(proof), deadline);
+        ASSERT_TRUE(check_proof(proof, secret, 0, hello, nonce));
+        if (!accept) continue;  // dropped: the caller must not count on this connection
+        Accepted ok{kAcceptedMagic};
+        send_all(fd.get(), &ok, sizeof(ok), deadline);
+        while (!rank1_done.load()) std::this_thread::sleep_for(std::chrono::milliseconds(10));
+      }
+    } catch (const std::exception& e) {
+      fake_error = e.what();
+    }
+  });
+  std::string rank1_error;
+  try {
+    TcpTransport t(1, 2, rv, small_config(), std::chrono::milliseconds(5000));
+  } catch (const std::exception& e) {
+    rank1_error = e.what();
+  }
+  rank1_done = true;
+  rank0.join();
+  EXPECT_EQ(rank1_error, "");
+  EXPECT_EQ(connections, 2) << "rank 1 kept the connection rank 0 had dropped";
+  EXPECT_EQ(fake_error, "");
+}
+
+// accept() failures that leave the listener usable (accept(2): errors of the connection or
+// the network passed on, and running short of descriptors) used to end set-up on the spot.
+TEST(Tcp, AcceptErrorsThatPassDoNotEndSetUp) {
+  for (int err : {EINTR, EAGAIN, ECONNABORTED, EPROTO, EPERM, ENETDOWN, EHOSTUNREACH, ENETUNREACH, EMFILE, ENFILE,
+                  ENOBUFS, ENOMEM}) {
+    EXPECT_TRUE(accept_error_passes(err)) << std::strerror(err);
+  }
+  for (int err : {EBADF, EINVAL, ENOTSOCK, EFAULT}) EXPECT_FALSE(accept_error_passes(err)) << std::strerror(err);
 }
 
 // With TORCHPAR_SOCKET_IFNAME=lo the listener is bound to 127.0.0.1: the same port on this

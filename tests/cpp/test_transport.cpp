@@ -161,7 +161,7 @@ TEST(Collectives, AbsentPeerTimesOut) {
 // Rendezvous records and set-up (transport/records.h, transport/connect.h)
 
 TEST(Records, EachRoundTripsThroughItsEncoding) {
-  HostIdentity id{"node-7", "0b1e-boot", "4026531836"};
+  HostIdentity id{"node-7", "0b1e-boot", "4026531836", "4026531840"};
   EXPECT_EQ(HostIdentity::decode(id.encode()), id);
   EXPECT_EQ(HostIdentity::local(), HostIdentity::local());
 
@@ -178,6 +178,10 @@ TEST(Records, EachRoundTripsThroughItsEncoding) {
   EXPECT_EQ(nb.reason, n.reason);
 
   EXPECT_THROW(HostIdentity::decode("only-one-field"), Error);
+  // Equal but for the network namespace: another host (issue 21).
+  HostIdentity other_netns = id;
+  other_netns.net_namespace = "4026532000";
+  EXPECT_NE(other_netns, id);
 }
 
 TEST(Connect, DifferentSettingsAreRefusedOnEveryRank) {

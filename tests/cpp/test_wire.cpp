@@ -2,9 +2,11 @@
 // are untrusted. Bad ones give a clear torchpar::Error on every live rank, never a crash,
 // an unbounded allocation or a hang.
 #include <gtest/gtest.h>
+#include <unistd.h>
 
 #include <cstdlib>
 #include <cstring>
+#include <fstream>
 #include <string>
 #include <thread>
 #include <vector>
@@ -144,7 +146,44 @@ TEST_P(Frames, EarlyArrivalsUnderTheCapAreCountedBackWhenReceived) {
   }, std::chrono::milliseconds(10000), GetParam(), config);
 }
 
+// Every early message costs its record as well as its payload. Zero-byte ones used to
+// count as nothing, so a peer could queue them without limit.
+TEST_P(Frames, ZeroByteEarlyArrivalsCountAgainstTheCap) {
+  Config config = small_config();
+  config.unexpected_max_bytes = 4 << 10;  // room for the records of fewer than 100 messages
+  run_ranks(2, [&](int rank, Transport& t) {
+    const auto deadline = Clock::now() + std::chrono::seconds(8);
+    if (rank == 0) {
+      error_of([&] {
+        for (int i = 0; i < 100; ++i) t.p2p().isend(1, i, nullptr, 0, deadline)->wait();
+        int never = 0;
+        t.p2p().irecv(1, 1000, &never, sizeof(never), deadline)->wait();
+      });
+    } else {
+      std::this_thread::sleep_for(std::chrono::milliseconds(300));  // let them arrive first
+      std::string why = error_of([&] {
+        for (int i = 0; i < 100; ++i) t.p2p().irecv(0, i, nullptr, 0, deadline)->wait();
+      });
+      EXPECT_TRUE(contains(why, "TORCHPAR_UNEXPECTED_MAX_BYTES=4096")) << why;
+    }
+  }, std::chrono::milliseconds(10000), GetParam(), config);
+}
+
 INSTANTIATE_TEST_SUITE_P(Transports, Frames, ::testing::Values("shm", "tcp"));
+
+// The default bound on early arrivals is half of memory. It was a fixed 1 GiB, which refused
+// a broadcast or all-gather of more than that to a rank still computing: those had worked.
+TEST(Config, EarlyArrivalsAreBoundedByHalfOfMemoryByDefault) {
+  ::unsetenv("TORCHPAR_UNEXPECTED_MAX_BYTES");
+  const int64_t memory = static_cast<int64_t>(::sysconf(_SC_PHYS_PAGES)) * ::sysconf(_SC_PAGE_SIZE);
+  EXPECT_EQ(Config{}.unexpected_max_bytes, default_unexpected_max_bytes());
+  EXPECT_LE(default_unexpected_max_bytes(), memory / 2);
+  if (memory < (int64_t{8} << 30)) GTEST_SKIP() << "the check below needs 8 GiB of memory";
+  std::ifstream cgroup("/sys/fs/cgroup/memory.max");
+  std::string limit;
+  if (cgroup >> limit && limit != "max") GTEST_SKIP() << "a cgroup memory limit is set: " << limit;
+  EXPECT_GT(default_unexpected_max_bytes(), int64_t{1} << 30);
+}
 
 // A ring whose counters say more bytes are waiting than it holds (a corrupt or hostile
 // segment) used to size a memcpy past the ring's end.
@@ -165,7 +204,7 @@ TEST(Ring, CorruptCountersAreAnErrorNotACopy) {
 // Values from the store and the environment
 
 TEST(Records, MalformedNumbersAreTorchparErrorsNamingTheValue) {
-  const std::string host = "|node|boot|ns|10.0.0.1";
+  const std::string host = "|node|boot|pidns|netns|10.0.0.1";
   for (const std::string port : {"http", "", "70000", "0", "-1", "12x", "99999999999999999999999"}) {
     std::string why = error_of([&] { Contact::decode(port + host); });
     EXPECT_TRUE(contains(why, "'" + port + "'")) << "port " << port << ": " << why;
@@ -181,7 +220,7 @@ TEST(Records, GarbageInTheStoreNamesTheKey) {
   tptest::MemoryRendezvous rv;
   rv.set("torchpar/tcp/secret", std::string(64, 'a'));
   rv.set("torchpar/tcp/token", "12345");
-  rv.set("torchpar/tcp/0", "port?|node|boot|ns|127.0.0.1");
+  rv.set("torchpar/tcp/0", "port?|node|boot|pidns|netns|127.0.0.1");
   std::string why;
   std::thread rank1([&] {
     try {

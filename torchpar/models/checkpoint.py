@@ -18,7 +18,10 @@ What a rank holds of a parameter:
   only when it covers whole rows; a run is cut into at most two boxes per dimension (the partial
   rows at each end and the whole rows between);
 - under O2 mixed precision with DDP the float32 master the optimizer steps is saved, not the
-  16-bit copy, and loaded back into both.
+  16-bit copy, and loaded back into both;
+- tied embeddings with pp > 1: the last stage's copy of the embedding (its ``lm_head.weight``)
+  is the dense model's ``tok_emb.weight``, which the first stage saves; the copy is not saved
+  again, and on load it reads ``tok_emb.weight`` (and that tensor's optimizer state).
 
 The step counter is saved too; ``examples/train_gpt.py`` sets the learning rate from the step,
 so the schedule resumes where it stopped. A checkpoint of another model (any config field but
@@ -134,32 +137,36 @@ def _stepped(optimizer):
     return {id(p): p for g in optimizer.param_groups for p in g["params"]}, optimizer.state
 
 
-def _held_parameters(trainer):
+def _held_parameters(trainer, with_copies=True):
     """[(dense name, parameter, the tensor the optimizer steps for it, _Held of that)] for this
-    rank."""
+    rank; ``with_copies=False`` leaves out the tied embedding's last-stage copy."""
     dense = _dense_shapes(trainer.config)
     stepped, _ = _stepped(trainer.optimizer)
     out = []
     for part in trainer.parts:
         shards = part.sharded_state_dict() if isinstance(part, FSDPModule) else None
-        for name, p in part.named_parameters():
+        for local_name, p in part.named_parameters():
+            copy = trainer.tied_copy and local_name == "lm_head.weight"  # the dense tok_emb.weight
+            if copy and not with_copies:
+                continue
+            name = "tok_emb.weight" if copy else local_name
             if name not in dense:
                 raise RuntimeError(f"checkpoint: the model holds '{name}', which the dense GPT has not")
             local_shape, start = tuple(p.shape), None
             if shards is not None:
-                local_shape, start = tuple(shards[name].shape), shards[name].start
+                local_shape, start = tuple(shards[local_name].shape), shards[local_name].start
             offsets = _tp_offsets(name, local_shape, dense[name], trainer.tp_rank)
             s = stepped.get(id(p), p)
             out.append((name, p, s, _Held(s.detach(), local_shape, offsets, start)))
     return out
 
 
-def _entries(trainer, with_optimizer):
+def _entries(trainer, with_optimizer, with_copies=True):
     """{checkpoint key: (dense shape, _Held)} for the model and, if asked, the optimizer state."""
     dense = _dense_shapes(trainer.config)
     _, state = _stepped(trainer.optimizer)
     out = {}
-    for name, _, s, held in _held_parameters(trainer):
+    for name, _, s, held in _held_parameters(trainer, with_copies):
         out[f"model.{name}"] = (dense[name], held)
         if not with_optimizer:
             continue
@@ -249,7 +256,7 @@ def save_checkpoint(path, trainer):
     ``path``; every rank calls it and writes only what it holds."""
     meta = {"config": trainer.config.to_dict(), "step": trainer.step, "optimizer": _optimizer_name(trainer),
             "layout": str(trainer.layout)}
-    entries = _entries(trainer, with_optimizer=True)
+    entries = _entries(trainer, with_optimizer=True, with_copies=False)
     meta["optimizer_state"] = any(k.startswith("optim.") for k in entries)
     dcp.save({META_KEY: json.dumps(meta)}, checkpoint_id=path, planner=_SavePlanner(entries))
 

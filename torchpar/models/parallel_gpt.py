@@ -13,7 +13,18 @@ et al. 2021, arXiv:2104.04473, "3D parallelism"), assembled from the project's p
    ``fully_shard`` per block and per stage, over the dp group; O2 mixed precision by
    ``MixedPrecision``;
 5. a pipeline schedule over the pp group whose last stage computes the vocabulary-parallel
-   cross entropy.
+   cross entropy;
+6. after backward, Megatron's finishing steps: the tied embedding's two copies summed over the
+   embedding group, then (``clip_grad``) clipping by the global gradient norm over the whole
+   layout (``clip_grad_norm_``).
+
+Tied embeddings with pp > 1 (Megatron's ``shared_embedding_or_output_weight``): the first stage
+holds the input embedding, the last stage a copy of it as the output projection, both from the
+same initial weights; after each backward the two gradients are all-reduced over the "embedding
+group" (the first and last pipeline ranks of each data x tensor coordinate), so both copies
+receive the same update and stay equal. Under tensor parallelism both are split by vocabulary
+rows alike (tp rank r holds rows r V/tp onward in each); under fully_shard each copy is a unit of
+its own, so dp rank d holds the same elements of both.
 
 Every stage keeps the dense model's module names (its blocks are an ``nn.ModuleDict`` keyed by
 the block's index in the whole model), so a stage's ``state_dict`` keys are the dense GPT's:
@@ -23,6 +34,7 @@ Every rank builds the whole dense model from the same seed and keeps its part, s
 model starts from exactly the weights of a single-process ``GPT(config)`` built after
 ``torch.manual_seed(seed)``.
 """
+import os
 from dataclasses import dataclass
 from typing import Optional
 
@@ -34,11 +46,12 @@ from torch.nn import functional as F
 
 from torchpar.models.gpt import GPT, RECOMPUTE, GPTConfig, GPTParts
 from torchpar.optim import MixedPrecisionOptimizer
-from torchpar.parallel import DistributedDataParallel, MixedPrecision, fully_shard, parallelize
+from torchpar.parallel import DistributedDataParallel, MixedPrecision, clip_grad_norm_, fully_shard, parallelize
 from torchpar.parallel.pipeline import (PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B,
                                         ScheduleZeroBubble)
 from torchpar.parallel.pipeline.split import split_boundaries
-from torchpar.parallel.tensor import vocab_parallel_cross_entropy
+from torchpar.parallel.tensor import (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding,
+                                      model_parallel_seed, vocab_parallel_cross_entropy)
 
 SCHEDULES = {"1f1b": Schedule1F1B, "interleaved": ScheduleInterleaved1F1B, "zero-bubble": ScheduleZeroBubble,
              "gpipe": ScheduleGPipe}
@@ -105,8 +118,9 @@ def check_layout(cfg: GPTConfig, layout: Layout, world_size: int, batch_size: Op
     if cfg.layers < stages:
         bad.append(f"{cfg.layers} layers cannot fill pp x virtual stages = {L.pp} x {L.virtual_stages} = "
                    f"{stages} pipeline stages")
-    if cfg.tie_embeddings and L.pp > 1:
-        bad.append("tie_embeddings with pp > 1: the embedding and lm_head would live on different stages")
+    if cfg.tie_embeddings and L.pp == 1 and L.virtual_stages > 1:
+        bad.append(f"tie_embeddings with pp = 1 and {L.virtual_stages} virtual stages: the embedding and lm_head "
+                   "would be one parameter in two stages of one rank (with pp > 1 each stage has its copy)")
     if batch_size is not None and batch_size % (L.dp * L.microbatches):
         bad.append(f"batch size {batch_size} does not split into dp x micro-batches = {L.dp} x {L.microbatches}")
     if bad:
@@ -117,11 +131,13 @@ def tensor_parallel_plan(sequence_parallel=False, embeddings=True, head=True):
     """The ``parallelize`` plan of GPT (Megatron-LM's: q/k/v and fc1 column-parallel, out_proj
     and fc2 row-parallel, vocabulary-parallel embedding and logits); under sequence parallelism
     the LayerNorms, the embedding dropout and the position embedding run on sequence shards.
-    ``embeddings``/``head``: whether the (stage) module holds them."""
+    Dropout on split activations (each rank's heads; under SP, every dropout of a block) draws
+    from the model-parallel RNG stream. ``embeddings``/``head``: whether the (stage) module
+    holds them."""
     plan = {"blocks.*.attn.[qkv]_proj": "colwise", "blocks.*.attn.out_proj": "rowwise",
-            "blocks.*.mlp.fc1": "colwise", "blocks.*.mlp.fc2": "rowwise"}
+            "blocks.*.mlp.fc1": "colwise", "blocks.*.mlp.fc2": "rowwise", "blocks.*.attn": "model_parallel_rng"}
     if sequence_parallel:
-        plan["blocks.*.ln[12]"] = "sequence"
+        plan.update({"blocks.*.ln[12]": "sequence", "blocks.*": "model_parallel_rng"})
     if embeddings:
         plan["tok_emb"] = "vocab"
         if sequence_parallel:
@@ -162,21 +178,30 @@ class ParallelGPT:
     and return the mean loss over it, on every rank.
 
     ``optimizer``: "adamw" (default) or "sgd" (momentum 0.9: the tests' choice, see
-    tests/test_gpt_3d.py). ``device`` is the device mesh's device type; the model itself is
-    built and run on the CPU (placing stages on GPUs is not done yet)."""
+    tests/test_gpt_3d.py). ``clip_grad``: the global gradient 2-norm ``train_step`` clips to
+    before each optimizer step (0, the default, does not clip; Megatron's default and
+    examples/train_gpt.py's is 1.0); ``grad_norm`` is then the last step's norm before clipping.
+    ``device``: "cpu", or "cuda" for this rank's GPU, ``cuda:LOCAL_RANK``: every rank builds the
+    dense model on the CPU from the seed (the single-process weights), then moves its stages
+    there; the torchpar backend carries the groups' CUDA tensors over NCCL."""
 
     def __init__(self, config: GPTConfig, layout: Layout, lr=3e-4, weight_decay=0.0, optimizer="adamw", seed=0,
-                 device="cpu"):
+                 device="cpu", clip_grad=0.0):
         if not dist.is_initialized():
             raise RuntimeError("ParallelGPT: call torch.distributed.init_process_group first")
         check_layout(config, layout, dist.get_world_size())
         self.config, self.layout, L = config, layout, layout
-        self.mesh = init_device_mesh(device, (L.pp, L.dp, L.tp), mesh_dim_names=("pp", "dp", "tp"))
+        self.device = rank_device(device)
+        self.mesh = init_device_mesh(self.device.type, (L.pp, L.dp, L.tp), mesh_dim_names=("pp", "dp", "tp"))
         self.pp_group, self.dp_group, self.tp_group = (self.mesh[d].get_group() for d in ("pp", "dp", "tp"))
         self.pp_rank, self.dp_rank, self.tp_rank = (self.mesh.get_local_rank(d) for d in ("pp", "dp", "tp"))
 
-        torch.manual_seed(seed)
+        model_parallel_seed(seed, self.tp_group)  # torch.manual_seed(seed), and the tp ranks' dropout streams
         model = GPT(config).set_recompute(L.recompute)
+        # Tied embeddings on two pipeline ranks: the last stage's lm_head gets a copy of the weight.
+        self.tied_copy = config.tie_embeddings and L.pp > 1
+        if self.tied_copy:
+            model.lm_head.weight = nn.Parameter(model.tok_emb.weight.detach().clone())
         num_stages = L.pp * L.virtual_stages
         bounds = split_boundaries([str(i) for i in range(config.layers)], num_stages)
         indices = range(self.pp_rank, num_stages, L.pp)
@@ -186,7 +211,8 @@ class ParallelGPT:
         mp = MixedPrecision(dtype) if dtype != torch.float32 else None
         modules = [self._wrap(part, mp) for part in self.parts]
         self.modules = modules
-        self.stages = [PipelineStage(m, i, num_stages, self.pp_group) for m, i in zip(modules, indices)]
+        self.stages = [PipelineStage(m, i, num_stages, self.pp_group, device=self.device)
+                       for m, i in zip(modules, indices)]
         self.has_first = any(p.first for p in self.parts)
         self.has_last = any(p.last for p in self.parts)
         cls = SCHEDULES[L.schedule]
@@ -203,6 +229,18 @@ class ParallelGPT:
             self.optimizer = opt_cls(params, **kw)
         self.step = 0
 
+        # This rank's copy of the tied embedding (after wrapping: fully_shard's piece of it), and
+        # the group it is summed over; none between the first and last stage.
+        self.embedding_group = self._embedding_group() if self.tied_copy else None
+        self.embedding_weights = [part.tok_emb.weight if part.first else part.lm_head.weight
+                                  for part in self.parts if self.tied_copy and (part.first or part.last)]
+        self.clip_grad = clip_grad
+        self.grad_norm = None
+        self._params = params
+        self._norm_params = self._counted_in_norm(params)
+        self._norm_groups = [g for g, n in ((self.tp_group, L.tp), (self.pp_group, L.pp),
+                                            (self.dp_group, L.dp if L.fsdp else 1)) if n > 1]
+
     def _wrap(self, part, mp):
         if self.layout.tp > 1:
             parallelize(part, tensor_parallel_plan(self.layout.sequence_parallel, part.first, part.last), self.tp_group)
@@ -217,13 +255,50 @@ class ParallelGPT:
                     linear.check_input_sizes = False
             if part.last:  # its input derives from the stage's blocks' (checked)
                 part.lm_head.check_input_sizes = False
+        if self.device.type != "cpu":
+            part.to(self.device)  # the same Parameter objects: parallelize's hooks and markers stay
         if self.layout.fsdp:
+            if self.tied_copy:  # each copy a unit of its own: dp rank d holds the same elements of both
+                for embedding in ([part.tok_emb] if part.first else []) + ([part.lm_head] if part.last else []):
+                    fully_shard(embedding, self.dp_group, mixed_precision=mp)
             for block in part.blocks.values():
                 fully_shard(block, self.dp_group, mixed_precision=mp)
             return fully_shard(part, self.dp_group, mixed_precision=mp)
         if self.layout.dp == 1 and mp is None:
             return part  # nothing to average: no reducer, no per-step all-reduce over one rank
-        return DistributedDataParallel(part, process_group=self.dp_group, mixed_precision=mp)
+        device_ids = [self.device.index] if self.device.type != "cpu" else None
+        return DistributedDataParallel(part, device_ids=device_ids, process_group=self.dp_group, mixed_precision=mp)
+
+    def _embedding_group(self):
+        """The group of the first and the last pipeline rank of this rank's dp x tp coordinate
+        (Megatron's embedding group), None on the ranks between. Every rank creates every such
+        group, as ``new_group`` requires."""
+        ends = self.mesh.mesh[[0, -1]]  # [2, dp, tp] global ranks
+        mine = None
+        for d in range(self.layout.dp):
+            for t in range(self.layout.tp):
+                ranks = ends[:, d, t].tolist()
+                group = dist.new_group(ranks)
+                if dist.get_rank() in ranks:
+                    mine = group
+        return mine
+
+    def _counted_in_norm(self, params):
+        """The parameters whose gradients this rank adds to the global norm, so that each
+        element of the model's gradient counts once over the whole layout: a tensor-parallel
+        shard on its tp rank; a parameter replicated over tp (LayerNorms, row-parallel biases,
+        the position embedding) on tp rank 0 only; the tied embedding's last-stage copy nowhere
+        (its first-stage twin counts). dp replicas (DDP) count alike and are not summed;
+        fully_shard's pieces are each dp rank's own and are summed over dp."""
+        split = set()
+        for part in self.parts:
+            for m in part.modules():
+                if isinstance(m, (ColumnParallelLinear, VocabParallelEmbedding)):
+                    split.update(id(p) for p in m.parameters(recurse=False))
+                elif isinstance(m, RowParallelLinear):
+                    split.add(id(m.weight))
+        copies = {id(part.lm_head.weight) for part in self.parts if part.last} if self.tied_copy else set()
+        return [p for p in params if id(p) not in copies and (id(p) in split or self.tp_rank == 0)]
 
     def _loss(self, logits, target):
         target = target.t()  # micro-batches split [b, s]; logits are [s, b, vocab (/ tp)]
@@ -249,7 +324,7 @@ class ParallelGPT:
 
     def _run(self, run, idx, target):
         self.check_batch(idx, target)
-        idx, target = idx.chunk(self.layout.dp)[self.dp_rank], target.chunk(self.layout.dp)[self.dp_rank]
+        idx, target = (t.chunk(self.layout.dp)[self.dp_rank].to(self.device) for t in (idx, target))
         losses = []
         run(*((idx,) if self.has_first else ()), target=target if self.has_last else None, losses=losses)
         return self._mean_loss(losses)
@@ -257,7 +332,8 @@ class ParallelGPT:
     def _mean_loss(self, losses):
         # The last pipeline rank holds the micro-batch losses: sum over the pp group (zeros
         # elsewhere), then average over the data-parallel replicas.
-        loss = torch.stack(losses).double().mean() if losses else torch.zeros((), dtype=torch.float64)
+        loss = (torch.stack(losses).double().mean() if losses
+                else torch.zeros((), dtype=torch.float64, device=self.device))
         if self.layout.pp > 1:
             dist.all_reduce(loss, group=self.pp_group)
         if self.layout.dp > 1:
@@ -265,12 +341,36 @@ class ParallelGPT:
             loss /= self.layout.dp
         return loss.item()
 
-    def train_step(self, idx, target):
-        """One optimizer step on the global batch; returns its mean loss (before the step)."""
+    def forward_backward(self, idx, target):
+        """Zeroes the gradients, runs forward and backward over the global batch (the pipeline
+        schedule, DDP's or fully_shard's reduction over dp), then sums the tied embedding's two
+        copies' gradients over the embedding group: afterwards each local parameter's ``.grad``
+        is the one the optimizer steps on. Returns the batch's mean loss."""
         for m in self.modules:
             m.train()
         self.optimizer.zero_grad(set_to_none=True)
         loss = self._run(self.schedule.step, idx, target)
+        for w in self.embedding_weights:  # Megatron's _allreduce_word_embedding_grads
+            if w.grad is None:
+                w.grad = torch.zeros_like(w)
+            dist.all_reduce(w.grad, group=self.embedding_group)
+        return loss
+
+    def clip_grad_norm_(self, max_norm, norm_type=2.0):
+        """``torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm, norm_type)`` of the
+        single-process model, on this layout: the global norm counts each element of the
+        gradient once (``_counted_in_norm``), summed over the tp and pp groups (and dp under
+        fully_shard; max for ``inf``), and every rank scales all its gradients by the same
+        coefficient. Call on every rank after ``forward_backward``. Returns the norm before
+        clipping (a float32 scalar tensor, equal on every rank)."""
+        return clip_grad_norm_(self._params, max_norm, norm_type, counted=self._norm_params, groups=self._norm_groups)
+
+    def train_step(self, idx, target):
+        """One optimizer step on the global batch (gradients clipped first when ``clip_grad``);
+        returns its mean loss (before the step)."""
+        loss = self.forward_backward(idx, target)
+        if self.clip_grad > 0:
+            self.grad_norm = self.clip_grad_norm_(self.clip_grad).item()
         self.optimizer.step()
         self.step += 1
         return loss
@@ -281,3 +381,20 @@ class ParallelGPT:
         for m in self.modules:
             m.eval()
         return self._run(self.schedule.eval, idx, target)
+
+
+def rank_device(device):
+    """``torch.device(device)``; "cuda" without an index is this rank's GPU, cuda:LOCAL_RANK
+    (torchrun sets it; else the global rank modulo the GPUs), made the current device."""
+    device = torch.device(device)
+    if device.type == "cpu":
+        return device
+    if device.type != "cuda":
+        raise ValueError(f"ParallelGPT: device {device} is neither cpu nor cuda")
+    if not torch.cuda.is_available():
+        raise ValueError("ParallelGPT: device cuda, but torch sees no CUDA device here")
+    if device.index is None:
+        local = os.environ.get("LOCAL_RANK")
+        device = torch.device("cuda", int(local) if local is not None else dist.get_rank() % torch.cuda.device_count())
+    torch.cuda.set_device(device)
+    return device

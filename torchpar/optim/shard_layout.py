@@ -19,7 +19,14 @@ ZeroRedundancyOptimizer built on those parameters adopts it (``adopted``): nothi
 hand, and DDP refuses to train until an optimizer has adopted its layout, since any other
 optimizer would step gradients that are not there. Parameters no DDP shards get a layout of
 the optimizer's own (ZeRO-1: their gradients are whole on every rank).
+
+Under ``DDP.join()`` (uneven inputs) a joined rank shadows both halves of the others' step,
+DDP's backward and the optimizer's: each finds the other through ``register_ddp`` and
+``register_optimizer`` (ZeRO-1 and ZeRO-2 alike).
 """
+import itertools
+import weakref
+
 import torch
 import torch.distributed as dist
 from torch.utils.weak import WeakIdKeyDictionary
@@ -29,6 +36,12 @@ from torchpar import _C
 # Parameter -> (the DDP layout it belongs to, its index there). Weak: a model freed with its
 # DDP leaves nothing behind.
 _DDP_SHARDED = WeakIdKeyDictionary()
+
+# Parameter -> weak references to the torchpar DDP that reduces its gradient and to the latest
+# ZeroRedundancyOptimizer built on it (an older one over the same parameter is taken as replaced).
+_DDP_OF = WeakIdKeyDictionary()
+_OPTIMIZER_OF = WeakIdKeyDictionary()
+_SERIAL = itertools.count()  # construction order of optimizers: the order a joined rank steps them
 
 _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
@@ -43,6 +56,7 @@ class ShardLayout:
         self.group = group
         self.names = names
         self.adopted = False  # DDP's layout: a ZeroRedundancyOptimizer has taken it
+        self._flats = None    # per bucket, the flat tensor the parameters are views of (bind)
 
     @classmethod
     def compute(cls, params, group, cap_bytes):
@@ -67,29 +81,42 @@ class ShardLayout:
         return f"'{self.names[i]}'" if self.names else f"#{i} (shape {tuple(self.params[i].shape)})"
 
     @torch.no_grad()
-    def all_gather(self):
-        """Every rank's owned parameters everywhere: per bucket, this rank's segment (its
-        parameters packed flat) gathered into the whole bucket, then copied out. All buckets'
-        collectives are issued before the first is unpacked, so copying overlaps them."""
-        group = self.group
-        rank, world = dist.get_rank(group), dist.get_world_size(group)
-        pending = []
-        for indices, owners, offsets, shard_numel in self.buckets:
+    def bind(self):
+        """Make the parameters views of their bucket's flat tensor (rank r's segment holds the
+        parameters r owns; padding zero), as torch's ``parameters_as_bucket_view``: the
+        all-gather then writes every parameter in place, no bucket allocated or copied per step.
+        A parameter whose storage was replaced since (``.data =``, ``.to()``) is copied in and
+        bound again."""
+        world = dist.get_world_size(self.group)
+        if self._flats is None:
+            self._flats = [None] * len(self.buckets)
+        for b, (indices, _, offsets, shard_numel) in enumerate(self.buckets):
             first = self.params[indices[0]]
-            flat = torch.empty(shard_numel * world, dtype=first.dtype, device=first.device)
-            mine = torch.zeros(shard_numel, dtype=first.dtype, device=first.device)  # padding too
-            for i, r, off in zip(indices, owners, offsets):
-                if r == rank:
-                    mine.narrow(0, off - rank * shard_numel, self.params[i].numel()).copy_(
-                        self.params[i].reshape(-1))
-            work = _all_gather_single(flat, mine, group=group, async_op=True)
-            pending.append((work, flat, indices, owners, offsets, mine))
-        for work, flat, indices, owners, offsets, _ in pending:
+            flat = self._flats[b]
+            if flat is None or flat.dtype != first.dtype or flat.device != first.device:
+                flat = self._flats[b] = torch.zeros(shard_numel * world, dtype=first.dtype, device=first.device)
+            for i, off in zip(indices, offsets):
+                p = self.params[i]
+                slot = flat.narrow(0, off, p.numel())
+                if p.data_ptr() != slot.data_ptr() or p.dtype != flat.dtype or p.device != flat.device:
+                    slot.copy_(p.detach().reshape(-1))
+                    p.data = slot.view_as(p)
+        return self._flats
+
+    @torch.no_grad()
+    def all_gather(self):
+        """Every rank's owned parameters everywhere: per bucket, one all-gather of this rank's
+        segment (its stepped parameters, in place) into the whole bucket, whose other segments
+        are the other ranks' parameters (``bind``). All are issued before the first is waited."""
+        group = self.group
+        rank = dist.get_rank(group)
+        works = []
+        for flat, (_, _, _, shard_numel) in zip(self.bind(), self.buckets):
+            # In place: the input is the output's own segment (torchpar, gloo and nccl allow it).
+            mine = flat.narrow(0, rank * shard_numel, shard_numel)
+            works.append(_all_gather_single(flat, mine, group=group, async_op=True))
+        for work in works:
             work.wait()
-            for i, r, off in zip(indices, owners, offsets):
-                if r != rank:
-                    p = self.params[i]
-                    p.copy_(flat.narrow(0, off, p.numel()).view_as(p))
 
 
 def register(params, names, layout_buckets, group):
@@ -135,3 +162,43 @@ def adopted(params, cap_bytes, group):
     if mine:
         out.append((ShardLayout.compute([params[k] for k in mine], group, cap_bytes), mine))
     return out
+
+
+def register_ddp(ddp, params):
+    for p in params:
+        _DDP_OF[p] = weakref.ref(ddp)
+
+
+def register_optimizer(optimizer, params):
+    optimizer._zero_serial = next(_SERIAL)
+    for p in params:
+        _OPTIMIZER_OF[p] = weakref.ref(optimizer)
+
+
+def _live(registry, params):
+    found = {}
+    for p in params:
+        ref = registry.get(p)
+        obj = ref() if ref is not None else None
+        if obj is not None:
+            found[id(obj)] = obj
+    return list(found.values())
+
+
+def ddp_of(params):
+    """The torchpar DDP that reduces the gradients of ``params``, or None."""
+    found = _live(_DDP_OF, params)
+    return found[0] if found else None
+
+
+def optimizers_of(params):
+    """The ZeroRedundancyOptimizers that step ``params`` (the latest built on each), in the order
+    they were built."""
+    return sorted(_live(_OPTIMIZER_OF, params), key=lambda o: o._zero_serial)
+
+
+def joined_without_ddp_error():
+    return RuntimeError(
+        "torchpar ZeRO: the optimizer is in a Join without the torchpar DistributedDataParallel "
+        "that reduces its gradients, so a joined rank could not shadow the backward; use "
+        "ddp.join() or Join([ddp, optimizer])")

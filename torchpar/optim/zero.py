@@ -19,9 +19,17 @@ float32 master copies of the owned shard held here and stepped, then copied back
 parameters and all-gathered in the 16-bit dtype (half the bytes). ``loss_scaler`` (a
 ``DynamicLossScaler``) unscales the float32 master gradients and skips a step that
 overflowed on any rank.
+
+Uneven inputs: a ``Joinable`` as torch's is. Under the ``join()`` of the torchpar DDP that
+reduces its gradients (or ``Join([ddp, optimizer])``, in either order), a rank whose batches
+ran out steps its shard with the gradients the others averaged (its own share zero) and enters
+the all-gather, once per synchronised step of the others: DDP's join hook runs this step after
+shadowing the backward. Without a torchpar DDP (torch's, or none), ``Join([model, optimizer])``
+with the model first, and the optimizer's own hook steps, as with torch's optimizer.
 """
 import torch
 import torch.distributed as dist
+from torch.distributed.algorithms.join import Join, Joinable, JoinHook
 from torch.optim import Optimizer
 
 from torchpar.optim import shard_layout
@@ -29,7 +37,7 @@ from torchpar.optim import shard_layout
 _BUCKET_CAP_MB = 25  # as DDP's
 
 
-class ZeroRedundancyOptimizer(Optimizer):
+class ZeroRedundancyOptimizer(Optimizer, Joinable):
     """``ZeroRedundancyOptimizer(params, torch.optim.AdamW, lr=1e-3)`` on every rank of
     ``process_group`` (default: the world), with the same ``params`` on each. ``optim`` is the
     local ``optimizer_class`` instance over this rank's shard (its masters under O2)."""
@@ -38,6 +46,7 @@ class ZeroRedundancyOptimizer(Optimizer):
                  mixed_precision=None, loss_scaler=None, **defaults):
         self._ready = False  # Optimizer.__init__ calls add_param_group before we can shard
         super().__init__(params, defaults)
+        Joinable.__init__(self)
         self.process_group = process_group if process_group is not None else dist.group.WORLD
         if self.process_group is None:
             raise RuntimeError("torchpar ZeRO: call torch.distributed.init_process_group first")
@@ -54,6 +63,7 @@ class ZeroRedundancyOptimizer(Optimizer):
         self.optim = None
         self._shard(0)
         self._ready = True
+        shard_layout.register_optimizer(self, self._params())
 
     # ---- sharding ----
 
@@ -77,6 +87,8 @@ class ZeroRedundancyOptimizer(Optimizer):
         layouts, masters, and the local optimizer's groups."""
         layouts, owned = self._partition(start)
         self._layouts += layouts
+        for layout, _ in layouts:
+            layout.bind()  # parameters become views of the buckets the all-gather fills
         master_dtype = self.mixed_precision.master_dtype if self.mixed_precision else None
         base = 0
         first_new_group = len(self.optim.param_groups) if self.optim is not None else 0
@@ -109,10 +121,18 @@ class ZeroRedundancyOptimizer(Optimizer):
         start = len(self._params())
         super().add_param_group(param_group)
         self._shard(start)
+        shard_layout.register_optimizer(self, self._params()[start:])
 
     # ---- stepping ----
 
     def step(self, closure=None):
+        if shard_layout.ddp_of(self._params()) is None:
+            Join.notify_join_context(self)  # as torch's; a torchpar DDP notifies in its forward
+        return self._step(closure)
+
+    def _step(self, closure=None):
+        """The step, and on a joined rank the shadow of the others' (its gradients are the
+        average of theirs, left by DDP's shadow backward)."""
         loss = None
         if closure is not None:
             with torch.enable_grad():
@@ -140,6 +160,20 @@ class ZeroRedundancyOptimizer(Optimizer):
             self._release_master_grads(pairs)
             self._gather()
         return loss
+
+    # ---- uneven inputs (Join) ----
+
+    def join_hook(self, **kwargs):
+        return _JoinHook(self)
+
+    @property
+    def join_device(self):
+        params = self._params()
+        return params[0].device if params else torch.device("cpu")
+
+    @property
+    def join_process_group(self):
+        return self.process_group
 
     def stepped_tensors(self):
         """[(parameter, the tensor this rank's local optimizer steps for it)] for the parameters
@@ -302,6 +336,22 @@ class ZeroRedundancyOptimizer(Optimizer):
                     raise ValueError(
                         f"torchpar ZeRO: state '{name}' of parameter #{k} has shape "
                         f"{tuple(value.shape)}; the parameter has shape {tuple(params[k].shape)}")
+
+
+class _JoinHook(JoinHook):
+    """A joined rank's share of one step of the others: this optimizer's step, unless the torchpar
+    DDP over its parameters is joined too, whose hook runs it after the shadow backward."""
+
+    def __init__(self, zero):
+        self.zero = zero
+
+    def main_hook(self):
+        ddp = shard_layout.ddp_of(self.zero._params())
+        if ddp is None:
+            self.zero._step()
+        elif not ddp._join_config.enable:
+            # The ranks still training raise in DDP's forward, after the same notification.
+            raise shard_layout.joined_without_ddp_error()
 
 
 def _options(group):

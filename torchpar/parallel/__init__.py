@@ -1,13 +1,15 @@
 """Parallel modules: data parallel (``DistributedDataParallel``; ZeRO-2 with
 ``shard_gradients=True``), fully sharded data parallel (``fully_shard``), tensor parallelism
 (``torchpar.parallel.tensor``, ``parallelize``), pipeline parallelism
-(``torchpar.parallel.pipeline``) and the O2 mixed-precision policy (``MixedPrecision``) the
-data-parallel wrappers share."""
+(``torchpar.parallel.pipeline``), the O2 mixed-precision policy (``MixedPrecision``) the
+data-parallel wrappers share, and gradient clipping by the global norm of a model spread over
+ranks (``clip_grad_norm_``)."""
 from torchpar.parallel import pipeline, tensor
+from torchpar.parallel.clip_grad import clip_grad_norm_
 from torchpar.parallel.ddp import DistributedDataParallel
 from torchpar.parallel.fsdp import FSDPModule, fully_shard
 from torchpar.parallel.mixed_precision import MixedPrecision
 from torchpar.parallel.parallelize import parallelize
 
-__all__ = ["DistributedDataParallel", "FSDPModule", "MixedPrecision", "fully_shard", "parallelize",
-           "pipeline", "tensor"]
+__all__ = ["DistributedDataParallel", "FSDPModule", "MixedPrecision", "clip_grad_norm_", "fully_shard",
+           "parallelize", "pipeline", "tensor"]

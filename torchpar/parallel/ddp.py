@@ -122,6 +122,8 @@ class DistributedDataParallel(nn.Module, Joinable):
                                   cap, first_cap, static_graph,
                                   # torchpar's all_reduce_coalesced reduces tensors where they lie.
                                   dist.get_backend(self.process_group) == "torchpar", shard_gradients)
+        self._params = params
+        shard_layout.register_ddp(self, params)
         self._shard_layout = None
         if shard_gradients:
             self._shard_layout = shard_layout.register(params, [n for n, _ in trained],
@@ -130,10 +132,15 @@ class DistributedDataParallel(nn.Module, Joinable):
     def forward(self, *inputs, **kwargs):
         sync = torch.is_grad_enabled() and self.require_backward_grad_sync
         buffer_src = 0
-        if self._join_config.enable:
-            # Inside join(): count this rank as not joined, and let the joined ranks know
-            # whether this step synchronises, so they shadow its collectives or not.
-            Join.notify_join_context(self)
+        optimizers = [o for o in shard_layout.optimizers_of(self._params) if o._join_config.enable]
+        if self._join_config.enable or optimizers:
+            # Inside join(): count this rank as not joined (whichever of this module and its ZeRO
+            # optimizers the Join lists first does), and let the joined ranks know whether this
+            # step synchronises, so they shadow its collectives or not.
+            for joinable in [self] + optimizers:
+                Join.notify_join_context(joinable)
+            if not self._join_config.enable:
+                raise shard_layout.joined_without_ddp_error()
             sync, buffer_src = _join_vote(sync, True, self.process_group, self.join_device)
         if sync and self.broadcast_buffers:
             with torch.no_grad():
@@ -179,19 +186,15 @@ class DistributedDataParallel(nn.Module, Joinable):
         """Training with uneven inputs, as torch's ``DDP.join()``: a rank whose inputs run out
         first keeps taking part in the other ranks' collectives, contributing zero gradients,
         until every rank is done; then all ranks take the model of one of the last to finish.
-        Gradients stay divided by the whole group's size (``divide_by_initial_world_size``)."""
+        Gradients stay divided by the whole group's size (``divide_by_initial_world_size``).
+        A joined rank's ``.grad`` is that average (its own share zero); with a
+        ``torchpar.optim.ZeroRedundancyOptimizer`` on this module's parameters (ZeRO-1 or 2) it
+        steps its shard with it and enters the all-gather, once per synchronised step of the
+        others, which must call ``step()`` after each synchronised backward."""
         if not divide_by_initial_world_size:
             raise NotImplementedError(
                 "torchpar DDP: join(divide_by_initial_world_size=False) is not supported; "
                 "gradients are always divided by the group's size")
-        if enable and self.shard_gradients:
-            # A joined rank reduce-scatters zeros into a scratch shard, so the gradients of the
-            # parameters it owns are lost, and it never enters the optimizer's all-gather: the
-            # ranks still training would hang in step(). Refused on every rank instead.
-            raise NotImplementedError(
-                "torchpar DDP: join() with shard_gradients=True is not supported (a joined rank "
-                "would miss the ZeroRedundancyOptimizer's all-gather); give every rank the same "
-                "number of batches, or use shard_gradients=False")
         return Join([self], enable, throw_on_early_termination)
 
     def join_hook(self, **kwargs):
@@ -234,6 +237,8 @@ class _JoinHook(JoinHook):
             with torch.no_grad():
                 _broadcast_from_rank0(list(ddp.module.buffers()), ddp.process_group, buffer_src)
         ddp.reducer.join_shadow_backward()
+        for optimizer in shard_layout.optimizers_of(ddp._params):
+            optimizer._step()  # the others' step() after this backward: its all-gather
 
     def post_hook(self, is_last_joiner):
         # Joined ranks stopped stepping: everyone takes the model of the highest last joiner.

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.utils._pytree import tree_flatten, tree_map
+from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
 from torchpar import _C
 
@@ -200,13 +200,43 @@ def _pre_forward(module, args, kwargs):
     unit = module._fsdp
     if unit.engine is None:
         _lazy_init(module)
-    unit.engine.pre_forward(unit.index, torch.is_grad_enabled())
+    grad = torch.is_grad_enabled()
+    unit.engine.pre_forward(unit.index, grad)
     unit.register(unit.unsharded)
     if unit.param_dtype is not None:
         def cast(x):
             return x.to(unit.param_dtype) if isinstance(x, torch.Tensor) and x.is_floating_point() else x
         args, kwargs = tree_map(cast, (args, kwargs))
+    if grad:
+        args, kwargs = _register_post_backward(unit, args, kwargs)
     return args, kwargs
+
+
+class _PostBackward(torch.autograd.Function):
+    """Identity on a unit's inputs (FSDP2's RegisterPostBackwardFunction). Made before every node
+    of the unit's forward, its backward runs after all of them: the unit's gradients are complete
+    and it is reduced (fsdp_engine.h says why not from its parameters' gradient hooks)."""
+
+    @staticmethod
+    def forward(ctx, engine, index, *inputs):
+        ctx.engine, ctx.index = engine, index
+        return inputs
+
+    @staticmethod
+    def backward(ctx, *grads):
+        ctx.engine.post_backward(ctx.index)
+        return (None, None, *grads)
+
+
+def _register_post_backward(unit, args, kwargs):
+    leaves, spec = tree_flatten((args, kwargs))
+    at = [i for i, t in enumerate(leaves) if isinstance(t, torch.Tensor) and t.requires_grad]
+    # Inputs that need no gradient (the root's token ids): the unit is reduced at the end of backward.
+    if not at or not unit.engine.register_post_backward(unit.index):
+        return args, kwargs
+    for i, t in zip(at, _PostBackward.apply(unit.engine, unit.index, *(leaves[i] for i in at))):
+        leaves[i] = t
+    return tree_unflatten(leaves, spec)
 
 
 def _post_forward(module, args, output):

@@ -5,11 +5,21 @@ like torch's ``parallelize_module`` (issue 17), so a model written with plain ``
 Styles:
 
 - ``"colwise"``: an ``nn.Linear`` becomes a ColumnParallelLinear (output features split);
+- ``"colwise:N"``: the same for an ``nn.Linear`` whose output is N fused blocks side by side
+  (``"colwise:3"`` for a q/k/v projection ``nn.Linear(h, 3 * h)``, ``"colwise:2"`` for a fused
+  gate/up projection): each block is split, so each rank gets its heads' q, k and v
+  (ColumnParallelLinear's ``stride``);
 - ``"rowwise"``: an ``nn.Linear`` becomes a RowParallelLinear (input features split, output
   all-reduced);
 - ``"vocab"``: an ``nn.Embedding`` becomes a VocabParallelEmbedding;
 - ``"sequence"``: a LayerNorm / RMSNorm / Dropout / position Embedding runs on the rank's sequence shard (its
-  parameters' gradients are all-reduced over the group).
+  parameters' gradients are all-reduced over the group; a Dropout's masks differ per rank);
+- ``"model_parallel_rng"``: any module whose random ops act on split activations runs its
+  forward under the model-parallel RNG stream (``torchpar.parallel.tensor.random``), so its
+  dropout masks differ across ranks: an attention block (its heads are split) and, under
+  sequence parallelism, a transformer block (its dropouts act on sequence shards). Dropout
+  outside these draws from the default generator, the same on every rank, as replicated
+  activations need; ``model_parallel_seed(seed, group)`` seeds both.
 
 Any ``"sequence"`` entry turns on sequence parallelism for the whole plan: activations
 between the tensor-parallel regions are then ``[s/tp, b, h]`` shards (dim 0 the sequence),
@@ -26,9 +36,25 @@ from torch import nn
 from torchpar.parallel.tensor import comm
 from torchpar.parallel.tensor.embedding import VocabParallelEmbedding
 from torchpar.parallel.tensor.linear import ColumnParallelLinear, RowParallelLinear
+from torchpar.parallel.tensor.random import mark_model_parallel_rng
 from torchpar.parallel.tensor.sequence import SEQUENCE_PARALLEL_TYPES, mark_sequence_parallel
 
-STYLES = ("colwise", "rowwise", "vocab", "sequence")
+STYLES = ("colwise", "colwise:N", "rowwise", "vocab", "sequence", "model_parallel_rng")
+# What each style converts: a type the module must be exactly, or a tuple it must be an instance of.
+_NEEDS = {"colwise": nn.Linear, "rowwise": nn.Linear, "vocab": nn.Embedding,
+          "sequence": SEQUENCE_PARALLEL_TYPES, "model_parallel_rng": (nn.Module,)}
+
+
+def _parse(style):
+    """(kind, fused blocks) of a plan style: "colwise:3" -> ("colwise", 3); None if unknown."""
+    if not isinstance(style, str):
+        return None
+    kind, colon, blocks = style.partition(":")
+    if not colon:
+        return (kind, 1) if kind in _NEEDS else None
+    if kind == "colwise" and blocks.isdigit() and int(blocks) >= 1:
+        return kind, int(blocks)
+    return None
 
 
 def _matches(pattern, name):
@@ -38,12 +64,15 @@ def _matches(pattern, name):
 
 
 def _convert(name, module, style, group, sequence_parallel):
-    if style == "colwise":
-        return ColumnParallelLinear.from_dense(module, group, sequence_parallel=sequence_parallel)
-    if style == "rowwise":
+    kind, blocks = _parse(style)
+    if kind == "colwise":
+        return ColumnParallelLinear.from_dense(module, group, sequence_parallel=sequence_parallel, stride=blocks)
+    if kind == "rowwise":
         return RowParallelLinear.from_dense(module, group, sequence_parallel=sequence_parallel)
-    if style == "vocab":
+    if kind == "vocab":
         return VocabParallelEmbedding.from_dense(module, group, sequence_parallel=sequence_parallel)
+    if kind == "model_parallel_rng":
+        return mark_model_parallel_rng(module, group)
     return mark_sequence_parallel(module, group, name)
 
 
@@ -51,9 +80,12 @@ def _sharding(style, param_name):
     # How the converted module holds its part of a parameter: modules that share (tie) a
     # parameter, as GPT-2's lm_head and token embedding do, can keep sharing it only when
     # every one of them holds the same part.
-    if style in ("colwise", "vocab"):
+    kind, blocks = _parse(style) or (None, 1)
+    if kind == "colwise" and blocks > 1:
+        return f"split along dim 0 in {blocks} blocks"
+    if kind in ("colwise", "vocab"):
         return "split along dim 0"
-    if style == "rowwise":
+    if kind == "rowwise":
         return "split along dim 1" if param_name == "weight" else "replicated"
     return "unchanged"
 
@@ -95,8 +127,9 @@ def parallelize(model: nn.Module, plan: dict, group=None) -> nn.Module:
     """
     group = comm.resolve_group(group)
     for pattern, style in plan.items():
-        if style not in STYLES:
-            raise ValueError(f"parallelize: plan entry {pattern!r} has style {style!r}; styles are {STYLES}")
+        if _parse(style) is None:
+            raise ValueError(f"parallelize: plan entry {pattern!r} has style {style!r}; styles are {STYLES} "
+                             f"(N >= 1)")
     sequence_parallel = "sequence" in plan.values()
     named = dict(model.named_modules())
     todo, entry_of = [], {}
@@ -108,7 +141,7 @@ def parallelize(model: nn.Module, plan: dict, group=None) -> nn.Module:
         for n in hits:
             if n in entry_of:  # converted once only; two styles for one module is ambiguous
                 first, first_style = entry_of[n]
-                if first_style != style:
+                if _parse(first_style) != _parse(style):
                     raise ValueError(f"parallelize: module {n!r} is matched by plan entries {first!r} "
                                      f"({first_style}) and {pattern!r} ({style})")
                 continue
@@ -116,10 +149,9 @@ def parallelize(model: nn.Module, plan: dict, group=None) -> nn.Module:
             todo.append((n, style))
     for name, style in todo:  # every check above first, so a bad plan changes nothing
         module = named[name]
-        need = {"colwise": nn.Linear, "rowwise": nn.Linear, "vocab": nn.Embedding,
-                "sequence": SEQUENCE_PARALLEL_TYPES}[style]
-        if not (isinstance(module, need) if style == "sequence" else type(module) is need):
-            names = ", ".join(t.__name__ for t in need) if style == "sequence" else need.__name__
+        need = _NEEDS[_parse(style)[0]]
+        if not (isinstance(module, need) if isinstance(need, tuple) else type(module) is need):
+            names = ", ".join(t.__name__ for t in need) if isinstance(need, tuple) else need.__name__
             raise TypeError(f"parallelize: module {name!r} is a {type(module).__name__}; style {style!r} "
                             f"needs an {names}")
     shared = _shared_parameters(named, dict(todo))

@@ -46,6 +46,7 @@ ShmTransport::ShmTransport(int rank, int size, Rendezvous& rendezvous, const Con
   p2p_ = std::make_unique<P2PEngine>(rank_, size_, *this, std::chrono::microseconds(tuned.spin_us),
                                      std::chrono::microseconds(tuned.yield_us),
                                      static_cast<size_t>(tuned.unexpected_max_bytes));
+  engine_.store(p2p_.get(), std::memory_order_release);
 }
 
 ShmTransport::~ShmTransport() {
@@ -123,7 +124,7 @@ void ShmTransport::map_segment(Rendezvous& rendezvous, const Config& config,
 
 void ShmTransport::abort(const std::string& reason) {
   monitor_.abort(reason);
-  if (p2p_) p2p_->fail(std::make_exception_ptr(Error(reason)));
+  if (auto* engine = engine_.load(std::memory_order_acquire)) engine->fail(std::make_exception_ptr(Error(reason)));
 }
 
 size_t ShmTransport::write_some(int peer, const void* data, size_t n) {

@@ -2,6 +2,7 @@
 // group holds the collective arena and a point-to-point ring per ordered pair of ranks.
 #pragma once
 
+#include <atomic>
 #include <chrono>
 #include <memory>
 #include <string>
@@ -57,6 +58,10 @@ class ShmTransport final : public Transport {
   Monitor monitor_;
   Arena arena_;
   std::unique_ptr<P2PEngine> p2p_;
+  // p2p_ once the constructor has stored it. The engine's thread runs from inside its own
+  // constructor and may abort() on a bad frame at once; abort() reads this, not p2p_, which
+  // the constructing thread may still be writing (the engine fails itself in that case).
+  std::atomic<P2PEngine*> engine_{nullptr};
 };
 
 }  // namespace torchpar::shm

@@ -5,6 +5,12 @@
 //   listener -> caller  Challenge  {magic, listener, caller, world, listener's nonce,
 //                                   HMAC(secret, "listener" | transcript)}
 //   caller -> listener  Proof      {magic, HMAC(secret, "caller" | transcript)}
+//   listener -> caller  Accepted   {magic}
+//
+// The caller keeps the connection only once Accepted arrives: the listener may still drop a
+// connection after the caller's proof (too many handshakes at once, its deadline), and a
+// caller that took the proof's sending for success would wait on a socket nobody reads
+// until the group's timeout. Without Accepted it calls again.
 //
 // The transcript is both ranks, the world size and both nonces, so a reply recorded on one
 // connection is useless on another (the other side's nonce is new each time) and the role
@@ -22,7 +28,8 @@
 
 namespace torchpar::tcp {
 
-constexpr uint64_t kHandshakeMagic = 0x7470617274637032ULL;  // "tpartcp2"
+constexpr uint64_t kHandshakeMagic = 0x7470617274637033ULL;  // "tpartcp3"
+constexpr uint64_t kAcceptedMagic = 0x7470617274636f6bULL;   // "tpartcok"
 constexpr size_t kNonceBytes = 16;
 constexpr size_t kMacBytes = 32;      // SHA-256
 constexpr size_t kSecretBytes = 32;
@@ -52,6 +59,10 @@ struct Challenge {
 struct Proof {
   uint64_t magic;
   Mac mac;
+};
+
+struct Accepted {
+  uint64_t magic;
 };
 #pragma pack(pop)
 

@@ -113,12 +113,24 @@ Fd connect_to(const std::string& address, uint16_t port, Clock::time_point deadl
   return fd;
 }
 
+bool accept_error_passes(int err) {
+  switch (err) {
+    case EINTR: case EAGAIN: case ECONNABORTED: case EPROTO: case EPERM:  // this connection only
+    case ENETDOWN: case ENOPROTOOPT: case EHOSTDOWN: case ENONET: case EHOSTUNREACH:
+    case EOPNOTSUPP: case ENETUNREACH:  // the network's errors, passed on by accept
+    case EMFILE: case ENFILE: case ENOBUFS: case ENOMEM:  // short of resources for now
+      return true;
+    default:
+      return false;
+  }
+}
+
 Fd accept_until(int listener, Clock::time_point deadline) {
   while (true) {
     if (!wait_ready(listener, POLLIN, deadline)) TP_THROW_TIMEOUT("no connection arrived in time");
     Fd fd(::accept4(listener, nullptr, nullptr, SOCK_CLOEXEC));
     if (fd.get() >= 0) return fd;
-    TP_CHECK_ERRNO(errno == EINTR || errno == EAGAIN || errno == ECONNABORTED, "accept");
+    TP_CHECK_ERRNO(accept_error_passes(errno), "accept");
   }
 }
 

@@ -46,6 +46,12 @@ Fd listen_on(const std::string& address, int backlog, uint16_t* port);
 // no descriptor and sets *error (an errno value; ETIMEDOUT at the deadline).
 Fd connect_to(const std::string& address, uint16_t port, Clock::time_point deadline, int* error);
 
+// Whether accept() failing with `err` leaves the listener usable: a connection that died in
+// the queue, a network error the kernel passes on (accept(2), "Error handling"), or running
+// short of descriptors or memory for a moment. A listener answering strangers must not end
+// set-up over any of these.
+bool accept_error_passes(int err);
+
 // Accepts one connection, waiting until `deadline`.
 Fd accept_until(int listener, Clock::time_point deadline);
 

@@ -86,6 +86,7 @@ TcpTransport::TcpTransport(int rank, int size, Rendezvous& rendezvous, const Con
   p2p_ = std::make_unique<P2PEngine>(rank_, size_, *this, std::chrono::microseconds(0),
                                      std::chrono::microseconds(0),
                                      static_cast<size_t>(config.unexpected_max_bytes));
+  engine_.store(p2p_.get(), std::memory_order_release);
 }
 
 TcpTransport::~TcpTransport() {
@@ -185,8 +186,15 @@ void TcpTransport::call(int peer, std::vector<std::string> addresses, uint16_t p
         if (refused.empty()) {
           Proof proof{kHandshakeMagic, caller_mac(secret, peer, rank_, size_, nonce, challenge.nonce)};
           send_all(fd.get(), &proof, sizeof(proof), step_deadline);
-          sockets_[peer] = std::move(fd);
-          return;
+          // A deadline of its own: the listener counts the connection once Accepted is
+          // sent, so giving up on it early would leave the listener with a dead socket.
+          Accepted accepted{};
+          recv_all(fd.get(), &accepted, sizeof(accepted), std::min(deadline, Clock::now() + kChallengeWait));
+          if (accepted.magic == kAcceptedMagic) {
+            sockets_[peer] = std::move(fd);
+            return;
+          }
+          refused = "the listener did not accept the connection";
         }
       } catch (const Error& e) {
         // It hung up or was slow: perhaps busy; try it again next round.
@@ -216,6 +224,9 @@ void TcpTransport::answer(int listener, const Secret& secret, Clock::time_point 
     ++refused;
     last_refusal = why;
   };
+  // After accept() runs short of descriptors or memory, the listener rests briefly rather
+  // than spinning on a queue it cannot take from yet.
+  Clock::time_point accept_paused_until{};
   int missing = size_ - 1 - rank_;
   while (missing > 0 && !stop.load()) {
     const auto now = Clock::now();
@@ -230,7 +241,7 @@ void TcpTransport::answer(int listener, const Secret& secret, Clock::time_point 
                                : std::string());
     }
     fds.clear();
-    fds.push_back(pollfd{listener, POLLIN, 0});
+    fds.push_back(pollfd{listener, static_cast<short>(now < accept_paused_until ? 0 : POLLIN), 0});
     for (auto& p : pending) fds.push_back(pollfd{p.fd.get(), POLLIN, 0});
     auto wait = std::chrono::duration_cast<std::chrono::milliseconds>(deadline - now).count();
     if (::poll(fds.data(), fds.size(), static_cast<int>(std::clamp<int64_t>(wait, 0, 100))) < 0) {
@@ -264,9 +275,13 @@ void TcpTransport::answer(int listener, const Secret& secret, Clock::time_point 
           drop = !read_part(p.fd.get(), &p.proof, sizeof(p.proof), &p.proof_got);
           if (!drop && p.proof_got == sizeof(p.proof)) {
             if (check_proof(p.proof, secret, rank_, p.hello, p.nonce)) {
-              // A rank calls again only after giving up on its earlier connection.
-              if (sockets_[p.hello.rank].get() < 0) --missing;
-              sockets_[p.hello.rank] = std::move(p.fd);
+              const Accepted accepted{kAcceptedMagic};
+              if (::send(p.fd.get(), &accepted, sizeof(accepted), MSG_NOSIGNAL | MSG_DONTWAIT) ==
+                  static_cast<ssize_t>(sizeof(accepted))) {
+                // A rank calls again only after giving up on its earlier connection.
+                if (sockets_[p.hello.rank].get() < 0) --missing;
+                sockets_[p.hello.rank] = std::move(p.fd);
+              }
             } else {
               refuse("a caller claiming rank " + std::to_string(p.hello.rank) +
                      " did not prove that it knows the group's secret");
@@ -281,13 +296,21 @@ void TcpTransport::answer(int listener, const Secret& secret, Clock::time_point 
       while (true) {
         Fd fd(::accept4(listener, nullptr, nullptr, SOCK_CLOEXEC | SOCK_NONBLOCK));
         if (fd.get() < 0) {
-          TP_CHECK_ERRNO(errno == EAGAIN || errno == EWOULDBLOCK || errno == EINTR || errno == ECONNABORTED,
-                         "accept");
-          break;
+          const int err = errno;
+          TP_CHECK_ERRNO(err == EWOULDBLOCK || accept_error_passes(err), "accept");
+          if (err == EMFILE || err == ENFILE || err == ENOBUFS || err == ENOMEM) {
+            refuse(std::string("accept: ") + std::strerror(err));
+            accept_paused_until = Clock::now() + std::chrono::milliseconds(20);
+          }
+          if (err == EWOULDBLOCK || err == EAGAIN || accept_paused_until > Clock::now()) break;
+          continue;  // that connection failed in the queue; the next may be fine
         }
         if (pending.size() >= kMaxPending) {
+          // Silent connections go first: a rank sends its hello at once, so one that has
+          // not is most likely a stranger. A dropped rank hears no Accepted and calls again.
           refuse("too many handshakes at once");
-          pending.pop_front();
+          auto silent = std::find_if(pending.begin(), pending.end(), [](const Pending& p) { return !p.challenged; });
+          pending.erase(silent != pending.end() ? silent : pending.begin());
         }
         pending.push_back(Pending{std::move(fd), Clock::now() + kHandshakeDeadline});
       }
@@ -384,7 +407,7 @@ void TcpTransport::abort(const std::string& reason) {
   } catch (const std::exception&) {
     // The store may be gone (the job is ending); peers then see the connection end.
   }
-  if (p2p_) p2p_->fail(std::make_exception_ptr(Error(reason)));
+  if (auto* engine = engine_.load(std::memory_order_acquire)) engine->fail(std::make_exception_ptr(Error(reason)));
   // Peers blocked on this rank see the connection end now rather than at their timeout.
   for (int peer = 0; peer < size_; ++peer) {
     if (peer != rank_) ::shutdown(sockets_[peer].get(), SHUT_RDWR);

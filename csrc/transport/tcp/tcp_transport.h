@@ -75,6 +75,10 @@ class TcpTransport final : public Transport {
   std::string aborted_;
 
   std::unique_ptr<P2PEngine> p2p_;
+  // p2p_ once the constructor has stored it. The engine's thread runs from inside its own
+  // constructor and may abort() on a bad frame at once; abort() reads this, not p2p_, which
+  // the constructing thread may still be writing (the engine fails itself in that case).
+  std::atomic<P2PEngine*> engine_{nullptr};
 };
 
 }  // namespace torchpar::tcp

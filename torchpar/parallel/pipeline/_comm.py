@@ -82,8 +82,8 @@ def decode(header):
     return out
 
 
-def empty(specs_):
-    return [torch.empty(shape, dtype=dtype) for shape, dtype, _ in specs_]
+def empty(specs_, device=None):
+    return [torch.empty(shape, dtype=dtype, device=device) for shape, dtype, _ in specs_]
 
 
 def describe(specs_):

@@ -95,6 +95,11 @@ class Executor:
             w.wait()
         self.waiting = False
 
+    def _empty(self, specs, stage):
+        """Receive buffers for stage ``stage`` (of this rank), on its device. The headers stay
+        on the CPU: a group of the torchpar backend carries CPU and CUDA tensors alike."""
+        return _comm.empty(specs, self.s._by_index[stage].device)
+
     # -- actions --
 
     def run(self, actions):
@@ -141,7 +146,7 @@ class Executor:
         if specs is None:  # new input shapes: the data receive waits for the header
             self.deferred_f.setdefault(stage, []).append(mb)
             return
-        self.pending_f[(mb, stage)] = self._post_recv(_comm.empty(specs), stage - 1, _comm.tag_activation(stage))
+        self.pending_f[(mb, stage)] = self._post_recv(self._empty(specs, stage), stage - 1, _comm.tag_activation(stage))
 
     def send_f(self, mb, stage):
         outs = self.to_send_f.pop((mb, stage))
@@ -175,7 +180,7 @@ class Executor:
 
     def _recv_gradient(self, mb, stage):
         self.pending_b[(mb, stage)] = self._post_recv(
-            _comm.empty([sp for sp in self.out_specs[stage] if sp[2]]), stage + 1, _comm.tag_gradient(stage))
+            self._empty([sp for sp in self.out_specs[stage] if sp[2]], stage), stage + 1, _comm.tag_gradient(stage))
 
     def send_b(self, mb, stage):
         for g in self.to_send_b.pop((mb, stage)):
@@ -195,7 +200,7 @@ class Executor:
                 f"{_comm.describe(known)} was expected (learned for the same input shapes); stage {stage - 1}'s output shape changed")
         self.recv_learned[stage] = got
         for mb in self.deferred_f.pop(stage, []):
-            self.pending_f[(mb, stage)] = self._post_recv(_comm.empty(got), stage - 1, _comm.tag_activation(stage))
+            self.pending_f[(mb, stage)] = self._post_recv(self._empty(got, stage), stage - 1, _comm.tag_activation(stage))
         self._flush()
 
     def _inputs(self, mb, stage):
@@ -250,7 +255,7 @@ class Executor:
         backward = st.backward_input if stage in self.split_stages else st.backward
         in_grads = backward(mb, grads, self.scale)
         if not st.is_first:
-            self.to_send_b[(mb, stage)] = _needed(in_grads, self.recv_learned[stage])
+            self.to_send_b[(mb, stage)] = _needed(in_grads, self.recv_learned[stage], st.device)
         return t_wait
 
     def do_w(self, mb, stage):
@@ -260,12 +265,12 @@ class Executor:
         return t_wait
 
 
-def _needed(in_grads, specs):
+def _needed(in_grads, specs, device):
     """Gradients of the inputs that require one (zeros where autograd found none)."""
     out = []
     for g, (shape, dtype, rg) in zip(in_grads, specs):
         if rg:
-            out.append(g if g is not None else torch.zeros(shape, dtype=dtype))
+            out.append(g if g is not None else torch.zeros(shape, dtype=dtype, device=device))
     return out
 
 

@@ -47,10 +47,15 @@ class _MicroBatch:
 class PipelineStage:
     """``module`` as stage ``stage_index`` of ``num_stages`` on the pipeline ``group`` (default:
     the world). Shapes and dtypes of the tensors between stages are not given: the schedule
-    learns them on the first step, and again whenever the first stage's input shape changes."""
+    learns them on the first step, and again whenever the first stage's input shape changes.
+    ``device``: where the stage receives its inputs and output gradients (default: the device
+    of the module's parameters, the CPU for a module without any), as torch's PipelineStage."""
 
-    def __init__(self, module, stage_index, num_stages, group=None):
+    def __init__(self, module, stage_index, num_stages, group=None, device=None):
         self.submod = module
+        if device is None:
+            device = next((p.device for p in module.parameters()), torch.device("cpu"))
+        self.device = torch.device(device)
         self.stage_index = stage_index
         self.num_stages = num_stages
         self.group = group if group is not None else dist.group.WORLD

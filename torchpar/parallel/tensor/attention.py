@@ -1,18 +1,24 @@
 """Tensor-parallel self-attention: heads split across ranks (Megatron-LM, arXiv:1909.08053,
 figure 3b).
 
-The fused q/k/v projection is column-parallel, laid out so that rank r holds the q, k and v
-rows of its heads ``[r nh/tp, (r+1) nh/tp)``; each rank runs ``F.scaled_dot_product_attention``
-on its heads alone, and the output projection is row-parallel. One all-reduce forward and one
-backward (under sequence parallelism an all-gather before and a reduce-scatter after).
+The fused q/k/v projection is column-parallel with stride 3, so that rank r holds the q, k
+and v rows of its heads ``[r nh/tp, (r+1) nh/tp)``; each rank runs
+``F.scaled_dot_product_attention`` on its heads alone, and the output projection is
+row-parallel. One all-reduce forward and one backward (under sequence parallelism an all-gather
+before and a reduce-scatter after).
+
+Dropout on the attention probabilities acts on this rank's heads, so it draws from the
+model-parallel stream of ``torchpar.parallel.tensor.random`` (a mask per rank); dropout on the
+output does too under sequence parallelism (a sequence shard), and otherwise draws from the
+default generator, the same mask on every rank of the replicated output.
 """
 import torch
 from torch import nn
 from torch.nn import functional as F
 
-from torchpar.nn import functional as TF
 from torchpar.parallel.tensor import comm
 from torchpar.parallel.tensor.linear import ColumnParallelLinear, RowParallelLinear
+from torchpar.parallel.tensor.random import bias_dropout_add, fork_if
 
 
 def _dense_projections(module):
@@ -61,19 +67,13 @@ class ParallelSelfAttention(nn.Module):
         wq, wk, wv, bq, bk, bv, proj = _dense
         qkv = nn.Linear(hidden_size, 3 * hidden_size, bias=bq is not None, dtype=wq.dtype)
         with torch.no_grad():
-            qkv.weight.copy_(self._interleave(wq, wk, wv))
+            qkv.weight.copy_(torch.cat([wq, wk, wv]))
             if bq is not None:
-                qkv.bias.copy_(self._interleave(bq, bk, bv))
-        self.qkv = ColumnParallelLinear.from_dense(qkv, self.group, sequence_parallel=sequence_parallel)
+                qkv.bias.copy_(torch.cat([bq, bk, bv]))
+        self.qkv = ColumnParallelLinear.from_dense(qkv, self.group, sequence_parallel=sequence_parallel, stride=3)
         self.proj = RowParallelLinear.from_dense(proj, self.group, sequence_parallel=sequence_parallel,
                                                  skip_bias_add=True)
         self.proj.check_input_sizes = False  # qkv has checked them: proj's input derives from qkv's output
-
-    def _interleave(self, q, k, v):
-        # [q_0; k_0; v_0; q_1; k_1; v_1; ...]: ColumnParallelLinear's row block r is then the
-        # q, k and v of rank r's heads.
-        parts = zip(q.chunk(self.tp, 0), k.chunk(self.tp, 0), v.chunk(self.tp, 0))
-        return torch.cat([t for triple in parts for t in triple], 0)
 
     @classmethod
     def from_dense(cls, module: nn.Module, group=None, *, causal=True, sequence_parallel=False, dropout=0.0):
@@ -89,17 +89,12 @@ class ParallelSelfAttention(nn.Module):
         """The whole block as an ``nn.MultiheadAttention`` (a collective; causality is the
         caller's attn_mask there)."""
         qkv, proj = self.qkv.to_dense(), self.proj.to_dense()
-        h = self.hidden_size
-        out = nn.MultiheadAttention(h, self.num_heads, dropout=self.attention_dropout,
+        out = nn.MultiheadAttention(self.hidden_size, self.num_heads, dropout=self.attention_dropout,
                                     bias=qkv.bias is not None, dtype=qkv.weight.dtype)
-
-        def unleave(t):  # inverse of _interleave
-            return t.reshape(self.tp, 3, h // self.tp, *t.shape[1:]).transpose(0, 1).reshape(t.shape)
-
-        out.in_proj_weight.copy_(unleave(qkv.weight))
+        out.in_proj_weight.copy_(qkv.weight)
         out.out_proj.weight.copy_(proj.weight)
         if qkv.bias is not None:
-            out.in_proj_bias.copy_(unleave(qkv.bias))
+            out.in_proj_bias.copy_(qkv.bias)
             out.out_proj.bias.copy_(proj.bias)
         return out
 
@@ -110,16 +105,12 @@ class ParallelSelfAttention(nn.Module):
         s, b = qkv.shape[:2]
         q, k, v = (t.reshape(s, b, self.local_heads, self.head_dim).permute(1, 2, 0, 3)
                    for t in qkv.chunk(3, -1))
-        o = F.scaled_dot_product_attention(q, k, v, is_causal=self.causal,
-                                           dropout_p=self.attention_dropout if self.training else 0.0)
+        p = self.attention_dropout if self.training else 0.0
+        with fork_if(p > 0 and self.tp > 1):  # this rank's heads: masks of their own
+            o = F.scaled_dot_product_attention(q, k, v, is_causal=self.causal, dropout_p=p)
         o = o.permute(2, 0, 1, 3).reshape(s, b, self.local_heads * self.head_dim)
         out, bias = self.proj(o)
-        if residual is not None and bias is not None:
-            return TF.bias_dropout_add(out, bias, residual, self.dropout, self.training)
-        if bias is not None:
-            out = out + bias
-        out = F.dropout(out, self.dropout, self.training)
-        return out if residual is None else out + residual
+        return bias_dropout_add(out, bias, residual, self.dropout, self.training, split=self.proj.sequence_parallel)
 
     def extra_repr(self):
         return (f"hidden_size={self.hidden_size}, num_heads={self.num_heads} ({self.local_heads} on this "

@@ -31,15 +31,28 @@ class ColumnParallelLinear(nn.Module):
     is this rank's ``out_features / tp`` features, or all of them with ``gather_output``.
     With ``skip_bias_add`` (Megatron's) the bias is returned beside the output instead of
     added, for a fused bias+GeLU or bias+dropout+add after it.
+
+    ``stride`` (Megatron's name): the output is that many equal blocks side by side, as a
+    fused q/k/v projection's ``[q; k; v]`` (3) or a gate/up projection's (2); each block is
+    split across the ranks, so rank r holds ``[q_r; k_r; v_r]`` and its output is the q, k and
+    v of its own heads (a plain split of the concatenation would give rank 0 all of q and
+    half of k). ``gather_output`` and ``to_dense`` put the blocks back in the dense order.
     """
 
     def __init__(self, in_features, out_features, bias=True, gather_output=False,
-                 sequence_parallel=False, group=None, dtype=None, *, skip_bias_add=False,
+                 sequence_parallel=False, group=None, dtype=None, *, skip_bias_add=False, stride=1,
                  _weight=None, _bias=None):
         super().__init__()
         self.group = comm.resolve_group(group)
         self.rank, self.tp = comm.group_rank_and_size(self.group)
+        if stride < 1:
+            raise ValueError(f"ColumnParallelLinear: stride must be >= 1, got {stride}")
         comm.check_divisible(out_features, self.tp, "ColumnParallelLinear out_features")
+        if out_features % (stride * self.tp):
+            raise ValueError(f"torchpar tensor parallel: ColumnParallelLinear out_features ({out_features}) "
+                             f"must be {stride} equal fused blocks, each divisible by the tensor-parallel "
+                             f"group size ({self.tp})")
+        self.stride = stride
         if gather_output and sequence_parallel:
             raise ValueError("ColumnParallelLinear: gather_output and sequence_parallel exclude "
                              "each other (the output of a sequence-parallel region is split)")
@@ -55,16 +68,23 @@ class ColumnParallelLinear(nn.Module):
         self.bias = nn.Parameter(self._shard(_bias.detach()).clone()) if _bias is not None else None
 
     def _shard(self, t):
-        return t.chunk(self.tp, 0)[self.rank]
+        return torch.cat([block.chunk(self.tp, 0)[self.rank] for block in t.chunk(self.stride, 0)])
+
+    def _unshard(self, t):
+        # Inverse of _shard over the all-gathered [rank 0's blocks; rank 1's; ...] along dim -1
+        # of an output or dim 0 of a parameter (moved last here): the dense block order.
+        if self.stride == 1:
+            return t
+        return t.unflatten(-1, (self.tp, self.stride, -1)).transpose(-3, -2).flatten(-3)
 
     @classmethod
     def from_dense(cls, module: nn.Linear, group=None, *, gather_output=False, sequence_parallel=False,
-                   skip_bias_add=False):
+                   skip_bias_add=False, stride=1):
         """This rank's shard of ``module`` (an ``nn.Linear``), computing the same function."""
         if not isinstance(module, nn.Linear):
             raise TypeError(f"ColumnParallelLinear.from_dense needs an nn.Linear, got {type(module).__name__}")
         return cls(module.in_features, module.out_features, module.bias is not None, gather_output,
-                   sequence_parallel, group, module.weight.dtype, skip_bias_add=skip_bias_add,
+                   sequence_parallel, group, module.weight.dtype, skip_bias_add=skip_bias_add, stride=stride,
                    _weight=module.weight, _bias=module.bias)
 
     @torch.no_grad()
@@ -72,9 +92,10 @@ class ColumnParallelLinear(nn.Module):
         """The whole layer as an ``nn.Linear`` (every rank gets it; a collective)."""
         out = nn.Linear(self.in_features, self.out_features, bias=self.bias is not None,
                         dtype=self.weight.dtype, device=self.weight.device)
-        out.weight.copy_(comm.gather_from_sequence_region(self.weight.detach(), self.group))
+        weight = comm.gather_from_sequence_region(self.weight.detach(), self.group)
+        out.weight.copy_(self._unshard(weight.t()).t())
         if self.bias is not None:
-            out.bias.copy_(comm.gather_from_sequence_region(self.bias.detach(), self.group))
+            out.bias.copy_(self._unshard(comm.gather_from_sequence_region(self.bias.detach(), self.group)))
         return out
 
     def forward(self, input):
@@ -88,13 +109,14 @@ class ColumnParallelLinear(nn.Module):
         bias = None if self.skip_bias_add else self.bias
         out = comm.linear_with_async_comm(input, self.weight, bias, self.group, self.sequence_parallel)
         if self.gather_output:
-            out = comm.gather_from_region(out, self.group)
+            out = self._unshard(comm.gather_from_region(out, self.group))
         return (out, self.bias) if self.skip_bias_add else out
 
     def extra_repr(self):
         return (f"in_features={self.in_features}, out_features={self.out_features} "
                 f"({self.out_features // self.tp} on this rank of {self.tp}), bias={self.bias is not None}, "
-                f"gather_output={self.gather_output}, sequence_parallel={self.sequence_parallel}")
+                f"gather_output={self.gather_output}, sequence_parallel={self.sequence_parallel}"
+                f"{f', stride={self.stride}' if self.stride > 1 else ''}")
 
 
 class RowParallelLinear(nn.Module):

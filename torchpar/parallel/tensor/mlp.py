@@ -3,7 +3,10 @@
 features, so the block communicates once forward and once backward.
 
 fc1's bias is added inside torchpar's fused bias+GeLU kernel; with a ``residual``, fc2's bias,
-dropout and the residual add are one fused bias+dropout+add.
+dropout and the residual add are one fused bias+dropout+add. Its mask comes from the default
+generator (the same on every rank: the output is replicated) or, under sequence parallelism,
+from the model-parallel stream of ``torchpar.parallel.tensor.random`` (the output is this
+rank's sequence shard).
 """
 from torch import nn
 from torch.nn import functional as F
@@ -11,6 +14,7 @@ from torch.nn import functional as F
 from torchpar.nn import functional as TF
 from torchpar.parallel.tensor import comm
 from torchpar.parallel.tensor.linear import ColumnParallelLinear, RowParallelLinear
+from torchpar.parallel.tensor.random import bias_dropout_add
 
 
 class ParallelMLP(nn.Module):
@@ -67,9 +71,4 @@ class ParallelMLP(nn.Module):
         h, b1 = self.fc1(x)
         h = TF.bias_gelu(h, b1) if b1 is not None else F.gelu(h)
         out, b2 = self.fc2(h)
-        if residual is not None and b2 is not None:
-            return TF.bias_dropout_add(out, b2, residual, self.dropout, self.training)
-        if b2 is not None:
-            out = out + b2
-        out = F.dropout(out, self.dropout, self.training)
-        return out if residual is None else out + residual
+        return bias_dropout_add(out, b2, residual, self.dropout, self.training, split=self.fc2.sequence_parallel)

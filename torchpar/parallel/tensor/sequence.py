@@ -8,6 +8,10 @@ but each rank's gradient now covers only its tokens; the sum over the group is t
 gradient, so a hook all-reduces it during backward (Megatron-LM all-reduces the same
 "sequence_parallel" parameters after backward).
 
+Dropout on a sequence shard draws from the model-parallel stream of
+``torchpar.parallel.tensor.random``: the shards are different tokens, and each needs a mask of
+its own.
+
 A learned position embedding (``nn.Embedding``) is the same case: each rank adds the rows of
 its own positions to its sequence shard (the model looks them up, as torchpar.models.GPT does
 from its token embedding's rank), so each rank's gradient holds only its rows, and the sum over
@@ -17,6 +21,7 @@ from torch import nn
 
 from torchpar.nn import LayerNorm as FusedLayerNorm
 from torchpar.parallel.tensor import comm
+from torchpar.parallel.tensor.random import mark_model_parallel_rng
 from torchpar import _C
 
 # Token-wise modules that may run on a sequence shard (style "sequence" of parallelize); an
@@ -27,13 +32,16 @@ SEQUENCE_PARALLEL_TYPES = (nn.LayerNorm, nn.RMSNorm, FusedLayerNorm, nn.Dropout,
 def mark_sequence_parallel(module: nn.Module, group=None, name=None):
     """Lets ``module`` (a LayerNorm, RMSNorm, Dropout or position Embedding) run on a sequence shard: each of its
     parameters gets ``sequence_parallel = True`` (Megatron's marker) and a gradient hook that
-    all-reduces the gradient over ``group``. Returns ``module`` itself (same class, same
+    all-reduces the gradient over ``group``; a Dropout draws its masks from the model-parallel
+    stream (``mark_model_parallel_rng``). Returns ``module`` itself (same class, same
     state_dict keys)."""
     if not isinstance(module, SEQUENCE_PARALLEL_TYPES):
         raise TypeError(f"sequence parallelism: module {name or ''!s} ({type(module).__name__}) cannot "
                         f"run on a sequence shard; only {', '.join(t.__name__ for t in SEQUENCE_PARALLEL_TYPES)} can")
     group = comm.resolve_group(group)
     _, tp = comm.group_rank_and_size(group)
+    if isinstance(module, nn.Dropout):
+        mark_model_parallel_rng(module, group)
     for p in module.parameters(recurse=False):
         if getattr(p, "sequence_parallel", False):
             continue

@@ -1,0 +1,75 @@
+"""DDP across two test hosts (tests/netns.py), one rank each, on an unshaped and on a shaped
+link: torchpar's overlapped DDP against the no-overlap baseline (issue 21).
+
+    sudo python tests/bench_hosts_ddp.py [--rate 1gbit] [--width 1024 --depth 4 --batch 256]
+
+Each host runs one rank (this machine's cores are shared, so one rank per core); the link
+is a veth pair through a bridge, shaped with `tc qdisc ... tbf rate RATE burst 256kb latency
+10ms` on both ends. Prints the median step time of each mode (ms) and the speed-up of
+torchpar's DDP over the baseline.
+"""
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from netns import Hosts  # noqa: E402
+from test_hosts import STORE_PORT, WORKER, _env  # noqa: E402
+
+
+def run(shaped, args):
+    with Hosts(2) as hosts:
+        if shaped:
+            for h in hosts:
+                h.shape(rate=args.rate)
+        procs = []
+        for rank, h in enumerate(hosts):
+            env = _env(RANK=rank, WORLD_SIZE=2, LOCAL_RANK=0, LOCAL_WORLD_SIZE=1, MASTER_ADDR=hosts[0].address,
+                       MASTER_PORT=STORE_PORT, HOSTS_TIMEOUT=600, TORCHPAR_TRANSPORT="auto",
+                       BENCH_WIDTH=args.width, BENCH_DEPTH=args.depth, BENCH_BATCH=args.batch,
+                       BENCH_STEPS=args.steps, BENCH_ROUNDS=args.rounds, BENCH_BUCKET_MB=args.bucket_cap_mb)
+            for k in ("TORCHPAR_SHM_SLOT_BYTES", "TORCHPAR_SHM_RING_BYTES", "TORCHPAR_ONESHOT_MAX_BYTES",
+                      "TORCHPAR_P2P_CHUNK_BYTES"):
+                env.pop(k)  # the defaults, not the tests' small buffers
+            procs.append(h.popen([sys.executable, WORKER, "ddp_bench"], stdout=subprocess.PIPE,
+                                 stderr=subprocess.STDOUT, text=True, env=env))
+        outs = [p.communicate(timeout=args.timeout)[0] for p in procs]
+    for line in outs[0].splitlines():
+        if line.startswith("HOSTS bench "):
+            return json.loads(line[len("HOSTS bench "):])
+    raise SystemExit("no result:\n" + "\n".join(o[-3000:] for o in outs))
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--rate", default="1gbit")
+    ap.add_argument("--width", type=int, default=1024)
+    ap.add_argument("--depth", type=int, default=4)
+    ap.add_argument("--batch", type=int, default=256, help="samples per rank")
+    ap.add_argument("--bucket-cap-mb", type=float, default=4)
+    ap.add_argument("--steps", type=int, default=2, help="timed steps per mode per round")
+    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--links", default="unshaped,shaped")
+    ap.add_argument("--timeout", type=float, default=500)
+    args = ap.parse_args()
+    why = Hosts.unavailable()
+    if why:
+        raise SystemExit(f"no test hosts: {why}")
+    params = args.depth * (args.width * args.width + args.width)
+    print(f"DDP across 2 hosts x 1 rank, MLP {args.depth}x{args.width} ({params * 4 / 2**20:.0f} MiB of fp32 "
+          f"gradients), batch {args.batch}, bucket {args.bucket_cap_mb} MB, median of {args.steps * args.rounds} "
+          f"steps (ms); {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, load {os.getloadavg()[0]:.1f}")
+    head = ["link", "torchpar_ddp", "torch_ddp", "no_overlap", "compute_only", "comm_only", "no_overlap/ours"]
+    print("".join(f"{h:>16}" for h in head))
+    for link in args.links.split(","):
+        t = run(link == "shaped", args)
+        name = f"tbf {args.rate}" if link == "shaped" else "veth"
+        print(f"{name:>16}" + "".join(f"{t[m]:>16.1f}" for m in head[1:-1]) +
+              f"{t['no_overlap'] / t['torchpar_ddp']:>15.2f}x", flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,231 @@
+"""Test hosts on one machine: Linux network namespaces joined through a bridge (issue 21).
+
+``Hosts(n)`` makes ``n`` namespaces, each with loopback up and one veth whose other end sits
+in a bridge in the root namespace, addressed 10.77.0.1 ... 10.77.0.n on one /24. The hosts
+share this machine's kernel, /dev/shm and pid namespace, but reach each other only through
+the bridge, as separate machines on one switch do. Everything is removed on exit, on error
+and (for a run that crashed) by the next run: names carry the creating process's pid, and
+``Hosts`` first removes what a dead pid left behind.
+
+    with Hosts(2) as hosts:
+        p = hosts[0].popen(["python", "-c", "..."])   # runs under `ip netns exec`
+        hosts[1].link_down()                           # the host drops off the network
+
+``Hosts.unavailable()`` says why namespaces cannot be made here (not root, no `ip`, a
+kernel that refuses), or None; the tests skip with that reason.
+"""
+import os
+import itertools
+import shutil
+import signal
+import subprocess
+import time
+
+PREFIX = "tpn"            # every name made here starts with it (netns, bridge, veth)
+SUBNET = "10.77.0"        # hosts are SUBNET.1 ... SUBNET.n; each bridge is an L2 domain of
+                          # its own with no address in the root namespace, so runs side by
+                          # side may reuse it
+
+
+def _ip(*args, check=True, netns=None):
+    cmd = ["ip"] + (["-n", netns] if netns else []) + list(args)
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=30)
+    if check and out.returncode != 0:
+        raise RuntimeError(f"`{' '.join(cmd)}` failed ({out.returncode}): {out.stderr.strip()}")
+    return out
+
+
+def _pid_alive(pid):
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def _owner(name):
+    """The pid in a name made here ("tpn<pid in hex>x<count>..."), or None for any other name."""
+    if not name.startswith(PREFIX):
+        return None
+    digits = name[len(PREFIX):].split("x", 1)[0]
+    try:
+        return int(digits, 16)
+    except ValueError:
+        return None
+
+
+def sweep_stale():
+    """Removes the namespaces and bridges whose creating process has died (a crashed run)."""
+    for line in _ip("netns", "list", check=False).stdout.splitlines():
+        name = line.split()[0] if line.split() else ""
+        pid = _owner(name)
+        if pid is not None and not _pid_alive(pid):
+            _kill_netns_pids(name)
+            _ip("netns", "del", name, check=False)
+    for line in _ip("-o", "link", "show", "type", "bridge", check=False).stdout.splitlines():
+        name = line.split(":")[1].strip().split("@")[0] if ":" in line else ""
+        pid = _owner(name)
+        if pid is not None and not _pid_alive(pid):
+            _ip("link", "del", name, check=False)
+
+
+def _kill_netns_pids(netns):
+    """SIGKILLs what still runs in `netns` (processes this test started there)."""
+    out = _ip("netns", "pids", netns, check=False).stdout.split()
+    for pid in out:
+        try:
+            os.kill(int(pid), signal.SIGKILL)
+        except (ProcessLookupError, ValueError):
+            pass
+
+
+class Host:
+    def __init__(self, index, netns, veth, address):
+        self.index = index
+        self.netns = netns      # the namespace's name, for `ip netns exec`
+        self.veth = veth        # the root-namespace end of its link, in the bridge
+        self.address = address  # its IPv4 address on the bridge's subnet
+        self.procs = []
+
+    def cmd(self, argv):
+        return ["ip", "netns", "exec", self.netns] + list(argv)
+
+    def popen(self, argv, **kwargs):
+        """Starts `argv` in this host, in a session of its own (so that it and its children
+        can be killed together)."""
+        p = subprocess.Popen(self.cmd(argv), start_new_session=True, **kwargs)
+        self.procs.append(p)
+        return p
+
+    def run(self, argv, timeout=30, check=True):
+        out = subprocess.run(self.cmd(argv), capture_output=True, text=True, timeout=timeout)
+        if check and out.returncode != 0:
+            raise RuntimeError(f"{argv} in {self.netns} failed ({out.returncode}): {out.stderr.strip()}")
+        return out
+
+    def link_down(self):
+        """Cuts this host off the bridge: its link goes down at the bridge's end, as when a
+        cable is pulled. Nothing is told to the processes on either side."""
+        _ip("link", "set", self.veth, "down")
+
+    def link_up(self):
+        _ip("link", "set", self.veth, "up")
+
+    def shape(self, rate="1gbit", burst="256kb", latency="10ms"):
+        """A token-bucket filter on both ends of this host's link (egress each way)."""
+        _ip("link", "show", self.veth)  # a clear error if the link is gone
+        for netns, dev in ((None, self.veth), (self.netns, "eth0")):
+            cmd = (["ip", "netns", "exec", netns] if netns else []) + \
+                ["tc", "qdisc", "replace", "dev", dev, "root", "tbf", "rate", rate, "burst", burst,
+                 "latency", latency]
+            out = subprocess.run(cmd, capture_output=True, text=True, timeout=30)
+            if out.returncode != 0:
+                raise RuntimeError(f"`{' '.join(cmd)}` failed: {out.stderr.strip()}")
+
+    def stop(self):
+        """Kills the process sessions started here, then anything left in the namespace."""
+        for p in self.procs:
+            if p.poll() is None:
+                try:
+                    os.killpg(p.pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+        for p in self.procs:
+            try:
+                p.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                pass
+        _kill_netns_pids(self.netns)
+
+
+class Hosts:
+    _made = itertools.count()
+
+    def __init__(self, n):
+        assert 1 <= n <= 9
+        # "tpn<pid>x<count>": unique among live processes, and the pid tells a later run whether
+        # the owner is gone. Interface names have at most 15 bytes: "tpn" + pid in hex (pid_max
+        # is at most 2^22, 6 hex digits) + "x" + count + "b" or "v<i>".
+        self.tag = f"{PREFIX}{os.getpid():x}x{next(Hosts._made) % 256:x}"
+        self.bridge = f"{self.tag}b"
+        self.hosts = [Host(i, f"{self.tag}h{i}", f"{self.tag}v{i}", f"{SUBNET}.{i + 1}") for i in range(n)]
+        assert len(self.bridge) <= 15 and all(len(h.veth) <= 15 for h in self.hosts), self.tag
+
+    @staticmethod
+    def unavailable():
+        """Why namespaces cannot be made here, or None."""
+        if os.geteuid() != 0:
+            return "network namespaces need root (ip netns add); this runs as uid %d" % os.geteuid()
+        for tool in ("ip",):
+            if shutil.which(tool) is None:
+                return f"`{tool}` (iproute2) is not installed"
+        probe = f"{PREFIX}{os.getpid():x}xp"
+        out = subprocess.run(["ip", "netns", "add", probe], capture_output=True, text=True, timeout=30)
+        if out.returncode != 0:
+            return f"the kernel refused `ip netns add`: {out.stderr.strip()}"
+        subprocess.run(["ip", "netns", "del", probe], capture_output=True, timeout=30)
+        out = subprocess.run(["ip", "link", "add", probe, "type", "bridge"], capture_output=True,
+                             text=True, timeout=30)
+        if out.returncode != 0:
+            return f"the kernel refused a bridge (`ip link add ... type bridge`): {out.stderr.strip()}"
+        subprocess.run(["ip", "link", "del", probe], capture_output=True, timeout=30)
+        return None
+
+    def __enter__(self):
+        sweep_stale()
+        try:
+            self._make()
+        except BaseException:
+            self.close()
+            raise
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    def __getitem__(self, i):
+        return self.hosts[i]
+
+    def __len__(self):
+        return len(self.hosts)
+
+    def __iter__(self):
+        return iter(self.hosts)
+
+    def _make(self):
+        _ip("link", "add", self.bridge, "type", "bridge")
+        _ip("link", "set", self.bridge, "up")
+        for h in self.hosts:
+            _ip("netns", "add", h.netns)
+            _ip("link", "add", h.veth, "type", "veth", "peer", "name", "eth0", "netns", h.netns)
+            _ip("link", "set", h.veth, "master", self.bridge)
+            _ip("link", "set", h.veth, "up")
+            _ip("link", "set", "lo", "up", netns=h.netns)
+            _ip("addr", "add", f"{h.address}/24", "dev", "eth0", netns=h.netns)
+            _ip("link", "set", "eth0", "up", netns=h.netns)
+        # The links come up asynchronously: wait until every bridge port forwards (state 3)
+        # and every host's end reports UP, so that the first packets are not lost.
+        deadline = time.monotonic() + 10
+        for h in self.hosts:
+            while not self._ready(h):
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"the link of {h.netns} ({h.veth}) did not come up in 10 s")
+                time.sleep(0.05)
+
+    def _ready(self, h):
+        try:
+            with open(f"/sys/class/net/{h.veth}/brport/state") as f:
+                forwarding = f.read().strip() == "3"
+        except OSError:
+            return False
+        return forwarding and "state UP" in _ip("-o", "link", "show", "eth0", netns=h.netns).stdout
+
+    def close(self):
+        for h in self.hosts:
+            h.stop()
+        for h in self.hosts:
+            _ip("netns", "del", h.netns, check=False)  # takes its veth pair with it
+            _ip("link", "del", h.veth, check=False)
+        _ip("link", "del", self.bridge, check=False)

@@ -1,0 +1,118 @@
+"""Callbacks on a work's future that issue or wait on other operations (issue 21): they run
+where the work finishes, on the group's worker, in the caller, or on the point-to-point
+progress thread. A collective issued there runs; a wait that only that thread could end is
+an error saying so, never a hang."""
+import pytest
+import torch
+import torch.distributed as dist
+
+from harness import SMALL_BUFFERS, TRANSPORTS, get_pool, transport_env
+
+pytestmark = [pytest.mark.timeout(120), pytest.mark.parametrize("transport", TRANSPORTS)]
+
+
+def pool(transport):
+    return get_pool(2, env=transport_env(transport, SMALL_BUFFERS))
+
+
+def _collective_waited_on_in_a_callback(ctx):
+    """An async all_reduce's callback (on the group's worker) runs a blocking all_reduce. It
+    used to be queued behind the callback that waits for it, forever."""
+    t = torch.full((5,), float(ctx.rank + 1))
+
+    def then_sum_again(fut):
+        again = fut.value()[0] * 10
+        dist.all_reduce(again, group=ctx.pg)  # blocking, on the worker thread
+        return again
+
+    chained = dist.all_reduce(t, async_op=True, group=ctx.pg).get_future().then(then_sum_again)
+    assert torch.equal(chained.wait(), torch.full((5,), 60.0))
+    # An operation issued from the main thread meanwhile keeps its place in the order.
+    u = torch.full((2,), float(ctx.rank))
+    dist.all_reduce(u, group=ctx.pg)
+    assert torch.equal(u, torch.ones(2))
+    return True
+
+
+def _async_collective_in_a_recv_callback(ctx):
+    """A recv's callback runs on the progress thread; an async collective issued there goes
+    to the worker and completes."""
+    peer = 1 - ctx.rank
+    got = torch.zeros(3)
+    out = {}
+
+    def reduce_it(fut):
+        out["work"] = dist.all_reduce(fut.value()[0].clone(), async_op=True, group=ctx.pg)
+        return True
+
+    recv_done = dist.irecv(got, src=peer, group=ctx.pg).get_future().then(reduce_it)
+    # Both receives are posted before either send, so both finish on the progress thread.
+    dist.barrier(group=ctx.pg)
+    dist.send(torch.full((3,), float(ctx.rank + 1)), dst=peer, group=ctx.pg)
+    recv_done.wait()
+    out["work"].wait()
+    assert torch.equal(out["work"].result()[0], torch.full((3,), 3.0))
+    return True
+
+
+def _blocking_collective_in_a_recv_callback_is_an_error(ctx):
+    """A blocking all_reduce on the progress thread would wait for that thread itself: it is
+    refused with a message that says why, and the group keeps working."""
+    peer = 1 - ctx.rank
+    got = torch.zeros(3)
+
+    def block(fut):
+        dist.all_reduce(fut.value()[0], group=ctx.pg)
+        return True
+
+    chained = dist.irecv(got, src=peer, group=ctx.pg).get_future().then(block)
+    # Both receives are posted before either send, so both finish on the progress thread.
+    dist.barrier(group=ctx.pg)
+    dist.send(torch.ones(3), dst=peer, group=ctx.pg)
+    with pytest.raises(Exception, match="progress thread"):
+        chained.wait()
+    t = torch.ones(4)
+    dist.all_reduce(t, group=ctx.pg)
+    assert torch.equal(t, torch.full((4,), 2.0))
+    return True
+
+
+def _wait_in_a_recv_callback_is_an_error(ctx):
+    """Waiting in a recv's callback for a recv not yet arrived would block the thread that
+    must receive it."""
+    peer = 1 - ctx.rank
+    first, second = torch.zeros(1), torch.zeros(1)
+    later = {}
+
+    def wait_for_the_next(fut):
+        later["work"] = dist.irecv(second, src=peer, tag=2, group=ctx.pg)
+        later["work"].wait()
+        return True
+
+    chained = dist.irecv(first, src=peer, tag=1, group=ctx.pg).get_future().then(wait_for_the_next)
+    # Both receives are posted before either send, so both finish on the progress thread.
+    dist.barrier(group=ctx.pg)
+    dist.send(torch.ones(1), dst=peer, tag=1, group=ctx.pg)
+    with pytest.raises(Exception, match="progress thread"):
+        chained.wait()
+    dist.barrier(group=ctx.pg)  # both ranks have seen the error before tag 2 goes out
+    dist.send(torch.full((1,), 7.0), dst=peer, tag=2, group=ctx.pg)
+    later["work"].wait()  # from the main thread it completes
+    assert second.item() == 7.0
+    return True
+
+
+def test_a_callback_can_wait_on_a_collective_it_issues(transport):
+    pool(transport).run(_collective_waited_on_in_a_callback)
+
+
+def test_a_recv_callback_can_issue_an_async_collective(transport):
+    pool(transport).run(_async_collective_in_a_recv_callback)
+
+
+def test_a_blocking_collective_in_a_recv_callback_is_an_error(transport):
+    pool(transport).run(_blocking_collective_in_a_recv_callback_is_an_error)
+
+
+def test_waiting_in_a_recv_callback_is_an_error(transport):
+    pool(transport).run(_wait_in_a_recv_callback_is_an_error)

@@ -1,0 +1,154 @@
+"""ParallelGPT.clip_grad_norm_ (issue 20): gradient clipping by the global norm over a dp x tp x
+pp layout equals ``torch.nn.utils.clip_grad_norm_`` on the single-process model.
+
+Each case runs 5 training steps with ``clip_grad`` small enough that every step clips (the
+single-process norms are 0.5 to 1.3; MAX_NORM is 0.2), on 4 ranks, against the single-process
+run that clips with torch's function: the losses, the norm each step returned, and the clipped
+gradients of the first step (every rank's pieces of every parameter, placed in the dense
+tensors) agree. After the 5 steps one more forward/backward is clipped by the inf-norm, and
+that norm and those gradients agree too. The norm counts each element once: a LayerNorm held
+by both tp ranks, a DDP replica, or the tied embedding's copy on the last stage counted twice
+would give another norm and other gradients.
+
+The function underneath, ``torchpar.parallel.clip_grad_norm_``, is also checked on one process:
+without groups it is torch's (p = 1, 2, 3, inf), ``counted`` picks what the norm sums while every
+gradient is scaled, and bfloat16 gradients (O2 under DDP) give a float32 norm.
+"""
+import math
+
+import pytest
+import torch
+from torch.nn import functional as F
+
+from harness import get_pool
+from test_gpt_3d import CFG, LR, _batch, assert_boxes_equal, dense_boxes
+from torchpar.models import GPT, GPTConfig
+from torchpar.models.parallel_gpt import Layout, ParallelGPT
+from torchpar.parallel import clip_grad_norm_
+
+pytestmark = pytest.mark.timeout(300)
+
+STEPS = 5
+MAX_NORM = 0.2      # 2-norm, each training step
+MAX_INF_NORM = 0.01  # the inf-norm clip after them (the largest |gradient| is about 0.02 then)
+TIED = GPTConfig.tiny(tie_embeddings=True)
+
+
+def _reference(cfg):
+    """The single-process run: (losses, norms, first step's clipped gradients, inf-norm, the
+    inf-clipped gradients after the steps)."""
+    torch.manual_seed(0)
+    model = GPT(cfg)
+    opt = torch.optim.SGD(model.parameters(), lr=LR, momentum=0.9)
+
+    def forward_backward(step):
+        opt.zero_grad()
+        idx, tgt = _batch(step)
+        loss = F.cross_entropy(model(idx.t()).flatten(0, 1), tgt.t().flatten())
+        loss.backward()
+        return loss.item()
+
+    def grads():
+        return {n: p.grad.detach().clone() for n, p in model.named_parameters()}
+
+    losses, norms = [], []
+    for step in range(STEPS):
+        losses.append(forward_backward(step))
+        norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_NORM).item())
+        if step == 0:
+            first = grads()
+        opt.step()
+    forward_backward(STEPS)
+    inf_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_INF_NORM, math.inf).item()
+    return losses, norms, first, inf_norm, grads()
+
+
+def _clipped_run(ctx, layout, cfg):
+    torch.set_num_threads(1)
+    trainer = ParallelGPT(cfg, layout, lr=LR, optimizer="sgd", clip_grad=MAX_NORM)
+    losses, norms = [], []
+    for step in range(STEPS):
+        losses.append(trainer.train_step(*_batch(step)))
+        norms.append(trainer.grad_norm)
+        if step == 0:
+            first = dense_boxes(trainer, grads=True)  # optimizer.step leaves .grad as clipped
+    trainer.forward_backward(*_batch(STEPS))
+    inf_norm = trainer.clip_grad_norm_(MAX_INF_NORM, math.inf).item()
+    return losses, norms, first, inf_norm, dense_boxes(trainer, grads=True)
+
+
+LAYOUTS = {
+    "2x1x2": (Layout(dp=2, pp=2, microbatches=2), CFG),
+    "1x2x2": (Layout(tp=2, pp=2, microbatches=2), CFG),
+    "2x2x1": (Layout(dp=2, tp=2), CFG),
+    "fsdp-2x1x2": (Layout(dp=2, pp=2, fsdp=True, microbatches=2), CFG),
+    "fsdp-2x2x1": (Layout(dp=2, tp=2, fsdp=True), CFG),
+    "sp-1x2x2": (Layout(tp=2, pp=2, sequence_parallel=True, microbatches=2), CFG),
+    "fsdp-sp-2x2x1": (Layout(dp=2, tp=2, fsdp=True, sequence_parallel=True), CFG),
+    "tied-1x2x2": (Layout(tp=2, pp=2, microbatches=2), TIED),
+    "tied-fsdp-2x1x2": (Layout(dp=2, pp=2, fsdp=True, microbatches=2), TIED),
+}
+SLOW = {"2x2x1", "fsdp-2x2x1", "fsdp-sp-2x2x1", "tied-fsdp-2x1x2"}  # make test-slow: for make test's time
+
+
+@pytest.fixture(scope="module")
+def references():
+    return {cfg.tie_embeddings: _reference(cfg) for cfg in (CFG, TIED)}
+
+
+@pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.slow) if n in SLOW else n for n in LAYOUTS])
+def test_clipped_training_equals_single_process(references, name):
+    layout, cfg = LAYOUTS[name]
+    losses, norms, first, inf_norm, last = references[cfg.tie_embeddings]
+    assert min(norms) > MAX_NORM and inf_norm > MAX_INF_NORM  # every clip below changes the gradients
+    for rank, (got_losses, got_norms, got_first, got_inf, got_last) in enumerate(
+            get_pool(4).run(_clipped_run, layout, cfg)):
+        torch.testing.assert_close(got_losses, losses, rtol=1e-4, atol=1e-5, msg=lambda m: f"rank {rank}: losses {m}")
+        torch.testing.assert_close(got_norms, norms, rtol=1e-4, atol=1e-6, msg=lambda m: f"rank {rank}: norms {m}")
+        assert_boxes_equal(got_first, first, rank, rtol=1e-3, atol=1e-6)
+        assert got_inf == pytest.approx(inf_norm, rel=1e-3), f"rank {rank}"
+        assert_boxes_equal(got_last, last, rank, rtol=1e-3, atol=1e-6)
+
+
+# ---- torchpar.parallel.clip_grad_norm_ itself, on one process (no groups) ----
+
+def _model_with_grads(dtype=torch.float32):
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.LayerNorm(16), torch.nn.Linear(16, 4)).to(dtype)
+    for p in model.parameters():
+        p.grad = torch.randn_like(p)
+    return model
+
+
+@pytest.mark.parametrize("norm_type", [2.0, 1.0, 3.0, math.inf])
+def test_function_without_groups_equals_torch(norm_type):
+    ours, theirs = _model_with_grads(), _model_with_grads()
+    got = clip_grad_norm_(ours.parameters(), 0.5, norm_type)
+    want = torch.nn.utils.clip_grad_norm_(theirs.parameters(), 0.5, norm_type)
+    torch.testing.assert_close(got, want)
+    for p, q in zip(ours.parameters(), theirs.parameters()):
+        torch.testing.assert_close(p.grad, q.grad)
+
+
+def test_function_counts_only_counted_and_scales_every_gradient():
+    """``counted`` decides the norm (here: the first layer's), every gradient is scaled."""
+    model, ref = _model_with_grads(), _model_with_grads()
+    first = list(model[0].parameters())
+    got = clip_grad_norm_(model.parameters(), 0.5, counted=first)
+    want = torch.linalg.vector_norm(torch.cat([p.grad.flatten() for p in ref[0].parameters()]))
+    torch.testing.assert_close(got, want)
+    for p, q in zip(model.parameters(), ref.parameters()):
+        torch.testing.assert_close(p.grad, q.grad * (0.5 / (want + 1e-6)))
+
+
+def test_function_on_bfloat16_gradients_sums_in_float32():
+    """O2 under DDP clips the 16-bit gradients: the norm is float32, the scaled gradients stay
+    bfloat16."""
+    model, ref = _model_with_grads(torch.bfloat16), _model_with_grads(torch.bfloat16)
+    got = clip_grad_norm_(model.parameters(), 0.5)
+    want = torch.linalg.vector_norm(torch.cat([p.grad.float().flatten() for p in ref.parameters()]))
+    assert got.dtype == torch.float32
+    torch.testing.assert_close(got, want)
+    for p, q in zip(model.parameters(), ref.parameters()):
+        assert p.grad.dtype == torch.bfloat16
+        torch.testing.assert_close(p.grad.float(), q.grad.float() * (0.5 / (want + 1e-6)), rtol=1e-2, atol=1e-3)

@@ -1,0 +1,193 @@
+"""torchpar across hosts (issue 21): jobs over network namespaces joined by a bridge
+(tests/netns.py), launched by torchrun with the c10d rendezvous as on real machines, and
+the faults a multi-host job meets: a rank killed mid-collective, a restart after it, a host
+whose link goes down. The ranks run tests/hosts_worker.py. Needs root; skips saying why
+otherwise. docs/hosts.md describes the set-up.
+"""
+import os
+import re
+import subprocess
+import sys
+import time
+
+import pytest
+
+from harness import SMALL_BUFFERS
+from netns import Hosts
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+WORKER = os.path.join(ROOT, "tests", "hosts_worker.py")
+RDZV_PORT = 29400   # each host is a namespace of its own: no other job shares its ports
+STORE_PORT = 29500
+
+
+@pytest.fixture(scope="module")
+def can_make_hosts():
+    why = Hosts.unavailable()
+    if why:
+        pytest.skip(f"no test hosts: {why}")
+
+
+def _env(**extra):
+    env = dict(os.environ)
+    env.update(SMALL_BUFFERS)  # small chunks and slots: modest tensors cross every boundary
+    env.update({"PYTHONPATH": ROOT + os.pathsep + env.get("PYTHONPATH", ""), "OMP_NUM_THREADS": "1",
+                "TORCHPAR_TRANSPORT": "auto", "HOSTS_TIMEOUT": "30"})
+    env.update({k: str(v) for k, v in extra.items()})
+    return env
+
+
+def _torchrun(hosts, nprocs, mode, tmp_path, max_restarts=0, **env):
+    """One torchrun per host (hosts[i] runs nprocs[i] ranks), c10d rendezvous on host 0."""
+    procs = []
+    for h, nproc in zip(hosts, nprocs):
+        # is_host: torchrun guesses whether it should host the rendezvous store from its
+        # hostname's addresses, which the namespaces' eth0 addresses are not.
+        cmd = [sys.executable, "-m", "torch.distributed.run", f"--nnodes={len(nprocs)}",
+               f"--nproc-per-node={nproc}", "--rdzv-backend=c10d",
+               f"--rdzv-endpoint={hosts[0].address}:{RDZV_PORT}", f"--rdzv-id=hosts-{os.getpid()}",
+               f"--rdzv-conf=is_host={int(h is hosts[0])}",
+               f"--local-addr={h.address}", f"--max-restarts={max_restarts}", "--monitor-interval=0.2",
+               WORKER, mode]
+        log = open(tmp_path / f"{h.netns}.log", "w+")
+        procs.append((h.popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=_env(**env)), log))
+    return procs
+
+
+def _start_ranks(hosts, nprocs, mode, tmp_path, **env):
+    """The ranks started directly (no torchrun agent to kill the survivors of a fault)."""
+    world = sum(nprocs)
+    procs, rank = [], 0
+    for h, nproc in zip(hosts, nprocs):
+        for local in range(nproc):
+            log = open(tmp_path / f"rank{rank}.log", "w+")
+            e = _env(RANK=rank, WORLD_SIZE=world, LOCAL_RANK=local, LOCAL_WORLD_SIZE=nproc,
+                     MASTER_ADDR=hosts[0].address, MASTER_PORT=STORE_PORT, **env)
+            procs.append((h.popen([sys.executable, WORKER, mode], stdout=log, stderr=subprocess.STDOUT, env=e), log))
+            rank += 1
+    return procs
+
+
+def _wait(procs, timeout):
+    """Waits for every process; returns (exit statuses, everything they printed)."""
+    deadline = time.monotonic() + timeout
+    codes = []
+    for p, _ in procs:
+        try:
+            codes.append(p.wait(timeout=max(0.1, deadline - time.monotonic())))
+        except subprocess.TimeoutExpired:
+            codes.append(None)  # still running: the fixture kills it
+    text = ""
+    for _, log in procs:
+        log.seek(0)
+        text += log.read()
+    return codes, text
+
+
+def _lines(text, word):
+    return [line.split() for line in text.splitlines() if line.startswith(f"HOSTS {word} ")]
+
+
+def _wait_for(procs, word, count, timeout):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        text = ""
+        for _, log in procs:
+            log.seek(0)
+            text += log.read()
+        if len(_lines(text, word)) >= count:
+            return text
+        if all(p.poll() is not None for p, _ in procs):
+            break
+        time.sleep(0.2)
+    raise AssertionError(f"fewer than {count} '{word}' lines:\n{text[-4000:]}")
+
+
+def _leftover_segments(pids):
+    """torchpar's /dev/shm segments made by any of `pids` (names: /torchpar-<pid>-...)."""
+    return [f for f in os.listdir("/dev/shm") if any(f.startswith(f"torchpar-{pid}-") for pid in pids)]
+
+
+def _run_suite(nprocs, tmp_path, timeout):
+    with Hosts(len(nprocs)) as hosts:
+        codes, text = _wait(_torchrun(hosts, nprocs, "suite", tmp_path), timeout)
+    assert codes == [0] * len(nprocs), f"torchrun exit statuses {codes}:\n{text[-6000:]}"
+    assert sorted(int(w[2]) for w in _lines(text, "suite-ok")) == list(range(sum(nprocs))), text[-6000:]
+    refused = sorted(int(w[2]) for w in _lines(text, "shm-refused"))
+    assert refused == [0, sum(nprocs) - 1], text[-6000:]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(360)
+def test_torchrun_two_hosts_two_ranks_each(can_make_hosts, tmp_path):
+    """torchrun --nnodes=2 --nproc-per-node=2, c10d rendezvous: every collective against its
+    exact value, a sub-group over part of each host, per-host groups on shared memory, TCP
+    between the hosts, TORCHPAR_TRANSPORT=shm refused across them, DDP equal to one process."""
+    _run_suite([2, 2], tmp_path, timeout=300)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(360)
+def test_torchrun_three_hosts_uneven_ranks(can_make_hosts, tmp_path):
+    """Three hosts with 2, 1 and 1 ranks (each torchrun its own --nproc-per-node)."""
+    _run_suite([2, 1, 1], tmp_path, timeout=300)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(180)
+def test_rank_killed_mid_collective_fails_every_host(can_make_hosts, tmp_path):
+    """SIGKILL of rank 3 (host 1) inside an all-reduce: ranks 0 and 1 (host 0) and rank 2
+    (host 1) raise within the group timeout naming rank 3, and /dev/shm keeps nothing."""
+    timeout = 20
+    with Hosts(2) as hosts:
+        procs = _start_ranks(hosts, [2, 2], "loop", tmp_path, HOSTS_TIMEOUT=timeout, KILL_RANK=3,
+                             KILL_AFTER_S=0.5)
+        codes, text = _wait(procs, timeout=90)
+        pids = [int(w[4]) for w in _lines(text, "ready")]
+    assert None not in codes, f"ranks still running 90 s after the kill (exit statuses {codes}):\n{text[-6000:]}"
+    assert codes[3] == -9, text[-6000:]
+    killed_at = float(_lines(text, "killing")[0][4])
+    raised = {int(w[2]): (float(w[4]), " ".join(w[6:])) for w in _lines(text, "raised")}
+    assert sorted(raised) == [0, 1, 2], f"ranks that raised: {sorted(raised)}\n{text[-6000:]}"
+    for rank, (at, message) in raised.items():
+        assert at - killed_at < timeout, f"rank {rank} raised {at - killed_at:.1f} s after the kill"
+        assert re.search(r"\brank 3\b", message), f"rank {rank}'s error does not name rank 3: {message}"
+    assert len(pids) == 4 and _leftover_segments(pids) == []
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(480)
+def test_torchrun_restart_after_a_kill_finishes_the_job(can_make_hosts, tmp_path):
+    """torchrun --max-restarts=1: the first attempt loses rank 3 mid-collective, the agents
+    form the group again and the second attempt finishes on every rank."""
+    with Hosts(2) as hosts:
+        codes, text = _wait(_torchrun(hosts, [2, 2], "restart", tmp_path, max_restarts=1, HOSTS_TIMEOUT=20,
+                                      KILL_RANK=3, KILL_AFTER_S=0.5, KILL_MARKER=tmp_path / "killed"),
+                            timeout=420)
+    assert codes == [0, 0], f"torchrun exit statuses {codes}:\n{text[-6000:]}"
+    assert len(_lines(text, "killing")) == 1, text[-6000:]
+    done = _lines(text, "restart-ok")
+    assert sorted(int(w[2]) for w in done) == [0, 1, 2, 3], text[-6000:]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(180)
+def test_host_whose_link_goes_down_fails_the_others_within_the_timeout(can_make_hosts, tmp_path):
+    """Host 1's link goes down (no FIN, no RST: its packets just stop) while ranks all-reduce:
+    the ranks on host 0 raise within the group timeout, not after TCP keep-alive's hours."""
+    timeout = 15
+    with Hosts(2) as hosts:
+        procs = _start_ranks(hosts, [2, 2], "loop", tmp_path, HOSTS_TIMEOUT=timeout)
+        _wait_for(procs, "ready", 4, timeout=90)
+        time.sleep(0.5)
+        down_at = time.time()
+        hosts[1].link_down()
+        codes, text = _wait(procs[:2], timeout=timeout + 30)
+        raised = {int(w[2]): (float(w[4]), " ".join(w[6:])) for w in _lines(text, "raised")}
+        assert None not in codes and sorted(raised) == [0, 1], \
+            f"host 0's ranks (exit statuses {codes}) did not all raise:\n{text[-6000:]}"
+        for rank, (at, message) in raised.items():
+            assert at - down_at < timeout + 5, f"rank {rank} raised {at - down_at:.1f} s after the link went down"
+        # Host 1's ranks are cut off from the store and from host 0: they must end too.
+        codes, text = _wait(procs[2:], timeout=timeout + 30)
+        assert None not in codes, f"host 1's ranks still running (exit statuses {codes}):\n{text[-6000:]}"
