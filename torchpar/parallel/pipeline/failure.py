@@ -19,10 +19,15 @@ The group is unusable afterwards: make a new one. The one exception is a shape m
 between the two ranks of a two-rank pipeline: both raise by themselves (the header carries
 the shapes), nobody is left waiting, and the group goes on.
 """
+from datetime import timedelta
+
 import torch.distributed as dist
 
 from torchpar.parallel.pipeline import _comm
 
+# How long a rank that learned of a failure waits for the failed rank to write its reason
+# (it counts itself in first, then writes: two store calls apart).
+_REASON_WAIT = timedelta(seconds=5)
 _ACTIONS = {"F": "the forward", "B": "the backward", "W": "the weight gradient", "SEND": "the last sends"}
 
 
@@ -57,21 +62,28 @@ class StepFailure:
         return RuntimeError(f"{type(sched).__name__}: {me} stopped waiting for its peers because {reason}")
 
     def published(self, step):
-        """The reason the first rank to fail in step ``step`` published, or None."""
+        """The reason the first rank to fail in step ``step`` published, or None. A rank that
+        has counted itself in but not yet written its reason is waited for, briefly."""
         try:
-            store = dist.distributed_c10d._get_process_group_store(self.group)
+            store = self._store()
             key = f"{self.prefix}{step}"
             if store.check([key]):
                 return store.get(key).decode()
+            if store.add(key + "/count", 0) == 0:
+                return None
+            store.wait([key], _REASON_WAIT)
+            return store.get(key).decode()
         except Exception:  # noqa: BLE001 - the store itself gone: the caller reports its own error
-            pass
-        return None
+            return None
 
     def _publish(self, step, reason):
         try:
-            store = dist.distributed_c10d._get_process_group_store(self.group)
+            store = self._store()
             key = f"{self.prefix}{step}"
             if store.add(key + "/count", 1) == 1:  # the first to fail tells the others
                 store.set(key, reason)
         except Exception:  # noqa: BLE001 - no store: the peers still fail, without the reason
             pass
+
+    def _store(self):
+        return dist.distributed_c10d._get_process_group_store(self.group)
