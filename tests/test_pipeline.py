@@ -149,8 +149,11 @@ def test_peak_live_activations(world_size):
     assert max(pool.run(_live_activations, "zb_h1", m)) <= world_size
 
 
-def _with_ddp(ctx, backend):
-    """4 ranks: pipeline pairs {0,1} and {2,3}; data-parallel pairs {0,2} and {1,3}."""
+def _with_ddp(ctx, backend, name):
+    """4 ranks: pipeline pairs {0,1} and {2,3}; data-parallel pairs {0,2} and {1,3}. Every
+    stage a torchpar DDP: armed before its last backward (GPipe, 1F1B, interleaved), or
+    averaged after the step (ZB-H1). Two steps, so that the reducer's state after an armed
+    step is checked too."""
     torch.set_num_threads(1)
     from torchpar.parallel import DistributedDataParallel as DDP
     kw = {"backend": "gloo"} if backend == "gloo" else {}
@@ -158,22 +161,32 @@ def _with_ddp(ctx, backend):
     dp_groups = [dist.new_group([0, 2], **kw), dist.new_group([1, 3], **kw)]
     pp, dp = pp_groups[ctx.rank // 2], dp_groups[ctx.rank % 2]
     dp_rank = ctx.rank // 2
-    model = _model(4)
-    x, y = _data(0, 16)
-    ref, ref_loss = _reference_grads(model, x, y)
+    v = 2 if name == "interleaved" else 1
+    n_stages = 2 * v
+    model = _model(2 * n_stages)
     pipe = copy.deepcopy(model)
-    stage_index = ctx.rank % 2
-    stage = PipelineStage(DDP(split(pipe, 2, stage_index), process_group=dp), stage_index, 2, group=pp)
-    sched = Schedule1F1B(stage, 4, loss_fn=_mse)
-    xs, ys = x.chunk(2)[dp_rank], y.chunk(2)[dp_rank]
-    sched.step(*((xs,) if stage.is_first else ()), target=ys if stage.is_last else None)
-    for (name, p), q in zip(stage.submod.module.named_parameters(), split(ref, 2, stage_index).parameters()):
-        torch.testing.assert_close(p.grad, q.grad, rtol=1e-5, atol=1e-6, msg=lambda msg: f"{name}: {msg}")
+    stages = [PipelineStage(DDP(split(pipe, n_stages, s), process_group=dp), s, n_stages, group=pp)
+              for s in range(ctx.rank % 2, n_stages, 2)]
+    cls = SCHEDULES[name]
+    sched = cls(stages, 4, loss_fn=_mse) if name == "interleaved" else cls(stages[0], 4, loss_fn=_mse)
+    for step in range(2):
+        x, y = _data(step, 16)
+        ref, _ = _reference_grads(model, x, y)
+        for st in stages:
+            st.submod.zero_grad(set_to_none=True)
+        xs, ys = x.chunk(2)[dp_rank], y.chunk(2)[dp_rank]
+        sched.step(*((xs,) if stages[0].is_first else ()), target=ys if stages[-1].is_last else None)
+        for st in stages:
+            for (pname, p), q in zip(st.submod.module.named_parameters(),
+                                     split(ref, n_stages, st.stage_index).parameters()):
+                torch.testing.assert_close(p.grad, q.grad, rtol=1e-5, atol=1e-6,
+                                           msg=lambda msg: f"step {step} stage {st.stage_index} {pname}: {msg}")
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
-def test_pipeline_times_ddp_equals_one_process(backend):
-    _pool(backend, 4).run(_with_ddp, backend)
+@pytest.mark.parametrize("name", list(SCHEDULES))
+def test_pipeline_times_ddp_equals_one_process(backend, name):
+    _pool(backend, 4).run(_with_ddp, backend, name)
 
 
 class _Mark(torch.autograd.Function):

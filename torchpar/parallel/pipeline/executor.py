@@ -52,10 +52,10 @@ class Executor:
         # Stage -> its module, when it is our DDP and its backward is not split: armed just
         # before the stage's last B, which then reduces as it runs (schedules.py says why).
         self.sync_in_last_backward = {i: m for i, m in (ddp or {}).items()
-                                      if isinstance(m, DistributedDataParallel) and i not in self.split_stages}
+                                      if _armable(m) and i not in self.split_stages}
         self.last_b = {}
-        self.action = (None, None, None)  # the action running now, and whether it is waiting
-        self.waiting = False               # for a peer (failure.py tells the two apart)
+        self.action = (None, None, None)  # the action running now, and whether it is posting
+        self.waiting = False               # to or waiting for a peer (failure.py tells them apart)
         self._do = {"F": self.do_f, "B": self.do_b, "W": self.do_w, "RECV_F": self.recv_f,
                     "SEND_F": self.send_f, "RECV_B": self.recv_b, "SEND_B": self.send_b}
 
@@ -83,11 +83,13 @@ class Executor:
         # A work need not hold its tensor, so each send keeps its own until it completed.
         self.sends = [(w, t) for w, t in self.sends if not w.is_completed()]
         group = self.group
+        self.waiting = True  # a post may raise too, on a group a peer has broken (gloo)
         for is_send, tensor, peer, tag, pending in ops:
             if is_send:
                 self.sends.append((group.send([tensor], peer, tag), tensor))
             else:
                 pending.works.append(group.recv([tensor], peer, tag))
+        self.waiting = False
 
     def _wait(self, works):
         self.waiting = True
@@ -199,8 +201,9 @@ class Executor:
                 f"pipeline stage {stage}: micro-batch {mb} arrived as {_comm.describe(got)}, but "
                 f"{_comm.describe(known)} was expected (learned for the same input shapes); stage {stage - 1}'s output shape changed")
         self.recv_learned[stage] = got
-        for mb in self.deferred_f.pop(stage, []):
-            self.pending_f[(mb, stage)] = self._post_recv(self._empty(got, stage), stage - 1, _comm.tag_activation(stage))
+        for later in self.deferred_f.pop(stage, []):
+            self.pending_f[(later, stage)] = self._post_recv(self._empty(got, stage), stage - 1,
+                                                             _comm.tag_activation(stage))
         self._flush()
 
     def _inputs(self, mb, stage):
@@ -263,6 +266,15 @@ class Executor:
         if stage in self.split_stages:
             self.s._by_index[stage].backward_weight(mb)
         return t_wait
+
+
+def _armable(module):
+    """Our DDP, in its plain form: its reducer can be armed by hand. Not with a static graph
+    (its recording step needs the forward's outputs wrapped), ``join()`` (every backward votes
+    in the forward) or sharded gradients (a ZeRO optimizer must be checked in the forward);
+    those are averaged after the step instead."""
+    return (isinstance(module, DistributedDataParallel) and not module.static_graph
+            and not module._join_config.enable and module._shard_layout is None)
 
 
 def _needed(in_grads, specs, device):
