@@ -12,9 +12,10 @@ list of actions; ``Executor.run`` (executor.py) walks it. Nothing here decides a
 A stage module wrapped in a ``DistributedDataParallel`` runs every micro-batch's forward under
 ``no_sync()``. Ours is armed just before the stage's last backward (``prepare_for_backward``), so
 that backward's gradient hooks reduce the accumulated gradients bucket by bucket while it still
-runs (as Megatron-LM syncs only in the last micro-batch's backward); torch's DDP, and a stage
-whose backward is split (zero bubble: the weight gradients come from several calls), are
-averaged after the step in one all-reduce instead. A ``fully_shard`` stage reduce-scatters in
+runs (as Megatron-LM syncs only in the last micro-batch's backward); torch's DDP, ours with
+``static_graph``, ``join()`` or ``shard_gradients`` (``executor._armable``), and a stage whose
+backward is split (zero bubble: the weight gradients come from several calls), are averaged
+after the step in one all-reduce instead. A ``fully_shard`` stage reduce-scatters in
 each micro-batch's backward and accumulates the shards.
 """
 import contextlib
