@@ -199,7 +199,8 @@ class Executor:
         if known is not None and [sp[:2] for sp in got] != [sp[:2] for sp in known]:
             raise _comm.ShapeMismatch(
                 f"pipeline stage {stage}: micro-batch {mb} arrived as {_comm.describe(got)}, but "
-                f"{_comm.describe(known)} was expected (learned for the same input shapes); stage {stage - 1}'s output shape changed")
+                f"{_comm.describe(known)} was expected (learned for the same input shapes); stage {stage - 1}'s "
+                f"output shape changed")
         self.recv_learned[stage] = got
         for later in self.deferred_f.pop(stage, []):
             self.pending_f[(later, stage)] = self._post_recv(self._empty(got, stage), stage - 1,
