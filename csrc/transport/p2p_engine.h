@@ -63,8 +63,9 @@ class P2PEngine {
   // How many callers are blocked waiting on a request of this engine; the backend's Work
   // counts them. Polling for a message (spin, then yield) pays only while a caller waits:
   // beside a caller that computes while its transfers progress (a pipeline schedule posts
-  // receives early), a polling thread takes the core the computation needs, and on a machine
-  // with no spare core slows it by a third; a peer's write rings the doorbell anyway.
+  // receives early), a polling thread takes the core the computation needs (issue 18). A
+  // sleeping thread misses nothing: a peer's write rings the doorbell, and step() reads the
+  // doorbell before it looks at the pipes.
   const std::shared_ptr<std::atomic<int>>& waiters() const { return waiters_; }
 
  private:

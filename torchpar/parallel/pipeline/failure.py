@@ -10,10 +10,10 @@ finished the step raises the reason at the start of the next one.
 - torchpar: the abort fails every pending and later operation of the group on every rank
   within ~50 ms (the progress threads watch the group's shared abort flag, or the TCP
   connections), whichever rank they wait on.
-- gloo has no abort that reaches other processes (``abort`` leaves the connections open), so
-  a peer's pending receive fails only when the failed rank's process exits (its connections
-  close) or at the group's timeout; then it raises the published reason. Ranks that exit on
-  the error (an uncaught exception) pass it on one stage at a time.
+- gloo has no abort (``ProcessGroupGloo`` keeps ``Backend.abort()``'s no-op), so a peer's
+  pending receive fails only when the failed rank's process exits (its connections close) or
+  at the group's timeout; then it raises the published reason. Ranks that exit on the error
+  (an uncaught exception) pass it on one stage at a time.
 
 The group is unusable afterwards: make a new one. The one exception is a shape mismatch
 between the two ranks of a two-rank pipeline: both raise by themselves (the header carries
