@@ -149,8 +149,11 @@ def test_peak_live_activations(world_size):
     assert max(pool.run(_live_activations, "zb_h1", m)) <= world_size
 
 
-def _with_ddp(ctx, backend):
-    """4 ranks: pipeline pairs {0,1} and {2,3}; data-parallel pairs {0,2} and {1,3}."""
+def _with_ddp(ctx, backend, name):
+    """4 ranks: pipeline pairs {0,1} and {2,3}; data-parallel pairs {0,2} and {1,3}. Every
+    stage a torchpar DDP: armed before its last backward (GPipe, 1F1B, interleaved), or
+    averaged after the step (ZB-H1). Two steps, so that the reducer's state after an armed
+    step is checked too."""
     torch.set_num_threads(1)
     from torchpar.parallel import DistributedDataParallel as DDP
     kw = {"backend": "gloo"} if backend == "gloo" else {}
@@ -158,22 +161,102 @@ def _with_ddp(ctx, backend):
     dp_groups = [dist.new_group([0, 2], **kw), dist.new_group([1, 3], **kw)]
     pp, dp = pp_groups[ctx.rank // 2], dp_groups[ctx.rank % 2]
     dp_rank = ctx.rank // 2
-    model = _model(4)
-    x, y = _data(0, 16)
-    ref, ref_loss = _reference_grads(model, x, y)
+    v = 2 if name == "interleaved" else 1
+    n_stages = 2 * v
+    model = _model(2 * n_stages)
     pipe = copy.deepcopy(model)
-    stage_index = ctx.rank % 2
-    stage = PipelineStage(DDP(split(pipe, 2, stage_index), process_group=dp), stage_index, 2, group=pp)
-    sched = Schedule1F1B(stage, 4, loss_fn=_mse)
-    xs, ys = x.chunk(2)[dp_rank], y.chunk(2)[dp_rank]
-    sched.step(*((xs,) if stage.is_first else ()), target=ys if stage.is_last else None)
-    for (name, p), q in zip(stage.submod.module.named_parameters(), split(ref, 2, stage_index).parameters()):
-        torch.testing.assert_close(p.grad, q.grad, rtol=1e-5, atol=1e-6, msg=lambda msg: f"{name}: {msg}")
+    stages = [PipelineStage(DDP(split(pipe, n_stages, s), process_group=dp), s, n_stages, group=pp)
+              for s in range(ctx.rank % 2, n_stages, 2)]
+    cls = SCHEDULES[name]
+    sched = cls(stages, 4, loss_fn=_mse) if name == "interleaved" else cls(stages[0], 4, loss_fn=_mse)
+    for step in range(2):
+        x, y = _data(step, 16)
+        ref, _ = _reference_grads(model, x, y)
+        for st in stages:
+            st.submod.zero_grad(set_to_none=True)
+        xs, ys = x.chunk(2)[dp_rank], y.chunk(2)[dp_rank]
+        sched.step(*((xs,) if stages[0].is_first else ()), target=ys if stages[-1].is_last else None)
+        for st in stages:
+            for (pname, p), q in zip(st.submod.module.named_parameters(),
+                                     split(ref, n_stages, st.stage_index).parameters()):
+                torch.testing.assert_close(p.grad, q.grad, rtol=1e-5, atol=1e-6,
+                                           msg=lambda msg: f"step {step} stage {st.stage_index} {pname}: {msg}")
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
-def test_pipeline_times_ddp_equals_one_process(backend):
-    _pool(backend, 4).run(_with_ddp, backend)
+@pytest.mark.parametrize("name", list(SCHEDULES))
+def test_pipeline_times_ddp_equals_one_process(backend, name):
+    _pool(backend, 4).run(_with_ddp, backend, name)
+
+
+class _Mark(torch.autograd.Function):
+    """Identity; its backward logs ("backward", block, micro-batch) as backward reaches it."""
+
+    @staticmethod
+    def forward(ctx, x, log, what):
+        ctx.log, ctx.what = log, what
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, g):
+        ctx.log.append(("backward",) + ctx.what)
+        return g, None, None
+
+
+class _Marked(nn.Module):
+    """A block whose output logs when backward starts on the block (the n-th call is micro-batch n)."""
+
+    def __init__(self, block, index, log):
+        super().__init__()
+        self.block, self.index, self.log, self.calls = block, index, log, 0
+
+    def forward(self, x):
+        self.calls += 1
+        return _Mark.apply(self.block(x), self.log, (self.index, self.calls - 1))
+
+
+def _ddp_reduces_in_the_last_backward(ctx, backend):
+    """pp=2 x dp=2 as ``_with_ddp``, each parameter in a bucket of its own, and a comm hook that
+    logs each bucket's reduction beside the blocks' backward marks: every reduction comes after
+    the backwards of the earlier micro-batches, and the first before backward reaches the
+    stage's first block in the last micro-batch, i.e. while that backward still runs."""
+    torch.set_num_threads(1)
+    from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
+    from torchpar.parallel import DistributedDataParallel as DDP
+    kw = {"backend": "gloo"} if backend == "gloo" else {}
+    pp_groups = [dist.new_group([0, 1], **kw), dist.new_group([2, 3], **kw)]
+    dp_groups = [dist.new_group([0, 2], **kw), dist.new_group([1, 3], **kw)]
+    pp, dp = pp_groups[ctx.rank // 2], dp_groups[ctx.rank % 2]
+    dp_rank, stage_index, m = ctx.rank // 2, ctx.rank % 2, 4
+    model = _model(4)
+    x, y = _data(0, 16)
+    ref, _ = _reference_grads(model, x, y)
+    log = []
+    blocks = split(copy.deepcopy(model), 2, stage_index)
+    ddp = DDP(nn.Sequential(*[_Marked(b, i, log) for i, b in enumerate(blocks)]), process_group=dp,
+              bucket_cap_mb=1e-6)
+
+    def hook(group, bucket):
+        log.append(("reduce", bucket.index()))
+        return allreduce_hook(group, bucket)
+
+    ddp.register_comm_hook(dp, hook)
+    stage = PipelineStage(ddp, stage_index, 2, group=pp)
+    xs, ys = x.chunk(2)[dp_rank], y.chunk(2)[dp_rank]
+    Schedule1F1B(stage, m, loss_fn=_mse).step(*((xs,) if stage.is_first else ()), target=ys if stage.is_last else None)
+    for (name, p), q in zip(ddp.module.named_parameters(), split(ref, 2, stage_index).parameters()):
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-5, atol=1e-6, msg=lambda msg: f"{name}: {msg}")
+    reduces = [i for i, e in enumerate(log) if e[0] == "reduce"]
+    n_params = len(list(ddp.parameters()))
+    assert [log[i][1] for i in reduces] == list(range(n_params)), log
+    earlier = max(i for i, e in enumerate(log) if e[0] == "backward" and e[2] < m - 1)
+    first_block_last_mb = log.index(("backward", 0, m - 1))
+    assert earlier < reduces[0] < first_block_last_mb, log
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_ddp_stage_reduces_during_the_last_backward(backend):
+    _pool(backend, 4).run(_ddp_reduces_in_the_last_backward, backend)
 
 
 def _variable_length(ctx, name):

@@ -22,7 +22,16 @@ void Work::complete(std::exception_ptr error) {
 }
 
 bool Work::wait(std::chrono::milliseconds timeout) {
-  if (!isCompleted()) check_not_on_progress_thread("wait() on a torchpar work");
+  if (isCompleted()) return c10d::Work::wait(timeout);
+  check_not_on_progress_thread("wait() on a torchpar work");
+  if (!waiters_) return c10d::Work::wait(timeout);
+  // A point-to-point work is counted while it blocks: its engine's progress thread polls for
+  // transfers only then (P2PEngine::waiters).
+  struct Waiting {
+    std::atomic<int>& count;
+    explicit Waiting(std::atomic<int>& n) : count(n) { count.fetch_add(1, std::memory_order_relaxed); }
+    ~Waiting() { count.fetch_sub(1, std::memory_order_relaxed); }
+  } waiting(*waiters_);
   return c10d::Work::wait(timeout);
 }
 
@@ -48,6 +57,7 @@ GroupWork::GroupWork(int rank, size_t parts)
 c10::intrusive_ptr<GroupWork> GroupWork::create(int rank, const std::vector<c10::intrusive_ptr<Work>>& parts) {
   auto group = c10::make_intrusive<GroupWork>(rank, parts.size());
   for (auto& part : parts) {
+    if (part->waits_counted_in()) group->count_waits_in(part->waits_counted_in());  // point-to-point parts
     // The callback holds the group alive until the last part is done.
     part->getFuture()->addCallback([group](c10::ivalue::Future& f) {
       group->part_done(f.hasError() ? f.exception_ptr() : nullptr);

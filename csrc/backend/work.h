@@ -11,6 +11,7 @@
 
 #include <atomic>
 #include <exception>
+#include <memory>
 #include <vector>
 
 namespace torchpar {
@@ -22,6 +23,10 @@ class Work : public c10d::Work {
   // Finishes the work (successfully when `error` is null) and resolves the future.
   void complete(std::exception_ptr error = nullptr);
   void set_source_rank(int rank) { source_rank_.store(rank); }
+  // A point-to-point work: wait() counts itself in its engine's `waiters` while it blocks
+  // (P2PEngine::waiters says why).
+  void count_waits_in(std::shared_ptr<std::atomic<int>> waiters) { waiters_ = std::move(waiters); }
+  const std::shared_ptr<std::atomic<int>>& waits_counted_in() const { return waiters_; }
 
   // Refuses to block the point-to-point progress thread (see check_not_on_progress_thread).
   bool wait(std::chrono::milliseconds timeout = ::kNoTimeout) override;
@@ -35,6 +40,7 @@ class Work : public c10d::Work {
   std::vector<at::Tensor> outputs_;
   c10::intrusive_ptr<c10::ivalue::Future> future_;
   std::atomic<int> source_rank_{-1};
+  std::shared_ptr<std::atomic<int>> waiters_;
 };
 
 // Completes when every added piece has completed; fails with the first piece's error.

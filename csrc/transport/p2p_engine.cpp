@@ -230,11 +230,12 @@ void P2PEngine::step(Clock::time_point& idle_since, Clock::time_point& last_chec
     idle_since = now;
     return;
   }
-  if (now - idle_since < spin_) {
+  const bool waited_on = waiters_->load(std::memory_order_relaxed) > 0;
+  if (waited_on && now - idle_since < spin_) {
     shm::cpu_relax();
     return;
   }
-  if (now - idle_since < spin_ + yield_) {
+  if (waited_on && now - idle_since < spin_ + yield_) {
     sched_yield();
     return;
   }

@@ -34,7 +34,8 @@ namespace torchpar {
 class P2PEngine {
  public:
   // After its last progress the thread spins for `spin`, then yields the CPU between looks
-  // until `spin + yield`, then sleeps until a peer notifies it.
+  // until `spin + yield`, then sleeps until a peer notifies it; it spins and yields only while
+  // a caller is blocked on one of its requests (see waiters()).
   P2PEngine(int rank, int size, Link& link, std::chrono::microseconds spin,
             std::chrono::microseconds yield, size_t unexpected_max_bytes);
   ~P2PEngine();
@@ -58,6 +59,14 @@ class P2PEngine {
   void fail(std::exception_ptr error);
   // Stops the progress thread; pending requests fail.
   void stop();
+
+  // How many callers are blocked waiting on a request of this engine; the backend's Work
+  // counts them. Polling for a message (spin, then yield) pays only while a caller waits:
+  // beside a caller that computes while its transfers progress (a pipeline schedule posts
+  // receives early), a polling thread takes the core the computation needs (issue 18). A
+  // sleeping thread misses nothing: a peer's write rings the doorbell, and step() reads the
+  // doorbell before it looks at the pipes.
+  const std::shared_ptr<std::atomic<int>>& waiters() const { return waiters_; }
 
  private:
   struct WireHeader {
@@ -120,6 +129,7 @@ class P2PEngine {
   std::exception_ptr failure_;
   std::vector<char> scratch_;  // progress thread only
 
+  std::shared_ptr<std::atomic<int>> waiters_ = std::make_shared<std::atomic<int>>(0);
   std::atomic<bool> stop_{false};
   std::condition_variable stopped_;  // with mu_: where the thread waits once the group failed
   std::thread thread_;

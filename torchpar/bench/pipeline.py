@@ -8,8 +8,9 @@ the same micro-batches and backend:
 - torch: torch_gpipe, torch_1f1b, torch_interleaved   (torch.distributed.pipelining)
 
 Per schedule: median step time and throughput (samples/s), the measured bubble (idle time
-over step time per rank, the mean over ranks; torch's from hooks timing its stages' forward
-and backward), and the peak activation memory per rank (bytes of tensors autograd saved and
+over step time per rank, the mean over ranks; torch's from timing its stage's
+``forward_one_chunk`` / ``backward_one_chunk`` calls and its loss, the same span ours times
+per action), and the peak activation memory per rank (bytes of tensors autograd saved and
 still holds, parameters excluded, measured with saved-tensor hooks). ``--plot`` draws the
 timeline of one measured step of each of our schedules. Modes run in interleaved rounds so
 that drift in machine load hits all alike.
@@ -82,32 +83,24 @@ class _Held:
             self.meter.release(self.t, self.key)
 
 
-class _Timed(nn.Module):
-    """Times forward and backward of a torch stage's module (for torch's measured bubble)."""
-
-    def __init__(self, module, clock):
-        super().__init__()
-        self.module, self.clock = module, clock
-        module.register_forward_pre_hook(lambda *a: clock.start())
-        module.register_forward_hook(lambda *a: clock.stop())
-        module.register_full_backward_pre_hook(lambda *a: clock.start())
-        module.register_full_backward_hook(lambda *a: clock.stop())
-
-    def forward(self, x):
-        return self.module(x)
-
-
 class _Clock:
+    """Busy time of a torch schedule: the time inside its stages' compute calls. (Module hooks
+    would miss backward on the first stage: with no input requiring a gradient, a full
+    backward hook fires when backward starts, not when it ends.)"""
+
     def __init__(self):
-        self.busy, self.t0 = 0.0, None
+        self.busy = 0.0
 
-    def start(self):
-        self.t0 = time.perf_counter()
+    def wrap(self, obj, name):
+        inner = getattr(obj, name)
 
-    def stop(self):
-        if self.t0 is not None:
-            self.busy += time.perf_counter() - self.t0
-            self.t0 = None
+        def timed(*args, **kwargs):
+            t0 = time.perf_counter()
+            try:
+                return inner(*args, **kwargs)
+            finally:
+                self.busy += time.perf_counter() - t0
+        setattr(obj, name, timed)
 
 
 def _steps(args, rank, p):
@@ -135,10 +128,11 @@ def _steps(args, rank, p):
         def step(trace=None):
             for q in params:
                 q.grad = None
+            t0 = time.perf_counter()
             with _SavedBytes(params) as mem:
                 sched.step(*((x,) if first else ()), target=y if last else None, trace=trace)
-            st = sched.last_stats
-            return st["bubble"], mem.peak
+            total = time.perf_counter() - t0  # as torch's below: the whole call
+            return 1 - sched.last_stats["busy"] / total, mem.peak
         out[name] = step
         out[name].sched = sched
 
@@ -150,9 +144,13 @@ def _steps(args, rank, p):
     def theirs(name, cls, v):
         n = p * v
         clock = _Clock()
-        mods = [_Timed(split(copy.deepcopy(model), n, s), clock) for s in range(rank, n, p)]
+        mods = [split(copy.deepcopy(model), n, s) for s in range(rank, n, p)]
         stages = [tp.PipelineStage(mod, s, n, torch.device("cpu")) for mod, s in zip(mods, range(rank, n, p))]
+        for st in stages:
+            for fn in ("forward_one_chunk", "backward_one_chunk", "backward_weight_one_chunk"):
+                clock.wrap(st, fn)
         sched = cls(stages, m, loss_fn=loss_fn) if v > 1 else cls(stages[0], m, loss_fn=loss_fn)
+        clock.wrap(sched, "_maybe_compute_loss")
         first, last = rank == 0, rank == (n - 1) % p
         params = [q for mod in mods for q in mod.parameters()]
 

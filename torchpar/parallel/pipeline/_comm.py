@@ -1,13 +1,14 @@
-"""What travels between stages besides the tensors themselves: a small header per activation
-message, and tags that keep the three kinds of message apart.
+"""What travels between stages besides the tensors themselves: a small header per step and
+stage boundary, and tags that keep the three kinds of message apart.
 
-Every activation message is preceded by a header (count, and per tensor dtype,
-requires_grad, shape), so shapes need not be declared: the receiver learns them on the first
-step, and the schedule posts later steps' receives early with the learned shapes (a key made
-from the first stage's input shapes says whether they still hold; variable sequence length
-changes the key: pytorch/pytorch#159942, NVIDIA/Megatron-LM#1066). Checking the header
-against what was posted gives a clear error, instead of a hang, when a stage's output shape
-changes under the same input shape.
+The first activation message of a step across each stage boundary is preceded by a header
+(count, and per tensor dtype, requires_grad, shape; the step's later micro-batches have the
+same shapes, which the sender checks), so shapes need not be declared: the receiver learns
+them on the first step, and the schedule posts later steps' receives early with the learned
+shapes (a key made from the first stage's input shapes says whether they still hold; variable
+sequence length changes the key: pytorch/pytorch#159942, NVIDIA/Megatron-LM#1066). Checking
+the header against what was posted gives a clear error, instead of a hang, when a stage's
+output shape changes under the same input shape.
 
 Tags: each kind of message to stage s has its own tag, so a receive matches the right send
 even when a rank posts receives of different kinds or stages in another order than its peer
@@ -24,6 +25,11 @@ DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int
 
 
 _TAG_LIMIT = 2**31 - 1  # tags are a C int
+
+
+class ShapeMismatch(ValueError):
+    """A stage's output shape changed under the same input shapes: raised by the sender and,
+    reading the header, by the receiver."""
 
 
 def tag_base(step, num_stages):

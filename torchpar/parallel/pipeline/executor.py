@@ -1,15 +1,19 @@
 """Runs one rank's action list for one step: posts the receives and sends, waits only for a
 compute's own inputs, calls the stage's forward / backward / weight-gradient, and times it.
 
-Each send and receive is its own ``isend``/``irecv`` (see ``_post``), posted together just
-before the next compute; sends are waited for at the end of the step, and those already
-complete are dropped before each compute so their tensors can be freed.
+Each send and receive is its own work (see ``_flush``), posted together just before the next
+compute; sends are waited for at the end of the step, and those already complete are dropped
+before each compute so their tensors can be freed.
+
+Per step, only the first activation message of each stage boundary carries a header (the
+shapes): every micro-batch of a step has the same input shapes, so the others go without, and
+the sender checks each against the first.
 """
 import time
 
 import torch
-import torch.distributed as dist
 
+from torchpar.parallel.ddp import DistributedDataParallel
 from torchpar.parallel.fsdp import FSDPModule
 from torchpar.parallel.pipeline import _comm
 
@@ -19,8 +23,9 @@ _CACHE_KEYS = 16  # input shapes remembered (variable sequence length)
 class Executor:
     """State of one step while the action list runs."""
 
-    def __init__(self, sched, key, first_mbs, targets, train):
+    def __init__(self, sched, key, first_mbs, targets, train, ddp=None):
         self.s = sched
+        self.group = sched.group
         self.key = key
         self.first_mbs = first_mbs
         self.targets = targets
@@ -37,69 +42,90 @@ class Executor:
         self.recv_known = sched._recv_cache.get(key, {})
         self.send_known = sched._send_cache.get(key, {})
         self.recv_learned, self.send_learned, self.out_specs = {}, {}, {}
+        self.headers = {}                    # stage -> this step's header receive, until read
         self.pending_f, self.pending_b = {}, {}   # (mb, stage) -> pending receives
+        self.deferred_f = {}  # stage -> micro-batches whose data receive waits for the header
         self.deferred_b = {}  # stage -> micro-batches whose RECV_B came before the stage's first forward
         self.to_send_f, self.to_send_b = {}, {}
-        self.sends, self.ops = [], []       # posted send works; ops not yet posted
+        self.sends, self.ops = [], []       # posted sends (work, tensor); ops not yet posted
         self.outputs, self.losses, self.events = [], [], []
+        # Stage -> its module, when it is our DDP and its backward is not split: armed just
+        # before the stage's last B, which then reduces as it runs (schedules.py says why).
+        self.sync_in_last_backward = {i: m for i, m in (ddp or {}).items()
+                                      if _armable(m) and i not in self.split_stages}
+        self.last_b = {}
+        self.action = (None, None, None)  # the action running now, and whether it is posting
+        self.waiting = False               # to or waiting for a peer (failure.py tells them apart)
+        self._do = {"F": self.do_f, "B": self.do_b, "W": self.do_w, "RECV_F": self.recv_f,
+                    "SEND_F": self.send_f, "RECV_B": self.recv_b, "SEND_B": self.send_b}
 
     # -- communication --
 
-    def _peer(self, stage):
-        return stage % self.s.p
+    def _send(self, tensor, stage, tag):
+        self.ops.append((True, tensor, stage % self.s.p, self.tag_base + tag, None))
 
-    def _isend(self, tensor, stage, tag):
-        self.ops.append((dist.P2POp(dist.isend, tensor, group=self.s.group, group_peer=self._peer(stage),
-                                     tag=self.tag_base + tag), None))
+    def _post_recv(self, tensors, stage, tag):
+        pending = _Pending(tensors)
+        peer, tag = stage % self.s.p, self.tag_base + tag
+        self.ops += [(False, t, peer, tag, pending) for t in tensors]
+        return pending
 
     def _flush(self):
-        """Posts the queued sends and receives at once; returns their works in queue order."""
+        """Posts the queued sends and receives, each its own work: not batch_isend_irecv, which
+        on a backend that coalesces (NCCL, torchpar) returns one work for the whole batch, so
+        waiting for a receive would also wait for every send posted with it (the stall of
+        pytorch/pytorch#172668). ``ProcessGroup.send/recv`` take the group's own ranks and
+        skip ``dist.isend``'s per-call checks, which cost more than the post itself."""
         if not self.ops:
             return
         ops, self.ops = self.ops, []
         # Sends that completed need not keep their tensors alive until the end of the step.
         # A work need not hold its tensor, so each send keeps its own until it completed.
         self.sends = [(w, t) for w, t in self.sends if not w.is_completed()]
-        for op, pending in ops:
-            work = _post(op)
-            if pending is None:
-                self.sends.append((work, op.tensor))
+        group = self.group
+        self.waiting = True  # a post may raise too, on a group a peer has broken (gloo)
+        for is_send, tensor, peer, tag, pending in ops:
+            if is_send:
+                self.sends.append((group.send([tensor], peer, tag), tensor))
             else:
-                pending.works.append(work)
+                pending.works.append(group.recv([tensor], peer, tag))
+        self.waiting = False
+
+    def _wait(self, works):
+        self.waiting = True
+        for w in works:
+            w.wait()
+        self.waiting = False
 
     def _empty(self, specs, stage):
         """Receive buffers for stage ``stage`` (of this rank), on its device. The headers stay
         on the CPU: a group of the torchpar backend carries CPU and CUDA tensors alike."""
         return _comm.empty(specs, self.s._by_index[stage].device)
 
-    def _post_recv(self, tensors, stage, tag):
-        pending = _Pending(tensors)
-        for t in tensors:
-            self.ops.append((dist.P2POp(dist.irecv, t, group=self.s.group, group_peer=self._peer(stage),
-                                        tag=self.tag_base + tag), pending))
-        return pending
-
     # -- actions --
 
     def run(self, actions):
         t_start = time.perf_counter()
         busy = 0.0
-        for name, mb, stage in actions:
-            if name.startswith("RECV") or name.startswith("SEND"):
-                getattr(self, name.lower())(mb, stage)
+        events = self.events
+        self.last_b = {stage: mb for name, mb, stage in actions
+                       if name == "B" and stage in self.sync_in_last_backward}
+        for action in actions:
+            self.action = name, mb, stage = action
+            if name[0] in "RS":  # RECV_*, SEND_*: queued, posted before the next compute
+                self._do[name](mb, stage)
                 continue
             self._flush()
             t0 = time.perf_counter()
-            compute = getattr(self, "do_" + name.lower())
-            t_wait = compute(mb, stage)  # returns when its inputs had arrived
+            t_wait = self._do[name](mb, stage)  # returns when its inputs had arrived
             t1 = time.perf_counter()
             busy += t1 - t_wait
             if t_wait - t0 > 2e-5:
-                self.events.append(("wait", mb, stage, t0 - t_start, t_wait - t_start))
-            self.events.append((name, mb, stage, t_wait - t_start, t1 - t_start))
+                events.append(("wait", mb, stage, t0 - t_start, t_wait - t_start))
+            events.append((name, mb, stage, t_wait - t_start, t1 - t_start))
         self._flush()
-        for w, _ in self.sends:
-            w.wait()
+        self.action = ("SEND", None, None)
+        self._wait([w for w, _ in self.sends])
         step_time = time.perf_counter() - t_start
         self._remember()
         stats = {"step_time": step_time, "busy": busy, "bubble": 1 - busy / step_time if step_time else 0.0,
@@ -115,29 +141,38 @@ class Executor:
                 cache.popitem(last=False)
 
     def recv_f(self, mb, stage):
-        header = torch.empty(_comm.HEADER_LEN, dtype=torch.int64)
-        h = self._post_recv([header], stage - 1, _comm.tag_header(stage))
-        data = None
-        if stage in self.recv_known:  # learned for these input shapes: post the data now
-            data = self._post_recv(self._empty(self.recv_known[stage], stage), stage - 1, _comm.tag_activation(stage))
-        self.pending_f[(mb, stage)] = (h, data)
+        if stage not in self.headers and stage not in self.recv_learned:  # the step's first
+            header = torch.empty(_comm.HEADER_LEN, dtype=torch.int64)
+            self.headers[stage] = self._post_recv([header], stage - 1, _comm.tag_header(stage))
+        specs = self.recv_learned.get(stage, self.recv_known.get(stage))
+        if specs is None:  # new input shapes: the data receive waits for the header
+            self.deferred_f.setdefault(stage, []).append(mb)
+            return
+        self.pending_f[(mb, stage)] = self._post_recv(self._empty(specs, stage), stage - 1, _comm.tag_activation(stage))
 
     def send_f(self, mb, stage):
         outs = self.to_send_f.pop((mb, stage))
         got = _comm.specs(outs)
-        known = self.send_known.get(stage)
-        self._isend(_comm.encode(outs, stage), stage + 1, _comm.tag_header(stage + 1))
-        if known is not None and known != got:
-            # The next stage raises on reading this header; wait until it is delivered, or the
-            # next stage may see this rank exit (connection reset) instead of the clear error.
-            self._flush()
-            self.sends[-1][0].wait()
+        first = self.send_learned.get(stage)
+        if first is None:  # the step's first message to stage + 1: with a header
+            known = self.send_known.get(stage)
+            self._send(_comm.encode(outs, stage), stage + 1, _comm.tag_header(stage + 1))
+            if known is not None and known != got:
+                # The next stage raises on reading this header; wait until it is delivered, or
+                # the next stage may see this rank exit (connection reset) instead of the error.
+                self._flush()
+                self._wait([self.sends[-1][0]])
+                raise _comm.ShapeMismatch(
+                    f"pipeline stage {stage}: output of micro-batch {mb} is {_comm.describe(got)}, but stage "
+                    f"{stage + 1} expects {_comm.describe(known)} (learned for the same input shapes); stage "
+                    f"outputs must depend only on the input shapes")
+            self.send_learned[stage] = got
+        elif first != got:
             raise ValueError(f"pipeline stage {stage}: output of micro-batch {mb} is {_comm.describe(got)}, but "
-                             f"stage {stage + 1} expects {_comm.describe(known)} (learned for the same input "
-                             f"shapes); stage outputs must depend only on the input shapes")
-        self.send_learned[stage] = got
+                             f"the step's first was {_comm.describe(first)}; stage outputs must depend only on "
+                             f"the input shapes")
         for t in outs:
-            self._isend(t.detach().contiguous(), stage + 1, _comm.tag_activation(stage + 1))
+            self._send(t.detach().contiguous(), stage + 1, _comm.tag_activation(stage + 1))
 
     def recv_b(self, mb, stage):
         if stage not in self.out_specs:  # no forward of this stage yet in this step: shapes unknown
@@ -149,35 +184,41 @@ class Executor:
         self.pending_b[(mb, stage)] = self._post_recv(
             self._empty([sp for sp in self.out_specs[stage] if sp[2]], stage), stage + 1, _comm.tag_gradient(stage))
 
-    def _post_deferred_b(self, stage):
-        # Receives of one tag match the peer's sends in posting order, so the ones deferred
-        # before the stage's first forward go out now, ahead of any RECV_B that follows.
-        for mb in self.deferred_b.pop(stage, []):
-            self._recv_gradient(mb, stage)
-
     def send_b(self, mb, stage):
         for g in self.to_send_b.pop((mb, stage)):
-            self._isend(g.contiguous(), stage - 1, _comm.tag_gradient(stage - 1))
+            self._send(g.contiguous(), stage - 1, _comm.tag_gradient(stage - 1))
+
+    def _read_header(self, mb, stage):
+        """The step's header for ``stage``: checked against the shapes learned for these input
+        shapes, or learned now (then the data receives that waited for it are posted, in the
+        order of their RECV_F: receives of one tag match the peer's sends in posting order)."""
+        header = self.headers.pop(stage)
+        self._wait(header.works)
+        got = _comm.decode(header.tensors[0])
+        known = self.recv_known.get(stage)
+        if known is not None and [sp[:2] for sp in got] != [sp[:2] for sp in known]:
+            raise _comm.ShapeMismatch(
+                f"pipeline stage {stage}: micro-batch {mb} arrived as {_comm.describe(got)}, but "
+                f"{_comm.describe(known)} was expected (learned for the same input shapes); stage {stage - 1}'s "
+                f"output shape changed")
+        self.recv_learned[stage] = got
+        for later in self.deferred_f.pop(stage, []):
+            self.pending_f[(later, stage)] = self._post_recv(self._empty(got, stage), stage - 1,
+                                                             _comm.tag_activation(stage))
+        self._flush()
 
     def _inputs(self, mb, stage):
         if stage == 0:
             return list(self.first_mbs[mb])
-        h, data = self.pending_f.pop((mb, stage))
-        h.wait()
-        got = _comm.decode(h.tensors[0])
-        if data is None:
-            data = self._post_recv(self._empty(got, stage), stage - 1, _comm.tag_activation(stage))
-            self._flush()
-        elif [sp[:2] for sp in got] != [sp[:2] for sp in self.recv_known[stage]]:
-            raise ValueError(f"pipeline stage {stage}: micro-batch {mb} arrived as {_comm.describe(got)}, but "
-                             f"{_comm.describe(self.recv_known[stage])} was expected (learned for the same input "
-                             f"shapes); stage {stage - 1}'s output shape changed")
-        data.wait()
-        self.recv_learned[stage] = got
+        if stage in self.headers:
+            self._read_header(mb, stage)
+        data = self.pending_f.pop((mb, stage))
+        self._wait(data.works)
         ins = data.tensors
-        for t, (_, _, rg) in zip(ins, got):
-            if rg and self.train:
-                t.requires_grad_(True)
+        if self.train:
+            for t, (_, _, rg) in zip(ins, self.recv_learned[stage]):
+                if rg:
+                    t.requires_grad_(True)
         return ins
 
     def do_f(self, mb, stage):
@@ -187,7 +228,10 @@ class Executor:
         outs = st.forward(mb, args, capture=stage in self.split_stages)
         if stage not in self.out_specs:
             self.out_specs[stage] = _comm.specs(outs)
-            self._post_deferred_b(stage)
+            # Receives of one tag match the peer's sends in posting order, so the ones deferred
+            # before the stage's first forward go out now, ahead of any RECV_B that follows.
+            for m in self.deferred_b.pop(stage, []):
+                self._recv_gradient(m, stage)
         if st.is_last:
             if self.s.loss_fn is not None and self.targets is not None:
                 loss = self.s.loss_fn(outs[0] if len(outs) == 1 else outs, self.targets[mb][0])
@@ -206,9 +250,12 @@ class Executor:
         grads = None
         if not st.is_last:
             pending = self.pending_b.pop((mb, stage))
-            pending.wait()
+            self._wait(pending.works)
             grads = pending.tensors
         t_wait = time.perf_counter()
+        if self.last_b.get(stage) == mb:  # the stage's last backward reduces over data parallel
+            ddp = self.sync_in_last_backward[stage]
+            ddp.reducer.prepare_for_backward(list(st.outputs(mb)) if ddp.find_unused_parameters else [])
         backward = st.backward_input if stage in self.split_stages else st.backward
         in_grads = backward(mb, grads, self.scale)
         if not st.is_first:
@@ -222,12 +269,13 @@ class Executor:
         return t_wait
 
 
-def _post(op):
-    """One isend/irecv with its own work. Not batch_isend_irecv: on a backend that coalesces
-    (NCCL, torchpar) it returns one work for the whole batch, so waiting for a receive would
-    also wait for every send posted with it (the stall of pytorch/pytorch#172668)."""
-    kw = {"group_dst": op.group_peer} if op.op is dist.isend else {"group_src": op.group_peer}
-    return op.op(op.tensor, group=op.group, tag=op.tag, **kw)
+def _armable(module):
+    """Our DDP, in its plain form: its reducer can be armed by hand. Not with a static graph
+    (its recording step needs the forward's outputs wrapped), ``join()`` (every backward votes
+    in the forward) or sharded gradients (a ZeRO optimizer must be checked in the forward);
+    those are averaged after the step instead."""
+    return (isinstance(module, DistributedDataParallel) and not module.static_graph
+            and not module._join_config.enable and module._shard_layout is None)
 
 
 def _needed(in_grads, specs, device):
@@ -241,14 +289,11 @@ def _needed(in_grads, specs, device):
 
 class _Pending:
     """Receives of one message (one or several tensors)."""
+    __slots__ = ("tensors", "works")
 
     def __init__(self, tensors):
         self.tensors = tensors
         self.works = []
-
-    def wait(self):
-        for w in self.works:
-            w.wait()
 
 
 def _merge(outputs):

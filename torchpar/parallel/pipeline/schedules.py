@@ -9,10 +9,14 @@ list of actions; ``Executor.run`` (executor.py) walks it. Nothing here decides a
 - Gradients are scaled by 1/n_microbatches (the loss of each micro-batch is), as torch's
   schedules do; ``scale_grads=False`` keeps the sum.
 
-A stage module wrapped in a ``DistributedDataParallel`` (ours or torch's) runs every micro-batch
-under ``no_sync()``; its gradients are then averaged over its data-parallel group once, after
-the last micro-batch, in one all-reduce. A ``fully_shard`` stage reduce-scatters in each
-micro-batch's backward and accumulates the shards.
+A stage module wrapped in a ``DistributedDataParallel`` runs every micro-batch's forward under
+``no_sync()``. Ours is armed just before the stage's last backward (``prepare_for_backward``), so
+that backward's gradient hooks reduce the accumulated gradients bucket by bucket while it still
+runs (as Megatron-LM syncs only in the last micro-batch's backward); torch's DDP, ours with
+``static_graph``, ``join()`` or ``shard_gradients`` (``executor._armable``), and a stage whose
+backward is split (zero bubble: the weight gradients come from several calls), are averaged
+after the step in one all-reduce instead. A ``fully_shard`` stage reduce-scatters in
+each micro-batch's backward and accumulates the shards.
 """
 import contextlib
 import json
@@ -26,9 +30,11 @@ import torch.distributed as dist
 from torchpar import _C
 from torchpar.parallel.pipeline import _comm
 from torchpar.parallel.pipeline.executor import Executor
+from torchpar.parallel.pipeline.failure import StepFailure
 from torchpar.parallel.pipeline.stage import PipelineStage
 
 _KIND_IDS = {"gpipe": 0, "1f1b": 1, "interleaved_1f1b": 2, "zb_h1": 3, "custom": 4}
+_SCHEDULES_MADE = {}  # group name -> schedules made over it (the same count on its every rank)
 
 
 def _split_batch(tensors, m, what):
@@ -75,6 +81,8 @@ class _PipelineSchedule:
         self._recv_cache = OrderedDict()  # input key -> {stage: input specs}
         self._send_cache = OrderedDict()  # input key -> {stage: output specs}
         self._steps = 0  # steps and evals begun, the same count on every rank: picks the tags
+        made = _SCHEDULES_MADE[self.group.group_name] = _SCHEDULES_MADE.get(self.group.group_name, 0) + 1
+        self._failure = StepFailure(self.group, made)
         self.last_stats = None   # step_time, busy, bubble (idle over step time), peak_live
         self.last_events = None  # (action, microbatch, stage, start, end) of the last step
 
@@ -137,22 +145,37 @@ class _PipelineSchedule:
                 targets = _split_batch([target], m, "target")
         except (ValueError, TypeError) as e:
             err = str(e)
-        key = self._agree(first_mbs, err, train)
+        try:
+            key = self._agree(first_mbs, err, train)
+        except RuntimeError as e:  # the group failed; in the last step, on another rank?
+            reason = self._failure.published(self._steps)
+            if reason is None:
+                raise
+            raise RuntimeError(f"{type(self).__name__}: pipeline rank {self.rank} cannot start a step: in the "
+                               f"previous one, {reason}") from e
         self._steps += 1
         for s in self.stages:
             s.reset()
         # DDP only (it has a process_group): a fully_shard module has no_sync too, but its
         # accumulated gradients are reduce-scattered by a later backward, not by
         # _average_gradients, so each of its micro-batch backwards reduce-scatters its own.
-        ddp = [s.submod for s in self.stages
-               if train and hasattr(s.submod, "no_sync") and hasattr(s.submod, "process_group")]
+        ddp = {s.stage_index: s.submod for s in self.stages
+               if train and hasattr(s.submod, "no_sync") and hasattr(s.submod, "process_group")}
         try:
             with contextlib.ExitStack() as no_sync:
-                for module in ddp:
+                for module in ddp.values():
                     no_sync.enter_context(module.no_sync())
-                out = Executor(self, key, first_mbs, targets, train).run(actions)
-            for module in ddp:
-                _average_gradients(module)
+                executor = Executor(self, key, first_mbs, targets, train, ddp)
+                try:
+                    out = executor.run(actions)
+                except Exception as e:
+                    failure = self._failure.fail(self, self._steps, e, executor.action, executor.waiting)
+                    if failure is e:
+                        raise
+                    raise failure from e
+            for i, module in ddp.items():
+                if i not in executor.sync_in_last_backward:
+                    _average_gradients(module)
         finally:
             for s in self.stages:
                 s._mbs.clear()

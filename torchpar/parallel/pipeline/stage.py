@@ -104,6 +104,10 @@ class PipelineStage:
     def set_loss(self, mb, loss):
         self._mbs[mb].loss = loss
 
+    def outputs(self, mb):
+        """Micro-batch ``mb``'s outputs (forwarded, not yet backwarded)."""
+        return self._mbs[mb].outputs
+
     # ---- backward ----
 
     def _roots(self, mb, output_grads, scale):

@@ -1,0 +1,173 @@
+"""A stage that fails mid-step: every pipeline rank raises promptly, naming the failed stage.
+
+Without it, a rank whose stage raises leaves its neighbours waiting for messages it will never
+send, and ranks two stages away waiting on those neighbours, until the group's timeout. The
+groups here time out after ``TIMEOUT`` s, and each test is stopped (failed) after ``BOUND`` s,
+far sooner: every rank must have raised by then, with an error that names the stage and
+pipeline rank that failed and what it raised. (No time is measured: the bound only tells a
+prompt failure from one at the group's timeout.) A rank that had finished the failed step
+before the failure raises at the start of the next one.
+
+torchpar: the failed rank's process stays alive (a training loop that logs and checkpoints),
+so nothing but the pipeline's own abort of the group can tell its peers. gloo cannot reach a
+peer's pending receive from another process while that process lives (its ``abort`` leaves
+the connections open), so there the failed rank exits, as an uncaught exception makes it do,
+and its peers learn why from the store (docs/pipeline.md, "Failures").
+"""
+import os
+import time
+from datetime import timedelta
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+
+import torchpar
+from harness import spawn
+from torchpar.parallel.pipeline import PipelineStage, Schedule1F1B, ScheduleGPipe
+
+TIMEOUT = 900  # the group's: a rank that waits this long has missed the failure
+BOUND = 90     # each test's, far below TIMEOUT
+BACKENDS = ["torchpar", "gloo"]
+
+
+def _mse(out, y):
+    return ((out - y) ** 2).mean()
+
+
+class _Raises(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, g):
+        raise RuntimeError("boom in backward")
+
+
+class _FailsOnCall(nn.Module):
+    """A Linear whose ``n``-th forward (or the backward of its ``n``-th forward) raises."""
+
+    def __init__(self, n, where):
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+        self.n, self.where, self.calls = n, where, 0
+
+    def forward(self, x):
+        self.calls += 1
+        if self.calls == self.n and self.where == "forward":
+            raise RuntimeError("boom in forward")
+        y = self.lin(x)
+        return _Raises.apply(y) if self.calls == self.n else y
+
+
+def _init(rank, world_size, init_file, backend):
+    if backend == "torchpar" and not hasattr(torchpar._C, "ProcessGroupTorchpar"):
+        pytest.skip("the torchpar backend is not built in this tree")
+    dist.init_process_group(backend, init_method=f"file://{init_file}", rank=rank, world_size=world_size,
+                            timeout=timedelta(seconds=TIMEOUT))
+
+
+def _first_error(sched, rank, p, x, y, steps):
+    """Runs up to ``steps`` steps; returns (step, error type, message) for the first that
+    raised, or None."""
+    for step in range(steps):
+        try:
+            sched.step(*((x,) if rank == 0 else ()), target=y if rank == p - 1 else None)
+        except Exception as e:  # noqa: BLE001 - the test inspects it
+            return step, type(e).__name__, str(e)
+    return None
+
+
+def _answer(backend, world_size, result):
+    """On torchpar, keep every process alive until all have answered (so no peer learns of
+    the failure from a process exit); on gloo, let each go as soon as it has."""
+    if backend != "torchpar":
+        return result
+    store = dist.distributed_c10d._get_default_store()
+    store.add("answered", 1)
+    while store.add("answered", 0) < world_size:  # the test's bound stops a rank that never answers
+        time.sleep(0.05)
+    return result
+
+
+def _shm_left(pid):
+    """Shared-memory segments a group made by process ``pid`` left in /dev/shm."""
+    return sorted(f for f in os.listdir("/dev/shm") if f.startswith(f"torchpar-{pid}-"))
+
+
+def _stage_raises(rank, world_size, init_file, backend, failing, where, call):
+    _init(rank, world_size, init_file, backend)
+    try:
+        torch.manual_seed(0)
+        mod = _FailsOnCall(call, where) if rank == failing else nn.Linear(8, 8)
+        sched = Schedule1F1B(PipelineStage(mod, rank, world_size), 4, loss_fn=_mse)
+        x, y = torch.randn(8, 8), torch.randn(8, 8)
+        result = _answer(backend, world_size, _first_error(sched, rank, world_size, x, y, steps=3))
+    finally:
+        dist.destroy_process_group()
+    return result, _shm_left(os.getpid())
+
+
+# (p, failing rank, its failing forward call, where): call 7 is micro-batch 2 of step 1
+# (m = 4), in the middle of every rank's step; the backward of stage 0's call 8 is the last
+# action of step 1, after the other ranks have finished it (they raise at the start of step 2).
+# On gloo the failure travels as processes exit, one stage at a time: p >= 3 is slow there.
+CASES = [(p, failing, 7, where) for p, failing in [(2, 1), (3, 1), (4, 2)] for where in ["forward", "backward"]]
+CASES.append((3, 0, 8, "backward"))
+PARAMS = [pytest.param(backend, *case, marks=[pytest.mark.slow] if backend == "gloo" and case[0] >= 3 else [])
+          for backend in BACKENDS for case in CASES]
+
+
+@pytest.mark.timeout(BOUND)
+@pytest.mark.parametrize("backend,world_size,failing,call,where", PARAMS)
+def test_a_stage_that_raises_fails_every_rank_promptly(backend, world_size, failing, call, where):
+    results = spawn(_stage_raises, world_size, backend, failing, where, call, timeout=BOUND)
+    for rank, (result, shm_left) in enumerate(results):
+        assert result is not None, f"rank {rank} finished three steps although stage {failing} raised"
+        step, kind, msg = result
+        assert step == 1 or (step == 2 and rank != failing), f"rank {rank}, step {step}: {msg}"
+        assert f"boom in {where}" in msg, f"rank {rank}: {msg}"
+        if rank != failing:
+            assert f"pipeline stage {failing} (pipeline rank {failing}) failed in the {where}" in msg, \
+                f"rank {rank}: {msg}"
+        assert shm_left == [], f"rank {rank} left {shm_left} in /dev/shm"
+    if call == 8:  # the others had finished step 1
+        assert [r[0][0] for r in results] == [1] + [2] * (world_size - 1), results
+
+
+class _ShrinksOnSecondStep(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+        self.calls = 0
+
+    def forward(self, x):
+        self.calls += 1
+        out = self.lin(x)
+        return out if self.calls <= 2 else out[:, :4]
+
+
+def _shape_changes(rank, world_size, init_file, backend):
+    _init(rank, world_size, init_file, backend)
+    try:
+        torch.manual_seed(0)
+        mod = _ShrinksOnSecondStep() if rank == 0 else nn.Linear(8, 8)
+        sched = ScheduleGPipe(PipelineStage(mod, rank, world_size), 2, loss_fn=_mse)
+        x, y = torch.randn(4, 8), torch.randn(4, 8)
+        return _answer(backend, world_size, _first_error(sched, rank, world_size, x, y, steps=3))
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.timeout(BOUND)
+@pytest.mark.parametrize("backend", ["torchpar", pytest.param("gloo", marks=pytest.mark.slow)])
+def test_a_shape_change_reaches_ranks_two_stages_away(backend):
+    """Stage 0's output narrows in the second step under the same input shape: stages 0 and 1
+    see it in the header and raise; stage 2, which only waits on stage 1, must hear of it."""
+    results = spawn(_shape_changes, 3, backend, timeout=BOUND)
+    for rank, result in enumerate(results):
+        assert result is not None, f"rank {rank} finished three steps"
+        step, kind, msg = result
+        assert step == 1 and "(2, 4)" in msg and "(2, 8)" in msg, f"rank {rank}: {kind}: {msg}"

@@ -1,0 +1,89 @@
+"""A step that fails on one pipeline rank fails on every one, promptly, naming the stage.
+
+A rank whose stage raises mid-step owes its neighbours messages it will never send: they
+would wait for them, and ranks further along would wait on those, until the group's timeout.
+So the first rank to fail publishes why in the group's store (one key per step), then aborts
+the pipeline group (``ProcessGroup.abort``). A rank whose wait then fails reads the reason and
+raises it; the rank whose own work raised re-raises its own exception; a rank that had
+finished the step raises the reason at the start of the next one.
+
+- torchpar: the abort fails every pending and later operation of the group on every rank
+  within ~50 ms (the progress threads watch the group's shared abort flag, or the TCP
+  connections), whichever rank they wait on.
+- gloo has no abort (``ProcessGroupGloo`` keeps ``Backend.abort()``'s no-op), so a peer's
+  pending receive fails only when the failed rank's process exits (its connections close) or
+  at the group's timeout; then it raises the published reason. Ranks that exit on the error
+  (an uncaught exception) pass it on one stage at a time.
+
+The group is unusable afterwards: make a new one. The one exception is a shape mismatch
+between the two ranks of a two-rank pipeline: both raise by themselves (the header carries
+the shapes), nobody is left waiting, and the group goes on.
+"""
+from datetime import timedelta
+
+import torch.distributed as dist
+
+from torchpar.parallel.pipeline import _comm
+
+# How long a rank that learned of a failure waits for the failed rank to write its reason
+# (it counts itself in first, then writes: two store calls apart).
+_REASON_WAIT = timedelta(seconds=5)
+_ACTIONS = {"F": "the forward", "B": "the backward", "W": "the weight gradient", "SEND": "the last sends"}
+
+
+class StepFailure:
+    """Where one schedule publishes why a step failed: the group's store, a key per step."""
+
+    def __init__(self, group, schedule_index):
+        self.group = group
+        self.prefix = f"torchpar/pipeline/{schedule_index}/"
+
+    def fail(self, sched, step, exc, action, waiting):
+        """Called with the exception that ended this rank's step number ``step`` while it ran
+        ``action`` (name, micro-batch, stage); ``waiting``: in a wait for a peer. Returns the
+        exception to raise: ``exc`` when this rank's own work raised, else one naming the
+        stage that failed first and why."""
+        name, mb, stage = action
+        me = f"pipeline stage {stage} (pipeline rank {sched.rank})" if stage is not None else \
+            f"pipeline rank {sched.rank}"
+        reason = self.published(step) if waiting else None
+        if reason is None:
+            what = _ACTIONS.get(name, name or "the step")
+            if mb is not None:
+                what += f" of micro-batch {mb}"
+            self._publish(step, f"{me} failed in {what}: {type(exc).__name__}: {exc}")
+        if not (sched.p == 2 and isinstance(exc, _comm.ShapeMismatch)):
+            try:
+                self.group.abort()
+            except Exception:  # noqa: BLE001 - a backend without abort: its peers time out
+                pass
+        if reason is None:
+            return exc
+        return RuntimeError(f"{type(sched).__name__}: {me} stopped waiting for its peers because {reason}")
+
+    def published(self, step):
+        """The reason the first rank to fail in step ``step`` published, or None. A rank that
+        has counted itself in but not yet written its reason is waited for, briefly."""
+        try:
+            store = self._store()
+            key = f"{self.prefix}{step}"
+            if store.check([key]):
+                return store.get(key).decode()
+            if store.add(key + "/count", 0) == 0:
+                return None
+            store.wait([key], _REASON_WAIT)
+            return store.get(key).decode()
+        except Exception:  # noqa: BLE001 - the store itself gone: the caller reports its own error
+            return None
+
+    def _publish(self, step, reason):
+        try:
+            store = self._store()
+            key = f"{self.prefix}{step}"
+            if store.add(key + "/count", 1) == 1:  # the first to fail tells the others
+                store.set(key, reason)
+        except Exception:  # noqa: BLE001 - no store: the peers still fail, without the reason
+            pass
+
+    def _store(self):
+        return dist.distributed_c10d._get_process_group_store(self.group)
