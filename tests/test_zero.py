@@ -602,3 +602,230 @@ def _sharded_state_dict_other_layout(ctx, backend):
 @on_backends
 def test_sharded_state_dict_from_another_layout_is_refused(backend):
     _pool(backend, 2).run(_sharded_state_dict_other_layout, backend, timeout=30)
+
+
+# ---- gradient clipping: ZeroRedundancyOptimizer.clip_grad_norm_ ----
+
+CLIP = {2.0: 0.05, float("inf"): 0.01}  # max_norm per norm type: every step below clips
+
+
+def _clip_vs_single_process(ctx, backend, stage, norm_type, steps=4):
+    """float32: each step clipped with ``opt.clip_grad_norm_``, against one process clipping the
+    whole batch's gradients with torch's function, then plain AdamW. Per step: the loss, the
+    norm, this rank's clipped gradients, then every parameter after the step."""
+    torch.set_num_threads(1)
+    group = _group(ctx, backend)
+    max_norm = CLIP[norm_type]
+    model = _mlp()
+    ref = copy.deepcopy(model)
+    ddp, opt = _wrap(ctx, group, model, stage)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+    owned = {id(p) for p, _ in opt.stepped_tensors()}
+    norms = []
+    for step in range(steps):
+        x, y = _batch(step, 2 * ctx.world_size)
+        opt.zero_grad()
+        loss = _loss(ddp(_shard(x, ctx)), _shard(y, ctx))
+        loss.backward()
+        norm = opt.clip_grad_norm_(max_norm, norm_type)
+        ref_opt.zero_grad()
+        ref_loss = _loss(ref(x), y)
+        ref_loss.backward()
+        ref_norm = torch.nn.utils.clip_grad_norm_(ref.parameters(), max_norm, norm_type)
+        assert ref_norm > 2 * max_norm, f"step {step}: norm {ref_norm} would not clip"
+        mean_loss = loss.detach().clone()
+        dist.all_reduce(mean_loss, group=group)
+        torch.testing.assert_close(mean_loss / ctx.world_size, ref_loss.detach(), rtol=1e-5, atol=1e-7)
+        assert norm.dtype == torch.float32
+        torch.testing.assert_close(norm, ref_norm, rtol=1e-5, atol=0)
+        for (name, p), q in zip(model.named_parameters(), ref.parameters()):
+            if id(p) in owned:
+                torch.testing.assert_close(p.grad, q.grad, rtol=1e-5, atol=1e-8,
+                                           msg=lambda m: f"step {step}, {name}: {m}")
+        opt.step()
+        ref_opt.step()
+        _assert_close(model, ref, step)
+        norms.append(norm.item())
+    return norms
+
+
+@on_backends
+@multi_rank
+@STAGES
+@pytest.mark.parametrize("norm_type", [2.0, float("inf")], ids=["2", "inf"])
+def test_clip_grad_norm_equals_single_process(backend, world_size, stage, norm_type):
+    """Each parameter counted once (on its owner), summed (max for inf) over the group: a norm
+    counting ZeRO-1's replicated gradients on every rank would be sqrt(W) too large (2-norm),
+    one counting only this rank's shard too small."""
+    norms = _pool(backend, world_size).run(_clip_vs_single_process, backend, stage, norm_type)
+    assert all(n == norms[0] for n in norms)  # the same on every rank
+
+
+def _low_precision_reference(model, ctx, x, y, dtype, scale=1.0):
+    """What DDP's O2 leaves each owner, computed in one process: each rank's 16-bit gradient of
+    its shard of the batch (of the loss times ``scale``), widened to float32, divided by W,
+    summed, rounded to ``dtype`` (DDP's reduction), then widened again into a float32 master
+    gradient and divided by ``scale`` (the loss scaler)."""
+    total = [torch.zeros(p.shape) for p in model.parameters()]
+    losses = []
+    for r in range(ctx.world_size):
+        model.zero_grad(set_to_none=True)
+        xr, yr = x.chunk(ctx.world_size)[r], y.chunk(ctx.world_size)[r]
+        loss = _loss(model(xr.to(dtype)), yr)
+        (loss * scale).backward()
+        losses.append(loss.item())
+        for t, p in zip(total, model.parameters()):
+            t += p.grad.float() / ctx.world_size
+    model.zero_grad(set_to_none=True)
+    return [t.to(dtype).float() / scale for t in total], sum(losses) / len(losses)
+
+
+def _clip_o2_vs_masters(ctx, backend, stage, norm_type, dtype, steps=4):
+    """O2 (bfloat16 / float16 with a loss scaler): the clipped tensors are the float32 master
+    gradients, after unscaling, and the step uses them. Against one process holding the same
+    16-bit model and float32 masters: DDP's gradients (``_low_precision_reference``), clipped as
+    float32 masters with torch's function, AdamW on the masters, rounded back."""
+    torch.set_num_threads(1)
+    group = _group(ctx, backend)
+    max_norm = CLIP[norm_type]
+    policy = MixedPrecision(param_dtype=dtype)
+    model = _mlp()
+    scaler = DynamicLossScaler(init_scale=2.0 ** 8, growth_interval=1000) if dtype == torch.float16 else None
+    if stage == 0:  # DDP O2, unsharded: every rank holds every master (no sum over the group)
+        ddp = DDP(model, process_group=group, mixed_precision=policy)
+        opt = MixedPrecisionOptimizer(ddp.parameters(), torch.optim.AdamW, policy, lr=1e-2,
+                                      process_group=group, loss_scaler=scaler)
+    else:
+        ddp, opt = _wrap(ctx, group, model, stage, mixed_precision=policy, ddp_mixed_precision=policy,
+                         loss_scaler=scaler)
+    ref = copy.deepcopy(model)  # the 16-bit parameters
+    masters = [p.detach().float().requires_grad_() for p in ref.parameters()]
+    ref_opt = torch.optim.AdamW(masters, lr=1e-2)
+    params = list(model.parameters())
+    index = {id(p): k for k, p in enumerate(params)}
+    scale = scaler.scale_value if scaler is not None else 1.0
+    for step in range(steps):
+        x, y = _batch(step, 2 * ctx.world_size)
+        opt.zero_grad()
+        loss = _loss(ddp(_shard(x, ctx)), _shard(y, ctx))
+        (scaler.scale(loss) if scaler is not None else loss).backward()
+        before = [p.grad.detach().clone() if p.grad is not None else None for p in params]
+        norm = opt.clip_grad_norm_(max_norm, norm_type)
+        grads, ref_loss = _low_precision_reference(ref, ctx, x, y, dtype, scale)
+        for m, g in zip(masters, grads):
+            m.grad = g
+        ref_norm = torch.nn.utils.clip_grad_norm_(masters, max_norm, norm_type)
+        assert ref_norm > 2 * max_norm, f"step {step}: norm {ref_norm} would not clip"
+        torch.testing.assert_close(norm, ref_norm, rtol=1e-5, atol=0, msg=lambda m: f"step {step}: {m}")
+        mean_loss = loss.detach().float().clone()
+        dist.all_reduce(mean_loss, group=group)
+        torch.testing.assert_close(mean_loss.item() / ctx.world_size, ref_loss, rtol=1e-6, atol=1e-7)
+        for p, m in opt.stepped_tensors():
+            k = index[id(p)]
+            assert m.dtype == torch.float32 and m is not p
+            # The float32 master gradient is clipped; the 16-bit one is as backward left it.
+            torch.testing.assert_close(m.grad, masters[k].grad, rtol=1e-6, atol=0,
+                                       msg=lambda msg: f"step {step}, #{k}: {msg}")
+            assert torch.equal(p.grad, before[k])
+        opt.step()
+        ref_opt.step()
+        with torch.no_grad():
+            for q, m in zip(ref.parameters(), masters):
+                q.copy_(m)
+        for p, m in opt.stepped_tensors():
+            k = index[id(p)]
+            torch.testing.assert_close(m, masters[k], rtol=1e-6, atol=1e-7,
+                                       msg=lambda msg: f"step {step}, master #{k}: {msg}")
+        for k, (p, q) in enumerate(zip(params, ref.parameters())):
+            assert torch.equal(p, q), f"step {step}: parameter #{k} is not the rounded master"
+    return norm.item()
+
+
+@on_backends
+@multi_rank
+@pytest.mark.parametrize("stage", [0, 1, 2], ids=["ddp", "zero1", "zero2"])
+@pytest.mark.parametrize("norm_type", [2.0, float("inf")], ids=["2", "inf"])
+def test_clip_grad_norm_under_bfloat16_o2_clips_the_float32_masters(backend, world_size, stage, norm_type):
+    _pool(backend, world_size).run(_clip_o2_vs_masters, backend, stage, norm_type, torch.bfloat16)
+
+
+@on_backends
+@STAGES
+def test_clip_grad_norm_under_float16_clips_after_unscaling(backend, stage):
+    """float16 with a loss scaler of 256: the norm and the clipped master gradients are those of
+    the unscaled gradients (clipping before the division would see a norm 256 times larger)."""
+    _pool(backend, 2).run(_clip_o2_vs_masters, backend, stage, 2.0, torch.float16)
+
+
+def _clip_overflow(ctx, backend, stage):
+    """An overflow only the owner can see: every rank's clip_grad_norm_ returns a non-finite
+    norm, and the step is skipped everywhere."""
+    torch.set_num_threads(1)
+    group = _group(ctx, backend)
+    policy = MixedPrecision(param_dtype=torch.float16)
+    scaler = DynamicLossScaler(init_scale=2.0 ** 10)
+    model = _mlp()
+    ddp, opt = _wrap(ctx, group, model, stage, mixed_precision=policy, ddp_mixed_precision=policy,
+                     loss_scaler=scaler)
+    params = list(model.parameters())
+    owner = {k: r for layout, index in opt._layouts for k, r in zip(index, layout.owner())}
+    before = [p.detach().clone() for p in params]
+    x, y = _batch(0, 2 * ctx.world_size)
+    scaler.scale(_loss(ddp(_shard(x, ctx)), _shard(y, ctx))).backward()
+    k = max(k for k, r in owner.items() if r == ctx.world_size - 1)
+    if ctx.rank == ctx.world_size - 1:
+        params[k].grad.view(-1)[0] = float("inf")
+    norm = opt.clip_grad_norm_(0.05)
+    opt.step()
+    assert not torch.isfinite(norm)
+    assert scaler.last_step_skipped and scaler.scale_value == 512.0
+    assert all(torch.equal(a, p) for a, p in zip(before, params))
+    # The next step clips and steps normally.
+    opt.zero_grad()
+    scaler.scale(_loss(ddp(_shard(x, ctx)), _shard(y, ctx))).backward()
+    assert torch.isfinite(opt.clip_grad_norm_(0.05))
+    opt.step()
+    assert not scaler.last_step_skipped
+    assert any(not torch.equal(a, p) for a, p in zip(before, params))
+
+
+@on_backends
+@STAGES
+def test_clip_grad_norm_of_an_overflowing_step_is_not_finite_and_the_step_is_skipped(backend, stage):
+    _pool(backend, 2).run(_clip_overflow, backend, stage)
+
+
+def _clip_uneven(ctx, backend, stage):
+    """Under ddp.join(): the ranks still training clip (an all-reduce); a joined rank repeats
+    its own last clipping in its shadow step, so nobody waits, and the result is one process
+    clipping the active ranks' gradients / W."""
+    torch.set_num_threads(1)
+    group = _group(ctx, backend)
+    model = _mlp()
+    ref = copy.deepcopy(model)
+    ddp, opt = _wrap(ctx, group, model, stage)
+    with ddp.join():
+        for step in range(_uneven_steps(ctx.rank)):
+            x, y = _batch(100 * ctx.rank + step, 4)
+            opt.zero_grad()
+            _loss(ddp(x), y).backward()
+            opt.clip_grad_norm_(0.05)
+            opt.step()
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+    for step in range(_uneven_steps(ctx.world_size - 1)):
+        ref_opt.zero_grad()
+        for r in range(ctx.world_size):
+            if step < _uneven_steps(r):
+                x, y = _batch(100 * r + step, 4)
+                _loss(ref(x), y).backward()
+        for p in ref.parameters():
+            p.grad /= ctx.world_size
+        assert torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.05) > 0.1
+        ref_opt.step()
+    _assert_close(model, ref, "end")
+
+
+@on_backends
+@STAGES
+def test_clip_grad_norm_under_join(backend, stage):
+    _pool(backend, 4).run(_clip_uneven, backend, stage, timeout=60)

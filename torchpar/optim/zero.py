@@ -20,6 +20,13 @@ parameters and all-gathered in the 16-bit dtype (half the bytes). ``loss_scaler`
 ``DynamicLossScaler``) unscales the float32 master gradients and skips a step that
 overflowed on any rank.
 
+Gradient clipping (``clip_grad_norm_``, FairScale's ``OSS.clip_grad_norm``): between backward
+and ``step()``, each rank adds up ``|g|^p`` over the gradients of the parameters it owns (each
+parameter counted once, on its owner, whether DDP left the whole gradient everywhere (ZeRO-1) or
+only the owner's shard (ZeRO-2)), the sums are all-reduced over the group (max for inf), and each
+rank scales its shard's gradients. Under O2 those are the float32 master gradients, after the
+loss scaler divided them: the ones ``step()`` then uses (it does not copy or unscale them again).
+
 Uneven inputs: a ``Joinable`` as torch's is. Under the ``join()`` of the torchpar DDP that
 reduces its gradients (or ``Join([ddp, optimizer])``, in either order), a rank whose batches
 ran out steps its shard with the gradients the others averaged (its own share zero) and enters
@@ -61,6 +68,11 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
         self._masters = {}    # optimizer index -> the tensor the local optimizer steps
         self._consolidated = None
         self.optim = None
+        # This step's master gradients, once prepared (copied, unscaled, checked): whether they
+        # overflowed, else None. clip_grad_norm_ prepares them before step() does.
+        self._prepared = None
+        self._clip_now = None   # this step's clip_grad_norm_ arguments (None: not clipped)
+        self._clip_last = None  # the last step's, which a joined rank repeats in its shadow step
         self._shard(0)
         self._ready = True
         shard_layout.register_optimizer(self, self._params())
@@ -139,19 +151,15 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
                 loss = closure()
         for g, lg in zip(self.param_groups, self.optim.param_groups):
             lg.update(_options(g))  # an LR scheduler changes the groups users see
-        params = self._params()
-        pairs = [(params[k], self._masters[k]) for k in self._local]
-        with torch.no_grad():
-            for p, m in pairs:
-                if m is not p:
-                    m.grad = None if p.grad is None else p.grad.detach().to(m.dtype)
-            if self.loss_scaler is not None:
-                found_inf = self.loss_scaler.unscale_and_check(
-                    [m.grad for _, m in pairs if m.grad is not None], self.process_group)
-                self.loss_scaler.update(found_inf)
-                if found_inf:  # every rank skips: parameters stay as they are everywhere
-                    self._release_master_grads(pairs)
-                    return loss
+        pairs = self._pairs()
+        found_inf = self._prepare_grads(pairs)
+        self._prepared = None
+        self._clip_last, self._clip_now = self._clip_now, None
+        if self.loss_scaler is not None:
+            self.loss_scaler.update(found_inf)
+            if found_inf:  # every rank skips: parameters stay as they are everywhere
+                self._release_master_grads(pairs)
+                return loss
         self.optim.step()
         with torch.no_grad():
             for p, m in pairs:
@@ -160,6 +168,82 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
             self._release_master_grads(pairs)
             self._gather()
         return loss
+
+    def _shadow_step(self):
+        """A joined rank's share of the others' step: their clipping (the collective of this
+        rank's own last step's ``clip_grad_norm_``, if it clipped), then the step."""
+        if self._clip_last is not None and self._prepared is None:
+            max_norm, norm_type, counted, groups = self._clip_last
+            self.clip_grad_norm_(max_norm, norm_type, counted=counted, groups=groups)
+        self._step()
+
+    def _pairs(self):
+        params = self._params()
+        return [(params[k], self._masters[k]) for k in self._local]
+
+    @torch.no_grad()
+    def _prepare_grads(self, pairs):
+        """Once a step: the gradients the local optimizer steps on (float32 copies of the
+        parameters' under O2), divided by the loss scaler's scale and checked for inf/NaN on
+        every rank of the group. Returns whether any rank's overflowed."""
+        if self._prepared is not None:
+            return self._prepared
+        for p, m in pairs:
+            if m is not p:
+                m.grad = None if p.grad is None else p.grad.detach().to(m.dtype)
+        found_inf = False
+        if self.loss_scaler is not None:
+            found_inf = self.loss_scaler.unscale_and_check(
+                [m.grad for _, m in pairs if m.grad is not None], self.process_group)
+        self._prepared = found_inf
+        return found_inf
+
+    # ---- gradient clipping ----
+
+    _norm_over_group = True  # ranks own different parameters: their sums add up over the group
+
+    def clip_grad_norm_(self, max_norm, norm_type=2.0, *, counted=None, groups=()):
+        """``torch.nn.utils.clip_grad_norm_`` of the parameters this optimizer steps, on every
+        rank of its group, after backward and before ``step()`` (with a ``closure``: inside
+        it). Each rank adds up its own shard's gradients; the sums are all-reduced over the
+        group (max for ``norm_type=inf``), and each rank scales its shard's gradients by
+        ``max_norm / (norm + 1e-6)`` when that is below 1. Returns the total norm before
+        clipping, a float32 scalar tensor, the same on every rank.
+
+        Only the gradients this rank steps are scaled. Under ZeRO-1 the gradients of the
+        parameters other ranks own, which DDP also left here, keep their values (``step()``
+        does not read them); under ZeRO-2 this rank has no others. Under O2 the float32 master
+        gradients are clipped, after the loss scaler divided them (the 16-bit ``.grad`` of the
+        parameters stay as backward left them); a step that overflowed returns a non-finite
+        norm and ``step()`` skips it.
+
+        For a model also split by tensor or pipeline parallelism (``torchpar.parallel.
+        clip_grad_norm_``): ``counted``, the parameters whose gradients count on this rank
+        (default all; a replica's other copies must not count twice) and ``groups``, the further
+        groups the sums are all-reduced over. Under ``join()`` a rank whose inputs ran out
+        repeats its own last step's clipping while the others step."""
+        from torchpar.parallel.clip_grad import clip_grad_norm_
+
+        pairs = self._pairs()
+        self._prepare_grads(pairs)
+        masters = [m for _, m in pairs]
+        if counted is not None:
+            counted_ids = {id(p) for p in counted}
+            counted_masters = [m for p, m in pairs if id(p) in counted_ids]
+        else:
+            counted_masters = masters
+        norm_groups = list(groups)
+        if self._norm_over_group and self.world_size > 1:
+            norm_groups.insert(0, self.process_group)
+        self._clip_now = (max_norm, norm_type, counted, tuple(groups))
+        return clip_grad_norm_(masters, max_norm, norm_type, counted=counted_masters, groups=norm_groups,
+                               device=self.join_device)
+
+    def zero_grad(self, set_to_none=True):
+        super().zero_grad(set_to_none)
+        pairs = self._pairs()
+        self._release_master_grads(pairs)
+        self._prepared = None
 
     # ---- uneven inputs (Join) ----
 
@@ -178,9 +262,9 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
     def stepped_tensors(self):
         """[(parameter, the tensor this rank's local optimizer steps for it)] for the parameters
         this rank owns: the float32 master under O2, else the parameter itself. Its state is
-        ``self.optim.state[tensor]`` (for checkpoints that address state by parameter)."""
-        params = self._params()
-        return [(params[k], self._masters[k]) for k in self._local]
+        ``self.optim.state[tensor]`` (for checkpoints that address state by parameter); between
+        ``clip_grad_norm_`` and ``step()`` a master's ``.grad`` is the clipped gradient."""
+        return self._pairs()
 
     def _gather(self):
         for layout, _ in self._layouts:
@@ -348,7 +432,7 @@ class _JoinHook(JoinHook):
     def main_hook(self):
         ddp = shard_layout.ddp_of(self.zero._params())
         if ddp is None:
-            self.zero._step()
+            self.zero._shadow_step()
         elif not ddp._join_config.enable:
             # The ranks still training raise in DDP's forward, after the same notification.
             raise shard_layout.joined_without_ddp_error()
