@@ -47,8 +47,18 @@ def clip_grad_norm_(parameters, max_norm, norm_type=2.0, *, counted=None, groups
                              for g in grads]).sum() if grads else None
         op = dist.ReduceOp.SUM
     total = local.to(device) if local is not None else torch.zeros((), dtype=torch.float32, device=device)
-    for group in groups:
-        dist.all_reduce(total, op=op, group=group)
+    if norm_type == math.inf and groups:
+        # A NaN does not survive MAX everywhere (NCCL's fmaxf drops it; gloo keeps it or not
+        # by the ranks' order): reduce [max, NaN seen] and put the NaN back, as torch's
+        # function returns nan. (SUM carries NaN and inf through on its own.)
+        nan = torch.isnan(total)
+        pair = torch.stack([torch.where(nan, torch.zeros_like(total), total), nan.float()])
+        for group in groups:
+            dist.all_reduce(pair, op=op, group=group)
+        total = torch.where(pair[1] > 0, torch.full_like(pair[0], math.nan), pair[0])
+    else:
+        for group in groups:
+            dist.all_reduce(total, op=op, group=group)
     if norm_type != math.inf:
         total = total ** (1.0 / norm_type)
     coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
