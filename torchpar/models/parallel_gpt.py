@@ -35,6 +35,10 @@ model starts from exactly the weights of a single-process ``GPT(config)`` built 
 ``torch.manual_seed(seed)``. Dropout is then seeded as Megatron seeds it
 (``model_parallel_seed``): each pipeline stage its own default stream (``seed + 100 * pp_rank``),
 shared by its tensor-parallel ranks, and each tp rank of a stage its own model-parallel stream.
+So after construction torch's default generators differ between pipeline stages: a training loop
+drawing its batches from the default generator (``torch.randint`` without ``generator=``) would
+give each stage other data. Draw batches from an explicit ``torch.Generator``, seeded alike on
+every rank of a data-parallel replica (as examples/train_gpt.py does).
 """
 import os
 from dataclasses import dataclass
@@ -185,7 +189,12 @@ class ParallelGPT:
     examples/train_gpt.py's is 1.0); ``grad_norm`` is then the last step's norm before clipping.
     ``device``: "cpu", or "cuda" for this rank's GPU, ``cuda:LOCAL_RANK``: every rank builds the
     dense model on the CPU from the seed (the single-process weights), then moves its stages
-    there; the torchpar backend carries the groups' CUDA tensors over NCCL."""
+    there; the torchpar backend carries the groups' CUDA tensors over NCCL.
+
+    ``seed``: the initial weights (``torch.manual_seed(seed)`` on every rank), then dropout's
+    streams (``model_parallel_seed``), which leave torch's default generators in another state on
+    each pipeline stage. Do not draw batches from the default generator afterwards (each stage
+    would see other data): use an explicit ``torch.Generator``, as examples/train_gpt.py does."""
 
     def __init__(self, config: GPTConfig, layout: Layout, lr=3e-4, weight_decay=0.0, optimizer="adamw", seed=0,
                  device="cpu", clip_grad=0.0):

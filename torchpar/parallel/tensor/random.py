@@ -147,7 +147,10 @@ def model_parallel_seed(seed, group=None, pp_group=None):
 
     Call it with the same ``seed`` on every rank. It reseeds the default generators per stage,
     so build a model whose initial weights must not depend on the stage before it
-    (ParallelGPT: ``torch.manual_seed(seed)``, the dense model, then this)."""
+    (ParallelGPT: ``torch.manual_seed(seed)``, the dense model, then this). For the same reason,
+    after it the default CPU generator differs between pipeline stages: data drawn from it
+    (``torch.randint`` or ``torch.randperm`` without ``generator=``) differs from stage to stage.
+    Draw batches from an explicit ``torch.Generator`` seeded alike on every stage."""
     rank = dist.get_rank(comm.resolve_group(group))
     if rank < 0:
         raise ValueError("model_parallel_seed: this process is not a member of group")
