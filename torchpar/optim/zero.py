@@ -304,9 +304,11 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
         ``counted`` and ``groups`` of its own last call, by default all it owns and none)."""
         args = (float(max_norm), float(norm_type))
         self._clip_counted, self._clip_groups = counted, tuple(groups)
-        if not self._described and self._join_active():
-            # Under join(): tell the joined ranks (who shadow this in _shadow_step) that this
-            # step clips, and how. Once a step: a second call in the same step is not shadowed.
+        if self._join_active():
+            if self._described:  # the joined ranks would not shadow a second norm all-reduce
+                raise RuntimeError("torchpar ZeRO: under join() call clip_grad_norm_ at most once "
+                                   "between two step()s")
+            # Tell the joined ranks (who shadow this in _shadow_step) that this step clips, and how.
             self._describe_clip(args)
         return self._clip(*args, counted=counted, groups=groups)
 
