@@ -10,7 +10,8 @@ Python standard library's own .py sources, present on every machine: read as byt
 10 % held out for validation. Batches are drawn from a generator seeded by the step, so every
 rank (and every layout) sees the same global batch at the same step. Rank 0 shows a progress
 bar with loss, tokens/s and ETA, and writes a loss-curve PNG at the end. Gradients are clipped
-to a global norm of 1.0 (--clip-grad) over the whole layout, as Megatron-LM does.
+to a global norm of 1.0 (--clip-grad) over the whole layout, as Megatron-LM does (under
+--dtype bfloat16, the float32 master gradients the optimizer steps).
 
 Without torchrun it runs as a single process (dp = tp = pp = 1).
 """

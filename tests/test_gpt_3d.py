@@ -226,3 +226,43 @@ def test_check_layout_lists_every_problem():
     with pytest.raises(ValueError, match=r"tie_embeddings with pp = 1 and 2 virtual stages"):
         check_layout(GPTConfig.tiny(tie_embeddings=True), Layout(dp=4, schedule="interleaved"), 4)
     check_layout(GPTConfig.tiny(tie_embeddings=True), Layout(dp=2, pp=2), 4)  # each end stage its copy
+
+
+# ---- dropout streams (issue 17): a stream per pipeline stage, shared by its tp ranks ----
+
+def _dropout_run(ctx, layout):
+    from torchpar.parallel.tensor import get_rng_tracker
+
+    torch.set_num_threads(1)
+    cfg = GPTConfig.tiny(dropout=0.3)
+    trainer = ParallelGPT(cfg, layout, lr=LR, optimizer="sgd")
+    seeds = get_rng_tracker().get_states()
+    draw = torch.rand(16)  # the default stream as ParallelGPT left it
+    expect = torch.rand(16, generator=torch.Generator().manual_seed(100 * trainer.pp_rank))
+    losses = [trainer.train_step(*_batch(step)) for step in range(3)]
+    params = {n: p.detach().clone() for part in trainer.parts for n, p in part.named_parameters()}
+    return trainer.pp_rank, trainer.tp_rank, seeds, torch.equal(draw, expect), losses, params
+
+
+def test_dropout_streams_differ_across_pipeline_stages_and_agree_across_tp_ranks():
+    """1x2x2 with dropout 0.3: each stage's default generator starts at seed + 100 * pp_rank
+    and its model-parallel stream at seed + 100 * pp_rank + 2718 + tp_rank (Megatron's); the
+    weights still start as the single-process model's (the 1x2x2 layout tests, dropout 0). The
+    tp ranks of a stage draw the same masks on replicated activations, so after 3 steps with
+    dropout their replicated parameters (LayerNorms, position embedding, row-parallel biases)
+    are still equal; dropout is on (the losses differ from dropout 0's)."""
+    results = get_pool(4).run(_dropout_run, Layout(tp=2, pp=2, microbatches=2))
+    no_dropout = _reference_losses(3)
+    by_stage = {}
+    for pp_rank, tp_rank, seeds, default_ok, losses, params in results:
+        assert seeds == {"model-parallel-rng": 100 * pp_rank + 2718 + tp_rank}
+        assert default_ok, (pp_rank, tp_rank)
+        assert all(abs(a - b) > 1e-4 for a, b in zip(losses, no_dropout)), losses
+        by_stage.setdefault(pp_rank, []).append(params)
+    assert sorted(by_stage) == [0, 1]
+    replicated = re.compile(r"(ln\w*|pos_emb|out_proj\.bias|fc2\.bias)")
+    for stage, (a, b) in by_stage.items():
+        names = [n for n in a if replicated.search(n)]
+        assert names and any(n.startswith("blocks") for n in names)
+        for n in names:
+            assert torch.equal(a[n], b[n]), f"stage {stage}: {n} drifted apart across the tp ranks"

@@ -10,6 +10,10 @@ that norm and those gradients agree too. The norm counts each element once: a La
 by both tp ranks, a DDP replica, or the tied embedding's copy on the last stage counted twice
 would give another norm and other gradients.
 
+Under O2 (bfloat16) the clipped gradients are the float32 masters': on layouts whose arithmetic
+one process can repeat exactly (dp and pp, one micro-batch), the norms, the clipped master
+gradients and the masters equal a single-process O2 reference clipping its float32 masters.
+
 The function underneath, ``torchpar.parallel.clip_grad_norm_``, is also checked on one process:
 without groups it is torch's (p = 1, 2, 3, inf), ``counted`` picks what the norm sums while every
 gradient is scaled, and bfloat16 gradients (O2 under DDP) give a float32 norm.
@@ -142,8 +146,8 @@ def test_function_counts_only_counted_and_scales_every_gradient():
 
 
 def test_function_on_bfloat16_gradients_sums_in_float32():
-    """O2 under DDP clips the 16-bit gradients: the norm is float32, the scaled gradients stay
-    bfloat16."""
+    """16-bit gradients (O2 itself clips the float32 masters, below): the norm is summed in
+    float32, the scaled gradients stay bfloat16."""
     model, ref = _model_with_grads(torch.bfloat16), _model_with_grads(torch.bfloat16)
     got = clip_grad_norm_(model.parameters(), 0.5)
     want = torch.linalg.vector_norm(torch.cat([p.grad.float().flatten() for p in ref.parameters()]))
@@ -152,3 +156,102 @@ def test_function_on_bfloat16_gradients_sums_in_float32():
     for p, q in zip(model.parameters(), ref.parameters()):
         assert p.grad.dtype == torch.bfloat16
         torch.testing.assert_close(p.grad.float(), q.grad.float() * (0.5 / (want + 1e-6)), rtol=1e-2, atol=1e-3)
+
+
+# ---- O2 (bfloat16): clipping acts on the float32 master gradients ----
+
+O2_LAYOUTS = {  # dp x tp x pp, one micro-batch: each rank's arithmetic is one process's on its slice
+    "2x1x1": (2, Layout(dp=2, dtype="bfloat16")),
+    "2x1x2": (4, Layout(dp=2, pp=2, dtype="bfloat16")),
+    "fsdp-2x1x2": (4, Layout(dp=2, pp=2, fsdp=True, dtype="bfloat16")),
+}
+
+
+def _o2_reference(dp, fsdp, steps=STEPS):
+    """One process holding the O2 state: float32 masters (under DDP the bfloat16-rounded initial
+    weights, which MixedPrecisionOptimizer copies; under fully_shard the float32 weights, which
+    the shards keep), a bfloat16 model computing each data-parallel slice of the batch, the
+    slices' bfloat16 gradients averaged in float32 (then rounded to bfloat16 as DDP does; kept in
+    float32 by fully_shard's reduce-scatter), clipped as float32 masters with torch's function,
+    SGD on the masters. Returns (losses, norms, first step's clipped master gradients, masters)."""
+    torch.manual_seed(0)
+    model = GPT(CFG)
+    masters = {n: (p.detach().clone() if fsdp else p.detach().to(torch.bfloat16).float()).requires_grad_()
+               for n, p in model.named_parameters()}
+    model.to(torch.bfloat16)
+    opt = torch.optim.SGD(masters.values(), lr=LR, momentum=0.9)
+    losses, norms = [], []
+    for step in range(steps):
+        with torch.no_grad():
+            for n, p in model.named_parameters():
+                p.copy_(masters[n])
+        idx, tgt = _batch(step)
+        total = {n: torch.zeros_like(m) for n, m in masters.items()}
+        loss = 0.0
+        for i, t in zip(idx.chunk(dp), tgt.chunk(dp)):
+            model.zero_grad(set_to_none=True)
+            part = F.cross_entropy(model(i.t()).float().flatten(0, 1), t.t().flatten())
+            part.backward()
+            loss += part.item() / dp
+            for n, p in model.named_parameters():
+                total[n] += p.grad.float() / dp
+        for n, m in masters.items():
+            m.grad = total[n] if fsdp else total[n].to(torch.bfloat16).float()
+        norms.append(torch.nn.utils.clip_grad_norm_(masters.values(), MAX_NORM).item())
+        if step == 0:
+            first = {n: m.grad.clone() for n, m in masters.items()}
+        losses.append(loss)
+        opt.step()
+    return losses, norms, first, {n: m.detach().clone() for n, m in masters.items()}
+
+
+def _master_boxes(trainer, grads=False):
+    """``dense_boxes`` of the tensors the optimizer steps (float32 masters under DDP's O2)."""
+    from torchpar.models.checkpoint import _held_parameters
+
+    out = []
+    for name, _, s, held in _held_parameters(trainer):
+        assert s.dtype == torch.float32, name
+        t = s.grad if grads else s
+        out += [(name, offsets, v.detach().clone()) for offsets, v in held.like(t.detach()).boxes()]
+    return out
+
+
+def _o2_clipped_run(ctx, layout):
+    torch.set_num_threads(1)
+    trainer = ParallelGPT(CFG, layout, lr=LR, optimizer="sgd", clip_grad=MAX_NORM)
+    losses, norms = [], []
+    for step in range(STEPS):
+        if step == 0:  # train_step's three parts, to read the clipped masters before the step
+            losses.append(trainer.forward_backward(*_batch(step)))
+            sixteen = {id(p): p.grad.clone() for p in trainer._params if p.grad is not None}
+            norms.append(trainer.clip_grad_norm_(MAX_NORM).item())
+            first = _master_boxes(trainer, grads=True)
+            # Under DDP's O2 the bfloat16 gradients are left as they were: the masters are clipped.
+            assert all(torch.equal(p.grad, sixteen[id(p)]) for p in trainer._params if p.grad is not None
+                       and p.grad.dtype == torch.bfloat16)
+            trainer.optimizer.step()
+            trainer.step += 1
+        else:
+            losses.append(trainer.train_step(*_batch(step)))
+            norms.append(trainer.grad_norm)
+    return losses, norms, first, _master_boxes(trainer)
+
+
+@pytest.mark.parametrize("name", list(O2_LAYOUTS))
+def test_bfloat16_o2_clipping_equals_single_process_float32_masters(name):
+    """Every step clips (norms 0.5 to 1.3 against 0.2). The norm, the clipped float32 master
+    gradients, the losses and the masters after 5 steps equal the single-process O2 reference
+    to float32 rounding; scaling the bfloat16 gradients instead (the old behaviour under DDP)
+    rounds the clipped gradients to bfloat16 (relative error up to 2^-9) and fails."""
+    world, layout = O2_LAYOUTS[name]
+    losses, norms, first, masters = _o2_reference(layout.dp, layout.fsdp)
+    assert min(norms) > MAX_NORM
+    for rank, (got_losses, got_norms, got_first, got_masters) in enumerate(get_pool(world).run(_o2_clipped_run,
+                                                                                               layout)):
+        torch.testing.assert_close(got_losses, losses, rtol=1e-5, atol=1e-6, msg=lambda m: f"rank {rank}: losses {m}")
+        torch.testing.assert_close(got_norms, norms, rtol=1e-5, atol=0, msg=lambda m: f"rank {rank}: norms {m}")
+        assert_boxes_equal(got_first, first, rank, rtol=1e-5, atol=1e-9)
+        # After 5 steps, float32 rounding (the order of a sum) may have turned a master across a
+        # bfloat16 rounding boundary: a few elements then differ by ~1e-7 (fully_shard).
+        assert_boxes_equal(got_masters, masters, rank, rtol=1e-4, atol=1e-6)

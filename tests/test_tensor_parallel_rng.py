@@ -333,3 +333,51 @@ def _gpt_recompute(ctx, backend, sp):
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_gpt_recompute_reproduces_dropout_and_dropout_zero_equals_dense(backend, sp):
     get_pool(2).run(_gpt_recompute, backend, sp)
+
+
+# ---- pipeline stages: Megatron's 100 * pp_rank offset ----
+
+def _stage_masks(ctx, backend, with_pp_group):
+    """4 ranks as 2 pipeline stages x 2 tp ranks: rank = 2 * stage + tp rank. One mask from the
+    default stream (replicated activations), one from the model-parallel stream (split ones),
+    each a fused bias+dropout+add and an F.dropout, gathered from every rank."""
+    torch.set_num_threads(1)
+    kw = {} if backend == "torchpar" else {"backend": "gloo"}
+    tp_groups = [dist.new_group([0, 1], **kw), dist.new_group([2, 3], **kw)]
+    pp_groups = [dist.new_group([0, 2], **kw), dist.new_group([1, 3], **kw)]
+    stage, t = divmod(ctx.rank, 2)
+    model_parallel_seed(1234, tp_groups[stage], pp_group=pp_groups[t] if with_pp_group else None)
+    seeds = get_rng_tracker().get_states()
+    expect = torch.Generator().manual_seed(1234 + (100 * stage if with_pp_group else 0))
+    x, r = torch.ones(4, 2, 32), torch.zeros(4, 2, 32)
+    default_stream_ok = torch.equal(torch.rand(8), torch.rand(8, generator=expect))
+
+    def masks():  # F.dropout, and the fused kernel (its Philox key: one draw)
+        return torch.cat([F.dropout(x, 0.5).flatten(), TF.bias_dropout_add(x, x[0, 0], r, 0.5, True).flatten()])
+
+    replicated = masks()
+    with get_rng_tracker().fork():
+        split = masks()
+    world = group_for(ctx, backend)
+    return (seeds, default_stream_ok, _gather((replicated != 0).to(torch.uint8), world),
+            _gather((split != 0).to(torch.uint8), world))
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_pipeline_stages_draw_masks_of_their_own(backend):
+    """With ``pp_group``: the default stream is ``seed + 100 * stage`` (Megatron's
+    _set_random_seed), the same on the tp ranks of a stage and another on each stage; the
+    model-parallel stream ``seed + 100 * stage + 2718 + tp rank``, a stream per rank. Without
+    it (the seeding before), the stages repeat each other's masks in both streams."""
+    for rank, (seeds, default_ok, replicated, split) in enumerate(
+            get_pool(4).run(_stage_masks, backend, True)):
+        stage, t = divmod(rank, 2)
+        assert seeds == {"model-parallel-rng": 1234 + 100 * stage + 2718 + t}
+        assert default_ok, f"rank {rank}: the default generator is not seeded 1234 + 100 * {stage}"
+        assert torch.equal(replicated[0], replicated[1]) and torch.equal(replicated[2], replicated[3])
+        assert not torch.equal(replicated[0], replicated[2])
+        assert all(not torch.equal(split[i], split[j]) for i in range(4) for j in range(i))
+    for seeds, default_ok, replicated, split in get_pool(4).run(_stage_masks, backend, False):
+        assert default_ok
+        assert all(torch.equal(replicated[0], m) for m in replicated)  # every stage the same masks
+        assert torch.equal(split[0], split[2]) and torch.equal(split[1], split[3])

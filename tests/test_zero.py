@@ -602,3 +602,512 @@ def _sharded_state_dict_other_layout(ctx, backend):
 @on_backends
 def test_sharded_state_dict_from_another_layout_is_refused(backend):
     _pool(backend, 2).run(_sharded_state_dict_other_layout, backend, timeout=30)
+
+
+# ---- gradient clipping: ZeroRedundancyOptimizer.clip_grad_norm_ ----
+
+CLIP = {2.0: 0.05, float("inf"): 0.01}  # max_norm per norm type: every step below clips
+
+
+def _clip_vs_single_process(ctx, backend, stage, norm_type, steps=4):
+    """float32: each step clipped with ``opt.clip_grad_norm_``, against one process clipping the
+    whole batch's gradients with torch's function, then plain AdamW. Per step: the loss, the
+    norm, this rank's clipped gradients, then every parameter after the step."""
+    torch.set_num_threads(1)
+    group = _group(ctx, backend)
+    max_norm = CLIP[norm_type]
+    model = _mlp()
+    ref = copy.deepcopy(model)
+    ddp, opt = _wrap(ctx, group, model, stage)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+    owned = {id(p) for p, _ in opt.stepped_tensors()}
+    norms = []
+    for step in range(steps):
+        x, y = _batch(step, 2 * ctx.world_size)
+        opt.zero_grad()
+        loss = _loss(ddp(_shard(x, ctx)), _shard(y, ctx))
+        loss.backward()
+        norm = opt.clip_grad_norm_(max_norm, norm_type)
+        ref_opt.zero_grad()
+        ref_loss = _loss(ref(x), y)
+        ref_loss.backward()
+        ref_norm = torch.nn.utils.clip_grad_norm_(ref.parameters(), max_norm, norm_type)
+        assert ref_norm > 2 * max_norm, f"step {step}: norm {ref_norm} would not clip"
+        mean_loss = loss.detach().clone()
+        dist.all_reduce(mean_loss, group=group)
+        torch.testing.assert_close(mean_loss / ctx.world_size, ref_loss.detach(), rtol=1e-5, atol=1e-7)
+        assert norm.dtype == torch.float32
+        torch.testing.assert_close(norm, ref_norm, rtol=1e-5, atol=0)
+        for (name, p), q in zip(model.named_parameters(), ref.parameters()):
+            if id(p) in owned:
+                torch.testing.assert_close(p.grad, q.grad, rtol=1e-5, atol=1e-8,
+                                           msg=lambda m: f"step {step}, {name}: {m}")
+        opt.step()
+        ref_opt.step()
+        _assert_close(model, ref, step)
+        norms.append(norm.item())
+    return norms
+
+
+@on_backends
+@multi_rank
+@STAGES
+@pytest.mark.parametrize("norm_type", [2.0, float("inf")], ids=["2", "inf"])
+def test_clip_grad_norm_equals_single_process(backend, world_size, stage, norm_type):
+    """Each parameter counted once (on its owner), summed (max for inf) over the group: a norm
+    counting ZeRO-1's replicated gradients on every rank would be sqrt(W) too large (2-norm),
+    one counting only this rank's shard too small."""
+    norms = _pool(backend, world_size).run(_clip_vs_single_process, backend, stage, norm_type)
+    assert all(n == norms[0] for n in norms)  # the same on every rank
+
+
+def _low_precision_reference(model, ctx, x, y, dtype, scale=1.0):
+    """What DDP's O2 leaves each owner, computed in one process: each rank's 16-bit gradient of
+    its shard of the batch (of the loss times ``scale``), widened to float32, divided by W,
+    summed, rounded to ``dtype`` (DDP's reduction), then widened again into a float32 master
+    gradient and divided by ``scale`` (the loss scaler)."""
+    total = [torch.zeros(p.shape) for p in model.parameters()]
+    losses = []
+    for r in range(ctx.world_size):
+        model.zero_grad(set_to_none=True)
+        xr, yr = x.chunk(ctx.world_size)[r], y.chunk(ctx.world_size)[r]
+        loss = _loss(model(xr.to(dtype)), yr)
+        (loss * scale).backward()
+        losses.append(loss.item())
+        for t, p in zip(total, model.parameters()):
+            t += p.grad.float() / ctx.world_size
+    model.zero_grad(set_to_none=True)
+    return [t.to(dtype).float() / scale for t in total], sum(losses) / len(losses)
+
+
+def _clip_o2_vs_masters(ctx, backend, stage, norm_type, dtype, steps=4):
+    """O2 (bfloat16 / float16 with a loss scaler): the clipped tensors are the float32 master
+    gradients, after unscaling, and the step uses them. Against one process holding the same
+    16-bit model and float32 masters: DDP's gradients (``_low_precision_reference``), clipped as
+    float32 masters with torch's function, AdamW on the masters, rounded back."""
+    torch.set_num_threads(1)
+    group = _group(ctx, backend)
+    max_norm = CLIP[norm_type]
+    policy = MixedPrecision(param_dtype=dtype)
+    model = _mlp()
+    scaler = DynamicLossScaler(init_scale=2.0 ** 8, growth_interval=1000) if dtype == torch.float16 else None
+    if stage == 0:  # DDP O2, unsharded: every rank holds every master (no sum over the group)
+        ddp = DDP(model, process_group=group, mixed_precision=policy)
+        opt = MixedPrecisionOptimizer(ddp.parameters(), torch.optim.AdamW, policy, lr=1e-2,
+                                      process_group=group, loss_scaler=scaler)
+    else:
+        ddp, opt = _wrap(ctx, group, model, stage, mixed_precision=policy, ddp_mixed_precision=policy,
+                         loss_scaler=scaler)
+    ref = copy.deepcopy(model)  # the 16-bit parameters
+    masters = [p.detach().float().requires_grad_() for p in ref.parameters()]
+    ref_opt = torch.optim.AdamW(masters, lr=1e-2)
+    params = list(model.parameters())
+    index = {id(p): k for k, p in enumerate(params)}
+    scale = scaler.scale_value if scaler is not None else 1.0
+    for step in range(steps):
+        x, y = _batch(step, 2 * ctx.world_size)
+        opt.zero_grad()
+        loss = _loss(ddp(_shard(x, ctx)), _shard(y, ctx))
+        (scaler.scale(loss) if scaler is not None else loss).backward()
+        before = [p.grad.detach().clone() if p.grad is not None else None for p in params]
+        norm = opt.clip_grad_norm_(max_norm, norm_type)
+        grads, ref_loss = _low_precision_reference(ref, ctx, x, y, dtype, scale)
+        for m, g in zip(masters, grads):
+            m.grad = g
+        ref_norm = torch.nn.utils.clip_grad_norm_(masters, max_norm, norm_type)
+        assert ref_norm > 2 * max_norm, f"step {step}: norm {ref_norm} would not clip"
+        torch.testing.assert_close(norm, ref_norm, rtol=1e-5, atol=0, msg=lambda m: f"step {step}: {m}")
+        mean_loss = loss.detach().float().clone()
+        dist.all_reduce(mean_loss, group=group)
+        torch.testing.assert_close(mean_loss.item() / ctx.world_size, ref_loss, rtol=1e-6, atol=1e-7)
+        for p, m in opt.stepped_tensors():
+            k = index[id(p)]
+            assert m.dtype == torch.float32 and m is not p
+            # The float32 master gradient is clipped; the 16-bit one is as backward left it.
+            torch.testing.assert_close(m.grad, masters[k].grad, rtol=1e-6, atol=0,
+                                       msg=lambda msg: f"step {step}, #{k}: {msg}")
+            assert torch.equal(p.grad, before[k])
+        opt.step()
+        ref_opt.step()
+        with torch.no_grad():
+            for q, m in zip(ref.parameters(), masters):
+                q.copy_(m)
+        for p, m in opt.stepped_tensors():
+            k = index[id(p)]
+            torch.testing.assert_close(m, masters[k], rtol=1e-6, atol=1e-7,
+                                       msg=lambda msg: f"step {step}, master #{k}: {msg}")
+        for k, (p, q) in enumerate(zip(params, ref.parameters())):
+            assert torch.equal(p, q), f"step {step}: parameter #{k} is not the rounded master"
+    return norm.item()
+
+
+@on_backends
+@multi_rank
+@pytest.mark.parametrize("stage", [0, 1, 2], ids=["ddp", "zero1", "zero2"])
+@pytest.mark.parametrize("norm_type", [2.0, float("inf")], ids=["2", "inf"])
+def test_clip_grad_norm_under_bfloat16_o2_clips_the_float32_masters(backend, world_size, stage, norm_type):
+    _pool(backend, world_size).run(_clip_o2_vs_masters, backend, stage, norm_type, torch.bfloat16)
+
+
+@on_backends
+@STAGES
+def test_clip_grad_norm_under_float16_clips_after_unscaling(backend, stage):
+    """float16 with a loss scaler of 256: the norm and the clipped master gradients are those of
+    the unscaled gradients (clipping before the division would see a norm 256 times larger)."""
+    _pool(backend, 2).run(_clip_o2_vs_masters, backend, stage, 2.0, torch.float16)
+
+
+def _clip_overflow(ctx, backend, stage):
+    """An overflow only the owner can see: every rank's clip_grad_norm_ returns a non-finite
+    norm, and the step is skipped everywhere."""
+    torch.set_num_threads(1)
+    group = _group(ctx, backend)
+    policy = MixedPrecision(param_dtype=torch.float16)
+    scaler = DynamicLossScaler(init_scale=2.0 ** 10)
+    model = _mlp()
+    ddp, opt = _wrap(ctx, group, model, stage, mixed_precision=policy, ddp_mixed_precision=policy,
+                     loss_scaler=scaler)
+    params = list(model.parameters())
+    owner = {k: r for layout, index in opt._layouts for k, r in zip(index, layout.owner())}
+    before = [p.detach().clone() for p in params]
+    x, y = _batch(0, 2 * ctx.world_size)
+    scaler.scale(_loss(ddp(_shard(x, ctx)), _shard(y, ctx))).backward()
+    k = max(k for k, r in owner.items() if r == ctx.world_size - 1)
+    if ctx.rank == ctx.world_size - 1:
+        params[k].grad.view(-1)[0] = float("inf")
+    norm = opt.clip_grad_norm_(0.05)
+    opt.step()
+    assert not torch.isfinite(norm)
+    assert scaler.last_step_skipped and scaler.scale_value == 512.0
+    assert all(torch.equal(a, p) for a, p in zip(before, params))
+    # The next step clips and steps normally.
+    opt.zero_grad()
+    scaler.scale(_loss(ddp(_shard(x, ctx)), _shard(y, ctx))).backward()
+    assert torch.isfinite(opt.clip_grad_norm_(0.05))
+    opt.step()
+    assert not scaler.last_step_skipped
+    assert any(not torch.equal(a, p) for a, p in zip(before, params))
+
+
+@on_backends
+@STAGES
+def test_clip_grad_norm_of_an_overflowing_step_is_not_finite_and_the_step_is_skipped(backend, stage):
+    _pool(backend, 2).run(_clip_overflow, backend, stage)
+
+
+def _clip_uneven(ctx, backend, stage):
+    """Under ddp.join(): the ranks still training clip (an all-reduce); a joined rank repeats
+    its own last clipping in its shadow step, so nobody waits, and the result is one process
+    clipping the active ranks' gradients / W."""
+    torch.set_num_threads(1)
+    group = _group(ctx, backend)
+    model = _mlp()
+    ref = copy.deepcopy(model)
+    ddp, opt = _wrap(ctx, group, model, stage)
+    with ddp.join():
+        for step in range(_uneven_steps(ctx.rank)):
+            x, y = _batch(100 * ctx.rank + step, 4)
+            opt.zero_grad()
+            _loss(ddp(x), y).backward()
+            opt.clip_grad_norm_(0.05)
+            opt.step()
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+    for step in range(_uneven_steps(ctx.world_size - 1)):
+        ref_opt.zero_grad()
+        for r in range(ctx.world_size):
+            if step < _uneven_steps(r):
+                x, y = _batch(100 * r + step, 4)
+                _loss(ref(x), y).backward()
+        for p in ref.parameters():
+            p.grad /= ctx.world_size
+        assert torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.05) > 0.1
+        ref_opt.step()
+    _assert_close(model, ref, "end")
+
+
+@on_backends
+@STAGES
+def test_clip_grad_norm_under_join(backend, stage):
+    _pool(backend, 4).run(_clip_uneven, backend, stage, timeout=60)
+
+
+# ---- clipping under join(): the joined ranks follow the active ranks' clipping ----
+
+def _clip_uneven_schedule(ctx, backend, stage, steps_of, clips_at):
+    """Under ddp.join(): rank r trains ``steps_of(r)`` steps, clipping (2-norm, 0.05) in the
+    steps ``clips_at(step)`` says. A joined rank must take part in the clip all-reduce of
+    whatever the ranks still training do, whatever it did itself (nothing at all, or no
+    clipping before it joined). Against one process: the active ranks' gradients / W."""
+    torch.set_num_threads(1)
+    group = _group(ctx, backend)
+    model = _mlp()
+    ref = copy.deepcopy(model)
+    ddp, opt = _wrap(ctx, group, model, stage)
+    with ddp.join():
+        for step in range(steps_of(ctx.rank)):
+            x, y = _batch(100 * ctx.rank + step, 4)
+            opt.zero_grad()
+            _loss(ddp(x), y).backward()
+            if clips_at(step):
+                opt.clip_grad_norm_(0.05)
+            opt.step()
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+    for step in range(max(steps_of(r) for r in range(ctx.world_size))):
+        ref_opt.zero_grad()
+        for r in range(ctx.world_size):
+            if step < steps_of(r):
+                x, y = _batch(100 * r + step, 4)
+                _loss(ref(x), y).backward()
+        for p in ref.parameters():
+            p.grad /= ctx.world_size
+        if clips_at(step):
+            assert torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.05) > 0.1
+        ref_opt.step()
+    _assert_close(model, ref, "end")
+
+
+def _no_batches_on_rank0(rank):
+    return 0 if rank == 0 else 1 + rank
+
+
+def _always(step):
+    return True
+
+
+def _from_step_2(step):
+    return step >= 2
+
+
+@on_backends
+@STAGES
+def test_clip_grad_norm_under_join_with_a_rank_without_batches(backend, stage):
+    """Rank 0 has no batch at all, so it never clipped: it still shadows the others' clipping
+    (hung before: it followed only its own last step's clip_grad_norm_)."""
+    _pool(backend, 4).run(_clip_uneven_schedule, backend, stage, _no_batches_on_rank0, _always, timeout=90)
+
+
+@on_backends
+@STAGES
+def test_clip_grad_norm_under_join_clipping_starts_after_a_rank_joined(backend, stage):
+    """Warm-up without clipping: rank 0 (2 steps) joined before the others start clipping at
+    step 2; it shadows their clipping anyway."""
+    _pool(backend, 4).run(_clip_uneven_schedule, backend, stage, _uneven_steps, _from_step_2, timeout=90)
+
+
+def _clip_uneven_mismatch(ctx, backend):
+    """Under join(), ranks still training that clip with different norm types raise on every
+    rank (the joined one too) instead of mixing a SUM with a MAX."""
+    torch.set_num_threads(1)
+    group = _group(ctx, backend)
+    ddp, opt = _wrap(ctx, group, _mlp(), 1)
+    try:
+        with ddp.join():
+            for step in range(1 if ctx.rank == 0 else 3):
+                x, y = _batch(step, 4)
+                opt.zero_grad()
+                _loss(ddp(x), y).backward()
+                opt.clip_grad_norm_(0.05, 2.0 if ctx.rank == 1 or step == 0 else float("inf"))
+                opt.step()
+    except RuntimeError as e:
+        assert "same max_norm and norm_type" in str(e), e
+        return "raised"
+    return "no error"
+
+
+@pytest.mark.parametrize("backend", ["gloo"])
+def test_clip_grad_norm_under_join_with_different_norm_types_raises_everywhere(backend):
+    assert _pool(backend, 4).run(_clip_uneven_mismatch, backend, timeout=90) == ["raised"] * 4
+
+
+# ---- a stale preparation: clip, step skipped, gradients reset and recomputed ----
+
+def _clip_skip_reset(ctx, backend, stage, dtype, how):
+    """clip_grad_norm_, no step() (as a loop skipping a non-finite norm would), the gradients
+    reset (model.zero_grad() or p.grad = None) and computed again on another batch, clipped
+    again: the norm is the new gradients' and step() steps with them (the first clip's master
+    gradients were reused before). Against one process holding the O2 state."""
+    torch.set_num_threads(1)
+    group = _group(ctx, backend)
+    policy = MixedPrecision(param_dtype=dtype)
+    model = _mlp()
+    scaler = DynamicLossScaler(init_scale=2.0 ** 8, growth_interval=1000) if dtype == torch.float16 else None
+    ddp, opt = _wrap(ctx, group, model, stage, mixed_precision=policy, ddp_mixed_precision=policy,
+                     loss_scaler=scaler)
+    ref = copy.deepcopy(model)
+    masters = [p.detach().float().requires_grad_() for p in ref.parameters()]
+    ref_opt = torch.optim.AdamW(masters, lr=1e-2)
+    scale = scaler.scale_value if scaler is not None else 1.0
+    params = list(model.parameters())
+    index = {id(p): k for k, p in enumerate(params)}
+
+    def backward(step):
+        x, y = _batch(step, 2 * ctx.world_size)
+        loss = _loss(ddp(_shard(x, ctx)), _shard(y, ctx))
+        (scaler.scale(loss) if scaler is not None else loss).backward()
+        return x, y
+
+    opt.zero_grad()
+    backward(0)
+    first = opt.clip_grad_norm_(0.05)
+    # No step(). The gradients are reset behind the optimizer's back, then computed again.
+    if how == "model.zero_grad()":
+        model.zero_grad()
+    else:
+        for p in params:
+            p.grad = None
+    x, y = backward(1)
+    norm = opt.clip_grad_norm_(0.05)
+    grads, _ = _low_precision_reference(ref, ctx, x, y, dtype, scale)
+    for m, g in zip(masters, grads):
+        m.grad = g
+    ref_norm = torch.nn.utils.clip_grad_norm_(masters, 0.05)
+    assert abs(first.item() - ref_norm.item()) > 1e-3 * ref_norm.item()  # the batches differ
+    torch.testing.assert_close(norm, ref_norm, rtol=1e-5, atol=0)
+    opt.step()
+    ref_opt.step()
+    assert scaler is None or not scaler.last_step_skipped
+    for p, m in opt.stepped_tensors():
+        k = index[id(p)]
+        torch.testing.assert_close(m, masters[k], rtol=1e-6, atol=1e-7, msg=lambda msg: f"master #{k}: {msg}")
+
+
+@on_backends
+@STAGES
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bfloat16", "float16"])
+@pytest.mark.parametrize("how", ["model.zero_grad()", "p.grad = None"])
+def test_clip_grad_norm_after_a_skipped_step_and_reset_gradients_is_fresh(backend, stage, dtype, how):
+    _pool(backend, 2).run(_clip_skip_reset, backend, stage, dtype, how)
+
+
+# ---- the inf-norm of a NaN gradient on one rank is nan on every rank ----
+
+def _nan_on_one_rank(ctx, backend, nan_rank, norm_type):
+    from torchpar.parallel import clip_grad_norm_
+
+    group = _group(ctx, backend)
+    torch.manual_seed(ctx.rank)
+    params = [torch.nn.Parameter(torch.randn(5)) for _ in range(2)]
+    for p in params:
+        p.grad = torch.randn(5)
+    if ctx.rank == nan_rank:
+        params[1].grad[2] = float("nan")
+    return clip_grad_norm_(params, 1.0, norm_type, groups=[group]).item()
+
+
+@on_backends
+@pytest.mark.parametrize("nan_rank", [0, 1])
+@pytest.mark.parametrize("norm_type", [2.0, float("inf")], ids=["2", "inf"])
+def test_clip_grad_norm_of_a_nan_on_one_rank_is_nan_everywhere(backend, nan_rank, norm_type):
+    """As torch.nn.utils.clip_grad_norm_ on the whole gradient, which returns nan: MAX alone
+    drops a NaN (NCCL) or keeps it by the ranks' order (gloo)."""
+    ref = torch.tensor([1.0, float("nan")])
+    assert torch.isnan(torch.linalg.vector_norm(ref, norm_type))
+    norms = _pool(backend, 2).run(_nan_on_one_rank, backend, nan_rank, norm_type)
+    assert all(n != n for n in norms), norms
+
+
+# ---- the loss scaler's flag is reduced on the optimizer's device ----
+
+def test_loss_scaler_reduces_its_flag_on_the_given_device(monkeypatch):
+    """A rank holding no gradient (owning no parameter) has no gradient to take the device
+    from: the caller's device (the optimizer's join_device), not the CPU, under NCCL."""
+    class Reduced(Exception):
+        pass
+
+    def fake_all_reduce(t, op=None, group=None):
+        raise Reduced(t.device)
+
+    monkeypatch.setattr(dist, "is_initialized", lambda: True)
+    monkeypatch.setattr(dist, "all_reduce", fake_all_reduce)
+    scaler = DynamicLossScaler()
+    with pytest.raises(Reduced) as seen:
+        scaler.unscale_and_check([], device=torch.device("meta"))
+    assert seen.value.args[0] == torch.device("meta")
+
+
+def _scaler_device_of_an_empty_rank(ctx, backend):
+    torch.set_num_threads(1)
+    group = _group(ctx, backend)
+    model = nn.Linear(3, 1)  # 2 parameters on 4 ranks: two ranks own nothing
+    policy = MixedPrecision(param_dtype=torch.float16)
+    scaler = DynamicLossScaler(init_scale=2.0 ** 4)
+    ddp, opt = _wrap(ctx, group, model, 1, mixed_precision=policy, ddp_mixed_precision=policy,
+                     loss_scaler=scaler)
+    seen = []
+    for name in ("any_rank_found", "unscale_and_check"):
+        if hasattr(scaler, name):
+            real = getattr(scaler, name)
+
+            def spy(*args, _real=real, **kwargs):
+                seen.append(kwargs.get("device"))
+                return _real(*args, **kwargs)
+            setattr(scaler, name, spy)
+    x, y = torch.randn(4, 3), torch.randn(4, 1)
+    scaler.scale(_loss(ddp(x), y)).backward()
+    opt.step()
+    return len(opt.stepped_tensors()), seen == [opt.join_device]
+
+
+@pytest.mark.parametrize("backend", ["gloo"])
+def test_zero_reduces_the_overflow_flag_on_its_join_device_on_a_rank_owning_nothing(backend):
+    results = _pool(backend, 4).run(_scaler_device_of_an_empty_rank, backend)
+    assert sorted(n for n, _ in results) == [0, 0, 1, 1]
+    assert all(ok for _, ok in results), results
+
+
+# ---- counted and groups: a model split over two "stages", each a ZeRO group of 2 ----
+
+NOT_COUNTED = {"0.bias", "3.weight", "5.bias"}  # e.g. a tied or tensor-parallel-replicated copy counted elsewhere
+
+
+def _clip_counted_groups(ctx, stage, norm_type, steps=3):
+    """4 ranks: stage s = rank // 2 holds the model _mlp(seed=s), trained by a DDP + ZeRO
+    group of 2 ranks ({0, 1}, {2, 3}), on its own batches. clip_grad_norm_ with ``counted``
+    leaving out two parameters and ``groups=[the other stage's rank of this position]``
+    ({0, 2}, {1, 3}): the norm is that of both stages' counted gradients, every gradient
+    scaled. Against one process holding both stages' models."""
+    torch.set_num_threads(1)
+    dp_groups = [dist.new_group([0, 1], backend="gloo"), dist.new_group([2, 3], backend="gloo")]
+    cross = [dist.new_group([0, 2], backend="gloo"), dist.new_group([1, 3], backend="gloo")]
+    s, pos = divmod(ctx.rank, 2)
+    max_norm = CLIP[norm_type]
+    model = _mlp(seed=s)
+    refs = [_mlp(seed=t) for t in range(2)]
+    ddp = DDP(model, process_group=dp_groups[s], bucket_cap_mb=0.0002, shard_gradients=stage == 2)
+    opt = ZeroRedundancyOptimizer(ddp.parameters(), torch.optim.AdamW, dp_groups[s], lr=1e-2,
+                                  bucket_cap_mb=0.0002)
+    ref_opt = torch.optim.AdamW([p for r in refs for p in r.parameters()], lr=1e-2)
+    counted = [p for n, p in model.named_parameters() if n not in NOT_COUNTED]
+    owned = {id(p) for p, _ in opt.stepped_tensors()}
+    for step in range(steps):
+        opt.zero_grad()
+        x, y = _batch(10 * s + step, 4)
+        _loss(ddp(x.chunk(2)[pos]), y.chunk(2)[pos]).backward()
+        norm = opt.clip_grad_norm_(max_norm, norm_type, counted=counted, groups=[cross[pos]])
+        ref_opt.zero_grad()
+        for t, r in enumerate(refs):
+            xt, yt = _batch(10 * t + step, 4)
+            _loss(r(xt), yt).backward()
+        grads = [p.grad for r in refs for n, p in r.named_parameters() if n not in NOT_COUNTED]
+        ref_norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g, norm_type) for g in grads]),
+                                            norm_type)
+        assert ref_norm > 2 * max_norm
+        torch.nn.utils.clip_grads_with_norm_([p for r in refs for p in r.parameters()], max_norm, ref_norm)
+        torch.testing.assert_close(norm, ref_norm, rtol=1e-5, atol=0, msg=lambda m: f"step {step}: {m}")
+        for (name, p), q in zip(model.named_parameters(), refs[s].parameters()):
+            if id(p) in owned:
+                torch.testing.assert_close(p.grad, q.grad, rtol=1e-5, atol=1e-8,
+                                           msg=lambda m: f"step {step}, {name}: {m}")
+        opt.step()
+        ref_opt.step()
+        _assert_close(model, refs[s], step)
+    return norm.item()
+
+
+@STAGES
+@pytest.mark.parametrize("norm_type", [2.0, float("inf")], ids=["2", "inf"])
+def test_clip_grad_norm_with_counted_and_groups_equals_single_process(stage, norm_type):
+    """Counting every parameter (ignoring ``counted``) or summing over the ZeRO group only
+    (ignoring ``groups``) gives another norm."""
+    norms = _pool("gloo", 4).run(_clip_counted_groups, stage, norm_type)
+    assert all(n == norms[0] for n in norms)

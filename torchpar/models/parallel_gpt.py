@@ -32,7 +32,13 @@ checkpoints can be resharded by name (``self.parts``).
 
 Every rank builds the whole dense model from the same seed and keeps its part, so the parallel
 model starts from exactly the weights of a single-process ``GPT(config)`` built after
-``torch.manual_seed(seed)``.
+``torch.manual_seed(seed)``. Dropout is then seeded as Megatron seeds it
+(``model_parallel_seed``): each pipeline stage its own default stream (``seed + 100 * pp_rank``),
+shared by its tensor-parallel ranks, and each tp rank of a stage its own model-parallel stream.
+So after construction torch's default generators differ between pipeline stages: a training loop
+drawing its batches from the default generator (``torch.randint`` without ``generator=``) would
+give each stage other data. Draw batches from an explicit ``torch.Generator``, seeded alike on
+every rank of a data-parallel replica (as examples/train_gpt.py does).
 """
 import os
 from dataclasses import dataclass
@@ -45,7 +51,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.nn import functional as F
 
 from torchpar.models.gpt import GPT, RECOMPUTE, GPTConfig, GPTParts
-from torchpar.optim import MixedPrecisionOptimizer
+from torchpar.optim import MixedPrecisionOptimizer, ZeroRedundancyOptimizer
 from torchpar.parallel import DistributedDataParallel, MixedPrecision, clip_grad_norm_, fully_shard, parallelize
 from torchpar.parallel.pipeline import (PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B,
                                         ScheduleZeroBubble)
@@ -183,7 +189,12 @@ class ParallelGPT:
     examples/train_gpt.py's is 1.0); ``grad_norm`` is then the last step's norm before clipping.
     ``device``: "cpu", or "cuda" for this rank's GPU, ``cuda:LOCAL_RANK``: every rank builds the
     dense model on the CPU from the seed (the single-process weights), then moves its stages
-    there; the torchpar backend carries the groups' CUDA tensors over NCCL."""
+    there; the torchpar backend carries the groups' CUDA tensors over NCCL.
+
+    ``seed``: the initial weights (``torch.manual_seed(seed)`` on every rank), then dropout's
+    streams (``model_parallel_seed``), which leave torch's default generators in another state on
+    each pipeline stage. Do not draw batches from the default generator afterwards (each stage
+    would see other data): use an explicit ``torch.Generator``, as examples/train_gpt.py does."""
 
     def __init__(self, config: GPTConfig, layout: Layout, lr=3e-4, weight_decay=0.0, optimizer="adamw", seed=0,
                  device="cpu", clip_grad=0.0):
@@ -196,8 +207,11 @@ class ParallelGPT:
         self.pp_group, self.dp_group, self.tp_group = (self.mesh[d].get_group() for d in ("pp", "dp", "tp"))
         self.pp_rank, self.dp_rank, self.tp_rank = (self.mesh.get_local_rank(d) for d in ("pp", "dp", "tp"))
 
-        model_parallel_seed(seed, self.tp_group)  # torch.manual_seed(seed), and the tp ranks' dropout streams
+        torch.manual_seed(seed)  # the single-process model's initial weights, on every rank
         model = GPT(config).set_recompute(L.recompute)
+        # Then the dropout streams (Megatron's): the default generators seed + 100 * pp_rank, alike
+        # on the tp ranks of a stage; the model-parallel stream seed + 100 * pp_rank + 2718 + tp_rank.
+        model_parallel_seed(seed, self.tp_group, pp_group=self.pp_group)
         # Tied embeddings on two pipeline ranks: the last stage's lm_head gets a copy of the weight.
         self.tied_copy = config.tie_embeddings and L.pp > 1
         if self.tied_copy:
@@ -362,7 +376,15 @@ class ParallelGPT:
         gradient once (``_counted_in_norm``), summed over the tp and pp groups (and dp under
         fully_shard; max for ``inf``), and every rank scales all its gradients by the same
         coefficient. Call on every rank after ``forward_backward``. Returns the norm before
-        clipping (a float32 scalar tensor, equal on every rank)."""
+        clipping (a float32 scalar tensor, equal on every rank).
+
+        Under O2 the gradients clipped are the float32 master gradients the optimizer steps
+        (Megatron's ``clip_grad_norm_fp32`` on its main grads): with DDP those of
+        ``MixedPrecisionOptimizer`` (the 16-bit ``.grad`` stay as backward left them), with
+        fully_shard the float32 shards' own gradients."""
+        if isinstance(self.optimizer, ZeroRedundancyOptimizer):
+            return self.optimizer.clip_grad_norm_(max_norm, norm_type, counted=self._norm_params,
+                                                  groups=self._norm_groups)
         return clip_grad_norm_(self._params, max_norm, norm_type, counted=self._norm_params, groups=self._norm_groups)
 
     def train_step(self, idx, target):

@@ -17,7 +17,11 @@ class DynamicLossScaler:
     """``scaler.scale(loss).backward()``, then hand the scaler to the optimizer
     (``ZeroRedundancyOptimizer(..., loss_scaler=scaler)`` or ``MixedPrecisionOptimizer``), whose
     ``step()`` unscales, checks, and skips or steps. ``last_step_skipped`` and
-    ``skipped_steps`` tell what happened."""
+    ``skipped_steps`` tell what happened.
+
+    The scale backs off only in ``step()``: call it every step, also when ``clip_grad_norm_``
+    returned a non-finite norm (it then skips the update and halves the scale). A loop that
+    skips ``step()`` on such a norm keeps the scale that overflowed, and overflows again."""
 
     def __init__(self, init_scale=2.0 ** 16, growth_factor=2.0, backoff_factor=0.5,
                  growth_interval=2000, process_group=None):
@@ -37,21 +41,36 @@ class DynamicLossScaler:
         return loss * self.scale_value
 
     @torch.no_grad()
-    def unscale_and_check(self, grads, group=None):
+    def unscale_and_check(self, grads, group=None, device=None):
         """Divide ``grads`` (float32 master gradients) by the scale; True on every rank of
-        ``group`` (default: the scaler's, else the world) if any rank's hold an inf or NaN."""
-        found = 0.0
+        ``group`` (default: the scaler's, else the world) if any rank's hold an inf or NaN.
+        ``device``: where the flag is all-reduced (the group's device: a rank holding no
+        gradient, e.g. owning no parameter under ZeRO, must not reduce on the CPU under NCCL);
+        default the first gradient's, else the CPU."""
+        found = self.unscale_(grads)
+        if device is None and grads:
+            device = grads[0].device
+        return self.any_rank_found(found, group, device=device)
+
+    @torch.no_grad()
+    def unscale_(self, grads):
+        """Divide ``grads`` by the scale, on this rank only; whether any holds an inf or NaN."""
+        found = False
         for g in grads:
             g.mul_(1.0 / self.scale_value)
-            if found == 0.0 and not torch.isfinite(g).all():
-                found = 1.0
+            if not found and not torch.isfinite(g).all():
+                found = True
+        return found
+
+    def any_rank_found(self, found, group=None, device=None):
+        """Whether ``found`` is true on any rank of ``group`` (default: the scaler's, else the
+        world): one all-reduce, on ``device`` (default the CPU), which every rank must make."""
         group = group if group is not None else self.process_group
         if dist.is_initialized():
-            device = grads[0].device if grads else torch.device("cpu")
-            flag = torch.tensor([found], device=device)
+            flag = torch.tensor([1.0 if found else 0.0], device=device if device is not None else "cpu")
             dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
-            found = float(flag.item())
-        return found > 0.0
+            found = bool(flag.item() > 0.0)
+        return bool(found)
 
     def update(self, found_inf):
         """After each step: back off on overflow, grow after growth_interval clean steps."""

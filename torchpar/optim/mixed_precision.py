@@ -6,7 +6,9 @@ masters, and writes them back rounded to 16 bits (the NVIDIA recipe, Micikeviciu
 arXiv:1710.03740). Small updates then accumulate in float32 instead of rounding away.
 
 It is a ZeroRedundancyOptimizer whose every rank owns every parameter: the master, loss
-scaler and state-dict machinery are the same, with no shards and no all-gather.
+scaler, clipping and state-dict machinery are the same, with no shards and no all-gather.
+``clip_grad_norm_`` clips the float32 master gradients (after the loss scaler's division),
+not the 16-bit ones, and sums over no group: every rank holds all of them.
 """
 from torchpar.optim.zero import ZeroRedundancyOptimizer
 
@@ -23,6 +25,10 @@ class MixedPrecisionOptimizer(ZeroRedundancyOptimizer):
             mixed_precision = MixedPrecision()
         super().__init__(params, optimizer_class, process_group, mixed_precision=mixed_precision,
                          loss_scaler=loss_scaler, **defaults)
+
+    # Every rank holds every master, with the same (DDP-averaged) gradients: summing over the
+    # group would count each W times. clip_grad_norm_ sums over no group (or the caller's).
+    _norm_over_group = False
 
     def _partition(self, start):
         return [], set(range(start, len(self._params())))  # every rank owns everything

@@ -20,6 +20,13 @@ parameters and all-gathered in the 16-bit dtype (half the bytes). ``loss_scaler`
 ``DynamicLossScaler``) unscales the float32 master gradients and skips a step that
 overflowed on any rank.
 
+Gradient clipping (``clip_grad_norm_``, FairScale's ``OSS.clip_grad_norm``): between backward
+and ``step()``, each rank adds up ``|g|^p`` over the gradients of the parameters it owns (each
+parameter counted once, on its owner, whether DDP left the whole gradient everywhere (ZeRO-1) or
+only the owner's shard (ZeRO-2)), the sums are all-reduced over the group (max for inf), and each
+rank scales its shard's gradients. Under O2 those are the float32 master gradients, after the
+loss scaler divided them: the ones ``step()`` then uses (it does not copy or unscale them again).
+
 Uneven inputs: a ``Joinable`` as torch's is. Under the ``join()`` of the torchpar DDP that
 reduces its gradients (or ``Join([ddp, optimizer])``, in either order), a rank whose batches
 ran out steps its shard with the gradients the others averaged (its own share zero) and enters
@@ -27,6 +34,8 @@ the all-gather, once per synchronised step of the others: DDP's join hook runs t
 shadowing the backward. Without a torchpar DDP (torch's, or none), ``Join([model, optimizer])``
 with the model first, and the optimizer's own hook steps, as with torch's optimizer.
 """
+import weakref
+
 import torch
 import torch.distributed as dist
 from torch.distributed.algorithms.join import Join, Joinable, JoinHook
@@ -61,6 +70,16 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
         self._masters = {}    # optimizer index -> the tensor the local optimizer steps
         self._consolidated = None
         self.optim = None
+        # This step's master gradients, once prepared (copied, unscaled, checked): whether this
+        # rank's overflowed, else None. clip_grad_norm_ prepares them before step() does.
+        self._prepared = None
+        # What the gradients were when prepared (and after clipping them): a later change
+        # (model.zero_grad(), p.grad = None, another backward) makes the preparation stale.
+        self._prepared_grads = None
+        # Under join(): whether this step's clip descriptor was all-reduced already.
+        self._described = False
+        # The counted and groups of this rank's last clip_grad_norm_, which a joined rank uses.
+        self._clip_counted, self._clip_groups = None, ()
         self._shard(0)
         self._ready = True
         shard_layout.register_optimizer(self, self._params())
@@ -139,19 +158,22 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
                 loss = closure()
         for g, lg in zip(self.param_groups, self.optim.param_groups):
             lg.update(_options(g))  # an LR scheduler changes the groups users see
-        params = self._params()
-        pairs = [(params[k], self._masters[k]) for k in self._local]
-        with torch.no_grad():
-            for p, m in pairs:
-                if m is not p:
-                    m.grad = None if p.grad is None else p.grad.detach().to(m.dtype)
-            if self.loss_scaler is not None:
-                found_inf = self.loss_scaler.unscale_and_check(
-                    [m.grad for _, m in pairs if m.grad is not None], self.process_group)
-                self.loss_scaler.update(found_inf)
-                if found_inf:  # every rank skips: parameters stay as they are everywhere
-                    self._release_master_grads(pairs)
-                    return loss
+        if not self._described and self._join_active():
+            self._describe_clip(None)  # no clipping this step: the joined ranks must not clip either
+        self._described = False
+        pairs = self._pairs()
+        self._prepare_grads(pairs)
+        found_inf = self._prepared
+        self._prepared = None
+        self._prepared_grads = None
+        if self.loss_scaler is not None:
+            # Every rank, every step, whatever it owns (nothing: 2 parameters on 4 ranks), on
+            # the group's device (NCCL reduces no CPU tensor).
+            found_inf = self.loss_scaler.any_rank_found(found_inf, self.process_group, device=self.join_device)
+            self.loss_scaler.update(found_inf)
+            if found_inf:  # every rank skips: parameters stay as they are everywhere
+                self._release_master_grads(pairs)
+                return loss
         self.optim.step()
         with torch.no_grad():
             for p, m in pairs:
@@ -160,6 +182,160 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
             self._release_master_grads(pairs)
             self._gather()
         return loss
+
+    def _shadow_step(self):
+        """A joined rank's share of the others' step: the clip descriptor they all-reduce
+        (``_describe_clip``), their clipping if they clip (with their ``max_norm`` and
+        ``norm_type``), then the step."""
+        told = self._describe_clip(None, shadow=True)
+        if told is not None:
+            self._clip(*told, counted=self._clip_counted, groups=self._clip_groups)
+        self._step()
+
+    def _join_active(self):
+        """Whether this optimizer, or the torchpar DDP over its parameters, is under a
+        ``Join`` (which every rank of the group enters: the answer is the same everywhere)."""
+        if self._join_config.enable:
+            return True
+        ddp = shard_layout.ddp_of(self._params())
+        return ddp is not None and ddp._join_config.enable
+
+    def _describe_clip(self, args, shadow=False):
+        """Under ``join()``, once a step on every rank: all-reduce (max) of what this step's
+        clipping is. ``args``: this rank's ``(max_norm, norm_type)``, or None (a joined rank, or
+        a rank stepping without clipping; ``shadow``: a joined rank). Returns the clipping
+        ranks' ``(max_norm, norm_type)``, or None if no rank clips. Raises on every rank if the ranks still training disagree."""
+        self._described = True
+        inf = float("inf")
+        if args is None:
+            mine = [0.0, -inf, -inf, -inf, -inf, 0.0 if shadow else 1.0]
+        else:
+            max_norm, norm_type = float(args[0]), float(args[1])
+            mine = [1.0, max_norm, norm_type, -max_norm, -norm_type, 0.0]
+        d = torch.tensor(mine, dtype=torch.float64, device=self.join_device)
+        dist.all_reduce(d, op=dist.ReduceOp.MAX, group=self.process_group)
+        clip, hi_norm, hi_type, lo_norm, lo_type, declined = d.tolist()
+        if not clip:
+            return None
+        if declined or hi_norm != -lo_norm or hi_type != -lo_type:
+            raise RuntimeError(
+                "torchpar ZeRO: under join() the ranks still training must all call clip_grad_norm_ "
+                "in the same steps, with the same max_norm and norm_type; this step some did not "
+                f"(max_norm {-lo_norm}..{hi_norm}, norm_type {-lo_type}..{hi_type}, some not clipping: "
+                f"{bool(declined)})")
+        return hi_norm, hi_type
+
+    def _pairs(self):
+        params = self._params()
+        return [(params[k], self._masters[k]) for k in self._local]
+
+    @staticmethod
+    def _grad_tensors(pairs):
+        return [t.grad for p, m in pairs for t in ((p, m) if m is not p else (p,))]
+
+    def _grads_now(self, pairs):
+        """What the gradients the step reads are now: each ``.grad`` (weakly: a new tensor
+        after ``p.grad = None`` cannot pass for the old one, as a reused ``id`` could) and its
+        version (an in-place change: ``zero_grad(set_to_none=False)``, accumulation)."""
+        return [(None, -1) if g is None else (weakref.ref(g), g._version) for g in self._grad_tensors(pairs)]
+
+    def _still_prepared(self, pairs):
+        """Whether the prepared gradients are still the ones the step would read."""
+        if self._prepared is None or self._prepared_grads is None:
+            return False
+        now = self._grad_tensors(pairs)
+        return len(now) == len(self._prepared_grads) and all(
+            (r is None) if g is None else (r is not None and r() is g and g._version == v)
+            for (r, v), g in zip(self._prepared_grads, now))
+
+    @torch.no_grad()
+    def _prepare_grads(self, pairs):
+        """The gradients the local optimizer steps on (float32 copies of the parameters' under
+        O2), divided by the loss scaler's scale; sets ``_prepared`` to whether this rank's hold
+        an inf or NaN. Local only (``step()`` then all-reduces that flag, once, on every rank),
+        and done again if the gradients changed since (``clip_grad_norm_``, a step skipped,
+        ``model.zero_grad()`` or ``p.grad = None``, another backward): whether a rank redoes it
+        need not be the same everywhere."""
+        if self._still_prepared(pairs):
+            return
+        for p, m in pairs:
+            if m is not p:
+                m.grad = None if p.grad is None else p.grad.detach().to(m.dtype)
+        found_inf = False
+        if self.loss_scaler is not None:
+            found_inf = self.loss_scaler.unscale_([m.grad for _, m in pairs if m.grad is not None])
+        self._prepared = found_inf
+        self._prepared_grads = self._grads_now(pairs)
+
+    # ---- gradient clipping ----
+
+    _norm_over_group = True  # ranks own different parameters: their sums add up over the group
+
+    def clip_grad_norm_(self, max_norm, norm_type=2.0, *, counted=None, groups=()):
+        """``torch.nn.utils.clip_grad_norm_`` of the parameters this optimizer steps, on every
+        rank of its group, after backward and before ``step()`` (with a ``closure``: inside
+        it). Each rank adds up its own shard's gradients; the sums are all-reduced over the
+        group (max for ``norm_type=inf``), and each rank scales its shard's gradients by
+        ``max_norm / (norm + 1e-6)`` when that is below 1. Returns the total norm before
+        clipping, a float32 scalar tensor, the same on every rank.
+
+        Only the gradients this rank steps are scaled. Under ZeRO-1 the gradients of the
+        parameters other ranks own, which DDP also left here, keep their values (``step()``
+        does not read them); under ZeRO-2 this rank has no others. Under O2 the float32 master
+        gradients are clipped, after the loss scaler divided them (the 16-bit ``.grad`` of the
+        parameters stay as backward left them); a step that overflowed returns a non-finite
+        norm and ``step()`` skips it.
+
+        For a model also split by tensor or pipeline parallelism (``torchpar.parallel.
+        clip_grad_norm_``): ``counted``, the parameters whose gradients count on this rank
+        (default all; a replica's other copies must not count twice) and ``groups``, the further
+        groups the sums are all-reduced over.
+
+        Call ``step()`` after it every step, also when the norm is not finite (an overflow
+        under a loss scaler): ``step()`` then skips the update and the scaler backs off. If a
+        step is skipped anyway and the gradients are reset (``zero_grad``, ``model.zero_grad()``
+        or ``p.grad = None``) and computed again, the next call clips the new ones.
+
+        Under ``join()``: call it at most once a step, with the same ``max_norm`` and
+        ``norm_type`` on every rank still training (else every rank raises). The ranks still
+        training first all-reduce a small descriptor of the step's clipping (in this call, or in
+        ``step()`` when they do not clip), which a joined rank always takes part in; it then
+        joins the norm's all-reduce with their ``max_norm`` and ``norm_type`` (and the
+        ``counted`` and ``groups`` of its own last call, by default all it owns and none)."""
+        args = (float(max_norm), float(norm_type))
+        self._clip_counted, self._clip_groups = counted, tuple(groups)
+        if self._join_active():
+            if self._described:  # the joined ranks would not shadow a second norm all-reduce
+                raise RuntimeError("torchpar ZeRO: under join() call clip_grad_norm_ at most once "
+                                   "between two step()s")
+            # Tell the joined ranks (who shadow this in _shadow_step) that this step clips, and how.
+            self._describe_clip(args)
+        return self._clip(*args, counted=counted, groups=groups)
+
+    def _clip(self, max_norm, norm_type, counted=None, groups=()):
+        from torchpar.parallel.clip_grad import clip_grad_norm_
+
+        pairs = self._pairs()
+        self._prepare_grads(pairs)
+        masters = [m for _, m in pairs]
+        if counted is not None:
+            counted_ids = {id(p) for p in counted}
+            counted_masters = [m for p, m in pairs if id(p) in counted_ids]
+        else:
+            counted_masters = masters
+        norm_groups = list(groups)
+        if self._norm_over_group and self.world_size > 1:
+            norm_groups.insert(0, self.process_group)
+        norm = clip_grad_norm_(masters, max_norm, norm_type, counted=counted_masters, groups=norm_groups,
+                               device=self.join_device)
+        self._prepared_grads = self._grads_now(pairs)  # the clipped gradients are the prepared ones
+        return norm
+
+    def zero_grad(self, set_to_none=True):
+        super().zero_grad(set_to_none)
+        pairs = self._pairs()
+        self._release_master_grads(pairs)
+        self._prepared = None
 
     # ---- uneven inputs (Join) ----
 
@@ -178,9 +354,9 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
     def stepped_tensors(self):
         """[(parameter, the tensor this rank's local optimizer steps for it)] for the parameters
         this rank owns: the float32 master under O2, else the parameter itself. Its state is
-        ``self.optim.state[tensor]`` (for checkpoints that address state by parameter)."""
-        params = self._params()
-        return [(params[k], self._masters[k]) for k in self._local]
+        ``self.optim.state[tensor]`` (for checkpoints that address state by parameter); between
+        ``clip_grad_norm_`` and ``step()`` a master's ``.grad`` is the clipped gradient."""
+        return self._pairs()
 
     def _gather(self):
         for layout, _ in self._layouts:
@@ -348,7 +524,7 @@ class _JoinHook(JoinHook):
     def main_hook(self):
         ddp = shard_layout.ddp_of(self.zero._params())
         if ddp is None:
-            self.zero._step()
+            self.zero._shadow_step()
         elif not ddp._join_config.enable:
             # The ranks still training raise in DDP's forward, after the same notification.
             raise shard_layout.joined_without_ddp_error()

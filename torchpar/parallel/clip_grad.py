@@ -9,6 +9,10 @@ unique pieces: each rank adds up ``|g|^p`` over the pieces it alone is responsib
 every rank scales all its gradients, copies included, by the same coefficient. The caller
 decides what a rank counts (ParallelGPT: a tensor-parallel replica's LayerNorms on tp rank 0
 only; a tied weight's second copy nowhere) and over which groups the pieces differ.
+
+Under O2 the gradients to clip are the optimizer's float32 master gradients, not the 16-bit
+ones backward leaves (Megatron's ``clip_grad_norm_fp32``): ``ZeroRedundancyOptimizer`` and
+``MixedPrecisionOptimizer`` call this function on their masters (``clip_grad_norm_`` there).
 """
 import math
 
@@ -16,7 +20,7 @@ import torch
 import torch.distributed as dist
 
 
-def clip_grad_norm_(parameters, max_norm, norm_type=2.0, *, counted=None, groups=()):
+def clip_grad_norm_(parameters, max_norm, norm_type=2.0, *, counted=None, groups=(), device=None):
     """Scales the gradients of ``parameters`` in place so that the global ``norm_type``-norm
     (``inf`` too) is at most ``max_norm``, exactly as ``torch.nn.utils.clip_grad_norm_`` does
     on the whole model (coefficient ``max_norm / (norm + 1e-6)``, clamped to 1). Returns the
@@ -26,11 +30,14 @@ def clip_grad_norm_(parameters, max_norm, norm_type=2.0, *, counted=None, groups
     ``counted``: the parameters whose gradients this rank adds to the norm (default: all of
     ``parameters``); ``groups``: the process groups over which the ranks' sums are combined,
     one after the other (a sum over each group in turn is the sum over their product). Every
-    rank of those groups must call it, with or without gradients."""
+    rank of those groups must call it, with or without gradients. ``device``: where the norm
+    is reduced when this rank holds no parameter (default: the first parameter's, else the
+    CPU)."""
     params = list(parameters)
     counted = params if counted is None else list(counted)
     norm_type = float(norm_type)
-    device = params[0].device if params else torch.device("cpu")
+    if device is None:
+        device = params[0].device if params else torch.device("cpu")
     grads = [p.grad for p in counted if p.grad is not None and p.grad.numel() > 0]
     if norm_type == math.inf:
         local = torch.stack([g.detach().abs().max().float() for g in grads]).max() if grads else None
@@ -40,8 +47,18 @@ def clip_grad_norm_(parameters, max_norm, norm_type=2.0, *, counted=None, groups
                              for g in grads]).sum() if grads else None
         op = dist.ReduceOp.SUM
     total = local.to(device) if local is not None else torch.zeros((), dtype=torch.float32, device=device)
-    for group in groups:
-        dist.all_reduce(total, op=op, group=group)
+    if norm_type == math.inf and groups:
+        # A NaN does not survive MAX everywhere (NCCL's fmaxf drops it; gloo keeps it or not
+        # by the ranks' order): reduce [max, NaN seen] and put the NaN back, as torch's
+        # function returns nan. (SUM carries NaN and inf through on its own.)
+        nan = torch.isnan(total)
+        pair = torch.stack([torch.where(nan, torch.zeros_like(total), total), nan.float()])
+        for group in groups:
+            dist.all_reduce(pair, op=op, group=group)
+        total = torch.where(pair[1] > 0, torch.full_like(pair[0], math.nan), pair[0])
+    else:
+        for group in groups:
+            dist.all_reduce(total, op=op, group=group)
     if norm_type != math.inf:
         total = total ** (1.0 / norm_type)
     coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)

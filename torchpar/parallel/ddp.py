@@ -238,7 +238,7 @@ class _JoinHook(JoinHook):
                 _broadcast_from_rank0(list(ddp.module.buffers()), ddp.process_group, buffer_src)
         ddp.reducer.join_shadow_backward()
         for optimizer in shard_layout.optimizers_of(ddp._params):
-            optimizer._step()  # the others' step() after this backward: its all-gather
+            optimizer._shadow_step()  # the others' clipping and step() after this backward
 
     def post_hook(self, is_last_joiner):
         # Joined ranks stopped stepping: everyone takes the model of the highest last joiner.

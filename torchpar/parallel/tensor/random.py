@@ -12,7 +12,7 @@ rank, or the replicas drift apart. So, as Megatron, two generators:
 - the "model-parallel" one, seeded ``seed + 2718 + rank``, entered with
   ``get_rng_tracker().fork()`` around random ops on split activations::
 
-      model_parallel_seed(1234, group=tp_group)
+      model_parallel_seed(1234, group=tp_group, pp_group=pp_group)
       with get_rng_tracker().fork():
           o = F.scaled_dot_product_attention(q, k, v, dropout_p=0.1)  # this rank's heads
 
@@ -20,6 +20,9 @@ rank, or the replicas drift apart. So, as Megatron, two generators:
 initialised, into the current device's CUDA generator, so every random op inside draws from it:
 ``F.dropout``, ``scaled_dot_product_attention``, torchpar's fused bias+dropout+add (whose Philox
 key is one draw from the default CPU generator, for CPU and CUDA tensors alike; kernels/dropout.h).
+
+With pipeline parallelism both seeds are offset by ``100 * pipeline rank``, as Megatron does,
+so that the stages' dropout masks differ (``model_parallel_seed``).
 
 One difference from Megatron: the state a fork enters is not carried from the previous fork but
 made afresh from the name's seed and one draw from the generator the fork was entered from.
@@ -41,6 +44,8 @@ from torchpar.parallel.tensor import comm
 MODEL_PARALLEL_RNG = "model-parallel-rng"
 # Megatron's offset between the default seed and the model-parallel ones.
 MODEL_PARALLEL_SEED_OFFSET = 2718
+# Megatron's step between the seeds of successive pipeline stages.
+PIPELINE_SEED_STRIDE = 100
 _MASK64 = (1 << 64) - 1
 
 __all__ = ["RNGStatesTracker", "get_rng_tracker", "model_parallel_seed", "fork_if", "bias_dropout_add",
@@ -121,14 +126,40 @@ def get_rng_tracker():
     return _TRACKER
 
 
-def model_parallel_seed(seed, group=None):
-    """Megatron's model_parallel_cuda_manual_seed: torch's default generators (CPU and every
-    CUDA device) get ``seed``, the same on every rank of ``group`` (the tensor-parallel group;
-    default: the default group), and the tracker's model-parallel stream gets
-    ``seed + 2718 + rank in group``. Call it with the same ``seed`` on every rank of the group."""
+def model_parallel_seed(seed, group=None, pp_group=None):
+    """Megatron's seeding (``_set_random_seed`` in megatron/training/initialize.py, then
+    ``model_parallel_cuda_manual_seed`` in megatron/core/tensor_parallel/random.py), for this
+    rank's pipeline stage ``p`` (its rank in ``pp_group``; 0 without one) and tensor-parallel
+    rank ``t`` (its rank in ``group``, the tensor-parallel group; default: the default group):
+
+    - torch's default generators (CPU and every CUDA device) get ``seed + 100 * p``: the same on
+      every tensor-parallel rank of a stage (replicated activations need the same masks), and
+      another stream on each pipeline stage;
+    - the tracker's model-parallel stream gets ``seed + 100 * p + 2718 + t``.
+
+    Why the pipeline offset: without it every stage's generators start from the same states
+    and each stage draws the same kinds of masks in the same order, micro-batch after
+    micro-batch, so the stages' masks repeat one another (block k of stage 1 draws what block k
+    of stage 0 drew, or a shifted copy of it, in both streams): dropout correlated across depth,
+    which one process never draws. Megatron adds ``100 * pipeline rank`` for this reason
+    ("Ensure that different pipeline MP stages get different seeds"). The data-parallel
+    replicas keep the same seeds, as Megatron's default (they see different data).
+
+    Call it with the same ``seed`` on every rank. It reseeds the default generators per stage,
+    so build a model whose initial weights must not depend on the stage before it
+    (ParallelGPT: ``torch.manual_seed(seed)``, the dense model, then this). For the same reason,
+    after it the default CPU generator differs between pipeline stages: data drawn from it
+    (``torch.randint`` or ``torch.randperm`` without ``generator=``) differs from stage to stage.
+    Draw batches from an explicit ``torch.Generator`` seeded alike on every stage."""
     rank = dist.get_rank(comm.resolve_group(group))
     if rank < 0:
         raise ValueError("model_parallel_seed: this process is not a member of group")
+    stage = 0
+    if pp_group is not None:
+        stage = dist.get_rank(pp_group)
+        if stage < 0:
+            raise ValueError("model_parallel_seed: this process is not a member of pp_group")
+    seed = seed + PIPELINE_SEED_STRIDE * stage
     torch.manual_seed(seed)
     _TRACKER.reset()
     _TRACKER.add(MODEL_PARALLEL_RNG, seed + MODEL_PARALLEL_SEED_OFFSET + rank)
