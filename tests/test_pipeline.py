@@ -165,7 +165,8 @@ def _with_ddp(ctx, backend, name):
     n_stages = 2 * v
     model = _model(2 * n_stages)
     pipe = copy.deepcopy(model)
-    stages = [PipelineStage(DDP(split(pipe, n_stages, s), process_group=dp), s, n_stages, group=pp)
+    stages = [PipelineStage(DDP(split(pipe, n_stages, s), process_group=dp, find_unused_parameters=True),
+                            s, n_stages, group=pp)
               for s in range(ctx.rank % 2, n_stages, 2)]
     cls = SCHEDULES[name]
     sched = cls(stages, 4, loss_fn=_mse) if name == "interleaved" else cls(stages[0], 4, loss_fn=_mse)
@@ -234,7 +235,7 @@ def _ddp_reduces_in_the_last_backward(ctx, backend):
     log = []
     blocks = split(copy.deepcopy(model), 2, stage_index)
     ddp = DDP(nn.Sequential(*[_Marked(b, i, log) for i, b in enumerate(blocks)]), process_group=dp,
-              bucket_cap_mb=1e-6)
+              bucket_cap_mb=1e-6, find_unused_parameters=True)
 
     def hook(group, bucket):
         log.append(("reduce", bucket.index()))
@@ -257,6 +258,53 @@ def _ddp_reduces_in_the_last_backward(ctx, backend):
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_ddp_stage_reduces_during_the_last_backward(backend):
     _pool(backend, 4).run(_ddp_reduces_in_the_last_backward, backend)
+
+
+class _SometimesExtra(nn.Module):
+    """``block``, plus ``extra`` on every micro-batch of a step but the last (a routed expert
+    or a conditional layer): the last backward gives ``extra`` no gradient."""
+
+    def __init__(self, block, m, width=8):
+        super().__init__()
+        self.block, self.extra, self.m, self.calls = block, nn.Linear(width, width), m, 0
+
+    def forward(self, x):
+        self.calls += 1
+        y = self.block(x)
+        return y + self.extra(x) if (self.calls - 1) % self.m != self.m - 1 else y
+
+
+def _ddp_parameter_unused_in_the_last_micro_batch(ctx, backend, find_unused):
+    """Review finding: arming a DDP before the stage's last backward made that backward refuse
+    a parameter only earlier micro-batches used. With ``find_unused_parameters`` the armed
+    reducer reduces its accumulated gradient; without, the stage is averaged after the step.
+    Both equal one process running the same micro-batches."""
+    torch.set_num_threads(1)
+    from torchpar.parallel import DistributedDataParallel as DDP
+    kw = {"backend": "gloo"} if backend == "gloo" else {}
+    pp_groups = [dist.new_group([0, 1], **kw), dist.new_group([2, 3], **kw)]
+    dp_groups = [dist.new_group([0, 2], **kw), dist.new_group([1, 3], **kw)]
+    pp, dp = pp_groups[ctx.rank // 2], dp_groups[ctx.rank % 2]
+    dp_rank, stage_index, m = ctx.rank // 2, ctx.rank % 2, 4
+    torch.manual_seed(1)
+    whole = nn.Sequential(_SometimesExtra(split(_model(4), 2, 0), m), split(_model(4), 2, 1))
+    ref = copy.deepcopy(whole)
+    x, y = _data(0, 16)
+    for r in range(2):  # every data-parallel replica's micro-batches, in one process
+        for xm, ym in zip(x.chunk(2)[r].chunk(m), y.chunk(2)[r].chunk(m)):
+            (_mse(ref(xm), ym) / m / 2).backward()
+    ddp = DDP(copy.deepcopy(whole[stage_index]), process_group=dp, find_unused_parameters=find_unused)
+    stage = PipelineStage(ddp, stage_index, 2, group=pp)
+    xs, ys = x.chunk(2)[dp_rank], y.chunk(2)[dp_rank]
+    Schedule1F1B(stage, m, loss_fn=_mse).step(*((xs,) if stage.is_first else ()), target=ys if stage.is_last else None)
+    for (name, p), q in zip(ddp.module.named_parameters(), ref[stage_index].parameters()):
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-5, atol=1e-6, msg=lambda msg: f"{name}: {msg}")
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("find_unused", [False, True], ids=["averaged-after", "armed"])
+def test_ddp_stage_with_a_parameter_unused_in_the_last_micro_batch(backend, find_unused):
+    _pool(backend, 4).run(_ddp_parameter_unused_in_the_last_micro_batch, backend, find_unused)
 
 
 def _variable_length(ctx, name):

@@ -255,7 +255,10 @@ class Executor:
         t_wait = time.perf_counter()
         if self.last_b.get(stage) == mb:  # the stage's last backward reduces over data parallel
             ddp = self.sync_in_last_backward[stage]
-            ddp.reducer.prepare_for_backward(list(st.outputs(mb)) if ddp.find_unused_parameters else [])
+            # The search for unused parameters starts where this backward does: the loss on the
+            # last stage (an output the loss ignores must not count as used), else the outputs.
+            roots = [st._mbs[mb].loss] if st.is_last else list(st.outputs(mb))
+            ddp.reducer.prepare_for_backward(roots)
         backward = st.backward_input if stage in self.split_stages else st.backward
         in_grads = backward(mb, grads, self.scale)
         if not st.is_first:
@@ -270,12 +273,16 @@ class Executor:
 
 
 def _armable(module):
-    """Our DDP, in its plain form: its reducer can be armed by hand. Not with a static graph
-    (its recording step needs the forward's outputs wrapped), ``join()`` (every backward votes
-    in the forward) or sharded gradients (a ZeRO optimizer must be checked in the forward);
-    those are averaged after the step instead."""
-    return (isinstance(module, DistributedDataParallel) and not module.static_graph
-            and not module._join_config.enable and module._shard_layout is None)
+    """Our DDP, in its plain form, built with ``find_unused_parameters=True``: its reducer can
+    be armed by hand. An armed backward expects a gradient for every parameter unless the
+    reducer looks for unused ones, and a parameter that only earlier micro-batches used (a
+    routed expert, a conditional layer) gets none in the last backward: without
+    ``find_unused_parameters`` the stage is averaged after the step, as before arming existed.
+    Not with a static graph (its recording step needs the forward's outputs wrapped),
+    ``join()`` (every backward votes in the forward) or sharded gradients (a ZeRO optimizer
+    must be checked in the forward); those are averaged after the step too."""
+    return (isinstance(module, DistributedDataParallel) and module.find_unused_parameters
+            and not module.static_graph and not module._join_config.enable and module._shard_layout is None)
 
 
 def _needed(in_grads, specs, device):

@@ -10,10 +10,12 @@ list of actions; ``Executor.run`` (executor.py) walks it. Nothing here decides a
   schedules do; ``scale_grads=False`` keeps the sum.
 
 A stage module wrapped in a ``DistributedDataParallel`` runs every micro-batch's forward under
-``no_sync()``. Ours is armed just before the stage's last backward (``prepare_for_backward``), so
-that backward's gradient hooks reduce the accumulated gradients bucket by bucket while it still
-runs (as Megatron-LM syncs only in the last micro-batch's backward); torch's DDP, ours with
-``static_graph``, ``join()`` or ``shard_gradients`` (``executor._armable``), and a stage whose
+``no_sync()``. Ours, built with ``find_unused_parameters=True``, is armed just before the stage's
+last backward (``prepare_for_backward``), so that backward's gradient hooks reduce the
+accumulated gradients bucket by bucket while it still runs (as Megatron-LM syncs only in the
+last micro-batch's backward). Without ``find_unused_parameters`` an armed backward would
+refuse a parameter that only earlier micro-batches used, so such a stage, torch's DDP, ours
+with ``static_graph``, ``join()`` or ``shard_gradients`` (``executor._armable``), and a stage whose
 backward is split (zero bubble: the weight gradients come from several calls), are averaged
 after the step in one all-reduce instead. A ``fully_shard`` stage reduce-scatters in
 each micro-batch's backward and accumulates the shards.
@@ -174,7 +176,7 @@ class _PipelineSchedule:
                         raise
                     raise failure from e
             for i, module in ddp.items():
-                if i not in executor.sync_in_last_backward:
+                if i not in executor.last_b:  # not armed (or no backward of it in this rank's list)
                     _average_gradients(module)
         finally:
             for s in self.stages:
