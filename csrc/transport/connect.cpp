@@ -4,6 +4,8 @@
 #include <utility>
 
 #include "common/error.h"
+#include "transport/hosts.h"
+#include "transport/mixed_transport.h"
 #include "transport/records.h"
 #include "transport/shm/shm_transport.h"
 #include "transport/store_keys.h"
@@ -30,8 +32,12 @@ std::unique_ptr<Transport> connect(Rendezvous& rv, int rank, int size, const Con
   // Everything is published before anything is checked, so that a rank refusing the group
   // never leaves the others waiting for its keys.
   const HostIdentity mine = HostIdentity::local();
+  // 1 (default): a group spanning hosts runs all_reduce and broadcast hierarchically; 0: its
+  // collectives run the point-to-point algorithms over the mixed transport (a baseline).
+  const int64_t hierarchical = env_int("TORCHPAR_HIERARCHICAL", 1);
   const std::pair<std::string, std::string> settings[] = {
       {"TORCHPAR_TRANSPORT", config.transport},
+      {"TORCHPAR_HIERARCHICAL", std::to_string(hierarchical)},
       {"TORCHPAR_ONESHOT_MAX_BYTES", std::to_string(config.oneshot_max_bytes)},
       {"TORCHPAR_P2P_CHUNK_BYTES", std::to_string(config.p2p_chunk_bytes)}};
   rv.set(store_keys::host(rank), mine.encode());
@@ -40,20 +46,27 @@ std::unique_ptr<Transport> connect(Rendezvous& rv, int rank, int size, const Con
   TP_CHECK_USAGE(config.unexpected_max_bytes >= 0, "torchpar: TORCHPAR_UNEXPECTED_MAX_BYTES must not be negative");
   TP_CHECK_USAGE(config.transport == "auto" || config.transport == "shm" || config.transport == "tcp",
                  "torchpar: TORCHPAR_TRANSPORT must be auto, shm or tcp, not '", config.transport, "'");
+  TP_CHECK_USAGE(hierarchical == 0 || hierarchical == 1, "torchpar: TORCHPAR_HIERARCHICAL must be 0 or 1, not ",
+                 hierarchical);
   for (const auto& [name, value] : settings) check_same_everywhere(rv, rank, size, name, value);
+  std::vector<HostIdentity> identities(size);
   int elsewhere = -1;
-  HostIdentity theirs;
-  for (int r = 0; r < size && elsewhere < 0; ++r) {
-    theirs = r == rank ? mine : read_record<HostIdentity>(rv, store_keys::host(r));
-    if (theirs != mine) elsewhere = r;
+  for (int r = 0; r < size; ++r) {
+    identities[r] = r == rank ? mine : read_record<HostIdentity>(rv, store_keys::host(r));
+    if (elsewhere < 0 && identities[r] != mine) elsewhere = r;
   }
+  const HostIdentity& theirs = identities[elsewhere < 0 ? rank : elsewhere];
   TP_CHECK_USAGE(elsewhere < 0 || config.transport != "shm", "torchpar: TORCHPAR_TRANSPORT=shm, but rank ",
                  elsewhere, " runs on another host (", theirs.hostname, ") than rank ", rank, " (",
                  mine.hostname, ")");
   if (elsewhere < 0 && config.transport != "tcp") {
     return std::make_unique<shm::ShmTransport>(rank, size, rv, config, timeout);
   }
-  return std::make_unique<tcp::TcpTransport>(rank, size, rv, config, timeout);
+  if (elsewhere < 0 || config.transport == "tcp") {
+    return std::make_unique<tcp::TcpTransport>(rank, size, rv, config, timeout);
+  }
+  return std::make_unique<MixedTransport>(rank, size, rv, config, timeout, HostMap::from(identities),
+                                          hierarchical == 1);
 }
 
 }  // namespace torchpar

@@ -39,10 +39,11 @@ Config adapt_to_cores(Config config, int ranks) {
 }  // namespace
 
 ShmTransport::ShmTransport(int rank, int size, Rendezvous& rendezvous, const Config& config,
-                           std::chrono::milliseconds timeout)
+                           std::chrono::milliseconds timeout, bool own_engine)
     : rank_(rank), size_(size) {
   Config tuned = adapt_to_cores(config, size);
   map_segment(rendezvous, tuned, timeout);
+  if (!own_engine) return;
   p2p_ = std::make_unique<P2PEngine>(rank_, size_, *this, std::chrono::microseconds(tuned.spin_us),
                                      std::chrono::microseconds(tuned.yield_us),
                                      static_cast<size_t>(tuned.unexpected_max_bytes));
@@ -51,6 +52,11 @@ ShmTransport::ShmTransport(int rank, int size, Rendezvous& rendezvous, const Con
 
 ShmTransport::~ShmTransport() {
   if (p2p_) p2p_->stop();
+}
+
+P2PEngine& ShmTransport::p2p() {
+  TP_CHECK(p2p_ != nullptr, "this shared-memory transport is driven by another transport's engine");
+  return *p2p_;
 }
 
 void ShmTransport::map_segment(Rendezvous& rendezvous, const Config& config,

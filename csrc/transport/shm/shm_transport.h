@@ -23,15 +23,17 @@ class ShmTransport final : public Transport {
  public:
   // Collective over the group: every rank constructs its transport with the same
   // rendezvous; returns once all ranks have mapped the segment (and it is unlinked).
+  // Without `own_engine` it starts no point-to-point engine: a transport spanning hosts
+  // (mixed_transport.h) drives its rings from the engine of the whole group.
   ShmTransport(int rank, int size, Rendezvous& rendezvous, const Config& config,
-               std::chrono::milliseconds timeout);
+               std::chrono::milliseconds timeout, bool own_engine = true);
   ~ShmTransport() override;
 
   int rank() const { return rank_; }
   int size() const { return size_; }
   const char* name() const override { return "shm"; }
   Arena* arena() override { return &arena_; }
-  P2PEngine& p2p() override { return *p2p_; }
+  P2PEngine& p2p() override;
   const Monitor& monitor() const { return monitor_; }
   const std::string& segment_name() const { return segment_.name(); }
 
