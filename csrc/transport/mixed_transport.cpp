@@ -49,7 +49,7 @@ MixedTransport::MixedTransport(int rank, int size, Rendezvous& rendezvous, const
   if (local_ranks > 1) {
     PrefixedRendezvous host_keys(rendezvous, "torchpar/host" + std::to_string(host) + "/");
     shm_ = std::make_unique<shm::ShmTransport>(hierarchy_.local_rank(), local_ranks, host_keys, config, timeout,
-                                               /*own_engine=*/false);
+                                               /*own_engine=*/false, hierarchy_.local_ranks());
     hierarchy_.arena = shm_->arena();
   }
   std::vector<char> remote(size);
