@@ -27,7 +27,10 @@ from torchpar.parallel import DistributedDataParallel
 
 
 def say(*parts):
-    print("HOSTS", *parts, flush=True)
+    # One write per line: the ranks of a host share torchrun's log, and print() writes its
+    # arguments one by one when the stream is unbuffered, interleaving two ranks' words.
+    sys.stdout.write(" ".join(["HOSTS", *map(str, parts)]) + "\n")
+    sys.stdout.flush()
 
 
 def my_address():
