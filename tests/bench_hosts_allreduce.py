@@ -34,19 +34,25 @@ def run(args, sizes):
         for h in hosts:
             for local in range(2):
                 env = _env(RANK=rank, WORLD_SIZE=4, LOCAL_RANK=local, LOCAL_WORLD_SIZE=2,
-                           MASTER_ADDR=hosts[0].address, MASTER_PORT=STORE_PORT, HOSTS_TIMEOUT=600,
-                           BENCH_SIZES=",".join(map(str, sizes)), BENCH_ROUNDS=args.rounds)
+                           MASTER_ADDR=hosts[0].address, MASTER_PORT=STORE_PORT, HOSTS_TIMEOUT=args.group_timeout,
+                           BENCH_SIZES=",".join(map(str, sizes)), BENCH_ROUNDS=args.rounds,
+                           GLOO_SOCKET_IFNAME="eth0")  # else gloo takes the hostname, which every namespace shares
                 for k in ("TORCHPAR_SHM_SLOT_BYTES", "TORCHPAR_SHM_RING_BYTES", "TORCHPAR_ONESHOT_MAX_BYTES",
                           "TORCHPAR_P2P_CHUNK_BYTES"):
                     env.pop(k)  # the defaults, not the tests' small buffers
                 procs.append(h.popen([sys.executable, WORKER, "allreduce_bench"], stdout=subprocess.PIPE,
                                      stderr=subprocess.STDOUT, text=True, env=env))
                 rank += 1
+        result = None
+        for line in procs[0].stdout:  # rank 0's points as they come
+            if line.startswith("HOSTS point ") or os.environ.get("BENCH_VERBOSE"):
+                print("  ", line.rstrip(), flush=True)
+            if line.startswith("HOSTS bench "):
+                result = json.loads(line[len("HOSTS bench "):])
         outs = [p.communicate(timeout=args.timeout)[0] for p in procs]
-    for line in outs[0].splitlines():
-        if line.startswith("HOSTS bench "):
-            return json.loads(line[len("HOSTS bench "):])
-    raise SystemExit("no result:\n" + "\n".join(o[-3000:] for o in outs))
+    if result is None:
+        raise SystemExit("no result:\n" + "\n".join(o[-3000:] for o in outs))
+    return result
 
 
 def main():
@@ -55,6 +61,7 @@ def main():
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--rate", default="", help="shape each link with tc tbf at this rate (e.g. 1gbit)")
     ap.add_argument("--timeout", type=float, default=900)
+    ap.add_argument("--group-timeout", type=float, default=120, help="each group's timeout (s)")
     args = ap.parse_args()
     why = Hosts.unavailable()
     if why:

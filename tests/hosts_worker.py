@@ -350,6 +350,9 @@ def allreduce_bench():
     import json
     import statistics
 
+    if os.environ.get("BENCH_VERBOSE"):
+        import faulthandler
+        faulthandler.dump_traceback_later(40, exit=True)
     W, r = init()
     sizes = [int(x) for x in os.environ["BENCH_SIZES"].split(",")]
     rounds = int(os.environ.get("BENCH_ROUNDS", "5"))
