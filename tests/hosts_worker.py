@@ -27,7 +27,10 @@ from torchpar.parallel import DistributedDataParallel
 
 
 def say(*parts):
-    print("HOSTS", *parts, flush=True)
+    # One write per line: the ranks of a host share torchrun's log, and print() writes its
+    # arguments one by one when the stream is unbuffered, interleaving two ranks' words.
+    sys.stdout.write(" ".join(["HOSTS", *map(str, parts)]) + "\n")
+    sys.stdout.flush()
 
 
 def my_address():
@@ -153,6 +156,46 @@ def subgroups(W, r, host_of, n):
                                     "does not use shared memory")
 
 
+def transport_of(group=None):
+    return (group or dist.group.WORLD)._get_backend(torch.device("cpu")).transport
+
+
+def mixed_world(W, r, host_of, port):
+    """The world group spans hosts: ranks of one host reach each other through shared memory
+    (the process maps a segment; no TCP connection to its own host), ranks of two over TCP."""
+    check(transport_of() == "mixed", f"the world group's transport is {transport_of()}, not mixed")
+    local = [q for q in range(W) if host_of[q] == host_of[r]]
+    if len(local) > 1:
+        check(maps_shared_memory(), f"ranks {local} share a host, but the world group maps no segment")
+    own = {"127.0.0.1", host_of[r]}
+    check(not (tcp_peers(port) & own), f"rank {r} talks TCP to its own host: {sorted(tcp_peers(port))}")
+    say("mixed-ok", r, "local", len(local))
+
+
+def same_results_other_ways(W, r, n):
+    """A group of every rank with TORCHPAR_TRANSPORT=tcp (TCP between every pair, the
+    baseline) and one with TORCHPAR_HIERARCHICAL=0 (the flat algorithms over the mixed
+    transport) compute the same exact values as the hierarchical world group."""
+    for name, value, transport in (("TORCHPAR_TRANSPORT", "tcp", "tcp"), ("TORCHPAR_HIERARCHICAL", "0", "mixed")):
+        os.environ[name] = value
+        try:
+            g = dist.new_group(list(range(W)))
+        finally:
+            del os.environ[name]
+        check(transport_of(g) == transport, f"{name}={value}: transport {transport_of(g)}")
+        base = torch.arange(n, dtype=torch.int64)
+        t = base * (r + 1)
+        dist.all_reduce(t, group=g)
+        equal(t, base * (W * (W + 1) // 2), f"{name}={value}: all_reduce sum")
+        a = torch.full((n,), 2.0 * (r + 1))
+        dist.all_reduce(a, op=dist.ReduceOp.AVG, group=g)
+        equal(a, torch.full((n,), float(W + 1)), f"{name}={value}: all_reduce avg")
+        b = torch.full((n,), float(r))
+        dist.broadcast(b, src=1, group=g)
+        equal(b, torch.full((n,), 1.0), f"{name}={value}: broadcast")
+        dist.destroy_process_group(g)
+
+
 def shm_refused_across_hosts(W, r, host_of):
     """TORCHPAR_TRANSPORT=shm on a group that spans namespaces: every member refuses it."""
     os.environ["TORCHPAR_TRANSPORT"] = "shm"
@@ -205,10 +248,12 @@ def suite():
     host_of = [None] * W
     dist.all_gather_object(host_of, my_address())
     say("rank", r, "of", W, "on", host_of[r], "pid", os.getpid())
+    mixed_world(W, r, host_of, int(os.environ["MASTER_PORT"]))
     for n in (1, 1000, 70_000):  # 70k doubles cross every internal chunk and one-shot limit
         collectives(W, r, n)
+    same_results_other_ways(W, r, 70_000)
     # Ranks on different hosts talk TCP: the union over the ranks of (own host, peer host)
-    # pairs must join every two hosts of the job.
+    # pairs must join every two hosts of the job (the TCP-only group above is gone by now).
     pairs = [None] * W
     dist.all_gather_object(pairs, sorted(tcp_peers(int(os.environ["MASTER_PORT"]))))
     linked = {frozenset((host_of[q], p)) for q in range(W) for p in pairs[q] if p != host_of[q]}
@@ -296,6 +341,54 @@ def ddp_bench():
     dist.destroy_process_group()
 
 
+def allreduce_bench():
+    """Median time per all_reduce (us) of float32 buffers of BENCH_SIZES bytes, on groups of
+    every rank made with different settings, interleaved round by round: "hier" (the default
+    over several hosts: shared memory in each host, TCP between leaders), "mixed_flat"
+    (TORCHPAR_HIERARCHICAL=0: the same transport, flat point-to-point algorithms), "tcp"
+    (TORCHPAR_TRANSPORT=tcp: TCP between every pair) and gloo. Rank 0 prints one JSON line."""
+    import json
+    import statistics
+
+    if os.environ.get("BENCH_VERBOSE"):
+        import faulthandler
+        faulthandler.dump_traceback_later(40, exit=True)
+    W, r = init()
+    sizes = [int(x) for x in os.environ["BENCH_SIZES"].split(",")]
+    rounds = int(os.environ.get("BENCH_ROUNDS", "5"))
+    groups = {"hier": dist.group.WORLD}
+    for name, setting, value in (("mixed_flat", "TORCHPAR_HIERARCHICAL", "0"), ("tcp", "TORCHPAR_TRANSPORT", "tcp")):
+        os.environ[setting] = value
+        try:
+            groups[name] = dist.new_group(list(range(W)))
+        finally:
+            del os.environ[setting]
+    groups["gloo"] = dist.new_group(list(range(W)), backend="gloo")
+    check(transport_of(groups["tcp"]) == "tcp" and transport_of() == "mixed", "unexpected transports")
+    result = {}
+    for size in sizes:
+        t = torch.ones(size // 4)
+        calls = max(2, min(50, (4 << 20) // size))
+        samples = {m: [] for m in groups}
+        for round_ in range(rounds):
+            order = list(groups)[round_ % len(groups):] + list(groups)[:round_ % len(groups)]
+            for mode in order:
+                g = groups[mode]
+                dist.all_reduce(t, group=g)  # warm-up (and the staging memory)
+                dist.barrier(group=groups["hier"])
+                t0 = time.perf_counter()
+                for _ in range(calls):
+                    dist.all_reduce(t, group=g)
+                samples[mode].append((time.perf_counter() - t0) / calls)
+        result[size] = {m: round(statistics.median(v) * 1e6, 1) for m, v in samples.items()}
+        if r == 0:
+            say("point", size, json.dumps(result[size]))
+    if r == 0:
+        say("bench", json.dumps(result))
+    dist.destroy_process_group()
+
+
 if __name__ == "__main__":
     torch.set_num_threads(1)  # several ranks share two cores
-    {"suite": suite, "loop": loop, "restart": restart, "ddp_bench": ddp_bench}[sys.argv[1]]()
+    {"suite": suite, "loop": loop, "restart": restart, "ddp_bench": ddp_bench,
+     "allreduce_bench": allreduce_bench}[sys.argv[1]]()

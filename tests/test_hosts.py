@@ -115,6 +115,10 @@ def _run_suite(nprocs, tmp_path, timeout):
     assert sorted(int(w[2]) for w in _lines(text, "suite-ok")) == list(range(sum(nprocs))), text[-6000:]
     refused = sorted(int(w[2]) for w in _lines(text, "shm-refused"))
     assert refused == [0, sum(nprocs) - 1], text[-6000:]
+    # Every rank checked that its host's peers use shared memory inside the world group.
+    local = sorted((int(w[2]), int(w[4])) for w in _lines(text, "mixed-ok"))
+    assert [r for r, _ in local] == list(range(sum(nprocs))), text[-6000:]
+    assert sorted(n for _, n in local) == sorted(n for n in nprocs for _ in range(n)), text[-6000:]
 
 
 @pytest.mark.slow

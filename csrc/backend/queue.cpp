@@ -108,6 +108,7 @@ void CollectiveQueue::execute(Queued& item, bool caller_blocks) {
   try {
     collectives::Comm comm{transport_.arena(), transport_.p2p(), config_, Clock::now() + item.timeout, seq,
                            caller_blocks, &scratch_};
+    comm.hierarchy = transport_.hierarchy();
     item.task(comm);
   } catch (...) {
     bool fatal = false;

@@ -31,7 +31,10 @@ void allreduce(Comm& c, const Segments& data, size_t count, c10::ScalarType dtyp
   TP_CHECK_USAGE(data.bytes() == bytes, "all_reduce of ", count, " elements given ", data.bytes(),
                  " bytes of buffers");
   check_supported(op, dtype);
-  if (!c.shared) return p2p::allreduce(c, data, count, dtype, op);
+  if (!c.shared) {
+    if (c.hierarchy != nullptr && c.members == nullptr) return hier::allreduce(c, data, count, dtype, op);
+    return p2p::allreduce(c, data, count, dtype, op);
+  }
   c.begin(op_desc(OpKind::kAllreduce, dtype, count, 0, static_cast<int>(op)));
   if (count == 0 || (bytes <= static_cast<size_t>(c.config.oneshot_max_bytes) &&
                      bytes <= c.arena().slot_bytes())) {

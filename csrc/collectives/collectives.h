@@ -1,5 +1,6 @@
 // The collective algorithms, written once over Comm: through the shared arena when the
-// group has one, over point-to-point messages (p2p/) when it does not.
+// group has one, hierarchically (hierarchical.h) when its ranks share memory host by host,
+// over point-to-point messages (p2p/) when they do not.
 //
 // Buffers are raw, contiguous, of `dtype`; counts are in elements. The backend layer
 // turns tensors into these (contiguous copies, complex as real pairs, PREMUL_SUM as a
@@ -12,6 +13,7 @@
 #include <cstddef>
 
 #include "collectives/comm.h"
+#include "collectives/hierarchical.h"
 #include "collectives/p2p/p2p.h"
 #include "collectives/reduce_op.h"
 #include "collectives/segments.h"
@@ -25,6 +27,8 @@ void allreduce(Comm& c, void* data, size_t count, c10::ScalarType dtype, ReduceO
 void allreduce(Comm& c, const Segments& data, size_t count, c10::ScalarType dtype, ReduceOp op);
 
 void broadcast(Comm& c, void* data, size_t count, c10::ScalarType dtype, int root);
+// Through the arena only (c.shared), into buffers taken as one.
+void broadcast(Comm& c, const Segments& data, size_t count, c10::ScalarType dtype, int root);
 
 // In place on the root; other ranks' buffers are left unchanged.
 void reduce(Comm& c, void* data, size_t count, c10::ScalarType dtype, ReduceOp op, int root);

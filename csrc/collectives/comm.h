@@ -12,6 +12,7 @@
 #include <vector>
 
 #include "common/env.h"
+#include "transport/hosts.h"
 #include "transport/p2p_engine.h"
 #include "transport/shm/arena.h"
 
@@ -37,9 +38,21 @@ struct Comm {
   // Staging memory of the point-to-point algorithms, kept by the group between collectives:
   // allocating and faulting in tens of MiB on every call costs more than moving them.
   std::vector<char>* scratch = nullptr;
+  // A group spanning hosts: which ranks share a host, and this host's arena; all_reduce and
+  // broadcast then run hierarchically (hierarchical.h). Null: flat algorithms.
+  const Hierarchy* hierarchy = nullptr;
+  // A sub-communicator of the group: the algorithms see ranks 0..members->size()-1, this
+  // rank being `member_rank`, and reach member q as the group's rank (*members)[q]. Null:
+  // the whole group. (The hierarchical collectives run the flat ones among hosts' leaders.)
+  const std::vector<int>* members = nullptr;
+  int member_rank = 0;
+  // The descriptors were already checked across the whole group (p2p agree() is skipped).
+  bool agreed = false;
 
-  int rank() const { return p2p.rank(); }
-  int size() const { return p2p.size(); }
+  int rank() const { return members ? member_rank : p2p.rank(); }
+  int size() const { return members ? static_cast<int>(members->size()) : p2p.size(); }
+  // The group's rank (the engine's peer number) of member q.
+  int peer(int q) const { return members ? (*members)[q] : q; }
   shm::Arena& arena() const { return *shared; }
   // The first `bytes` of *scratch (grown when needed; its contents are not kept).
   char* staging(size_t bytes);

@@ -15,6 +15,7 @@
 
 #include "collectives/collectives.h"
 #include "common/error.h"
+#include "transport/mixed_transport.h"
 #include "transport/shm/shm_transport.h"
 #include "transport/tcp/tcp_transport.h"
 
@@ -63,11 +64,13 @@ inline Config small_config() {
   return c;
 }
 
-// Runs fn(rank, transport) on `world` threads, each with its own transport ("shm" or
-// "tcp") of one group.
+// Runs fn(rank, transport) on `world` threads, each with its own transport ("shm", "tcp",
+// or "mixed" over the made-up hosts `hosts`, one label per rank; "mixed-flat" the same
+// without hierarchical collectives) of one group.
 inline void run_ranks(int world, const std::function<void(int, Transport&)>& fn,
                std::chrono::milliseconds timeout = std::chrono::milliseconds(10000),
-               const std::string& kind = "shm", const Config& config = small_config()) {
+               const std::string& kind = "shm", const Config& config = small_config(),
+               const std::vector<int>& hosts = {}) {
   MemoryRendezvous rv;
   std::vector<std::thread> threads;
   std::vector<std::string> failures(world);
@@ -75,7 +78,9 @@ inline void run_ranks(int world, const std::function<void(int, Transport&)>& fn,
     threads.emplace_back([&, r] {
       try {
         std::unique_ptr<Transport> t;
-        if (kind == "tcp") {
+        if (kind == "mixed" || kind == "mixed-flat") {
+          t = std::make_unique<MixedTransport>(r, world, rv, config, timeout, HostMap::from(hosts), kind == "mixed");
+        } else if (kind == "tcp") {
           t = std::make_unique<tcp::TcpTransport>(r, world, rv, config, timeout);
         } else {
           t = std::make_unique<shm::ShmTransport>(r, world, rv, config, timeout);
@@ -93,8 +98,10 @@ inline void run_ranks(int world, const std::function<void(int, Transport&)>& fn,
 inline collectives::Comm comm(Transport& t, uint64_t seq, int timeout_ms = 10000) {
   static Config config = small_config();
   thread_local std::vector<char> scratch;  // one per rank (thread), as the backend keeps one per group
-  return collectives::Comm{t.arena(), t.p2p(), config,
-                           Clock::now() + std::chrono::milliseconds(timeout_ms), seq, true, &scratch};
+  collectives::Comm c{t.arena(), t.p2p(), config, Clock::now() + std::chrono::milliseconds(timeout_ms), seq, true,
+                      &scratch};
+  c.hierarchy = t.hierarchy();  // as the backend's queue does
+  return c;
 }
 
 }  // namespace torchpar::tptest

@@ -2,6 +2,7 @@
 
 #include <algorithm>
 
+#include "collectives/hierarchical.h"
 #include "common/error.h"
 
 namespace torchpar::collectives::p2p {
@@ -33,12 +34,12 @@ uint64_t Exchange::tag(Phase phase, uint32_t index) const {
 }
 
 Exchange::Handle Exchange::send(int peer, Phase phase, uint32_t index, const void* data, size_t bytes) {
-  posted_.push_back(c_.p2p.isend(peer, tag(phase, index), data, bytes, c_.deadline));
+  posted_.push_back(c_.p2p.isend(c_.peer(peer), tag(phase, index), data, bytes, c_.deadline));
   return posted_.back();
 }
 
 Exchange::Handle Exchange::recv(int peer, Phase phase, uint32_t index, void* data, size_t bytes) {
-  posted_.push_back(c_.p2p.irecv(peer, tag(phase, index), data, bytes, c_.deadline));
+  posted_.push_back(c_.p2p.irecv(c_.peer(peer), tag(phase, index), data, bytes, c_.deadline));
   return posted_.back();
 }
 
@@ -86,15 +87,21 @@ void share(Comm& c, Phase phase, void* records, size_t bytes) {
 }
 
 void agree(Comm& c, const shm::OpDesc& desc, Exchange* early) {
-  std::vector<shm::OpDesc> descs(c.size());
-  descs[c.rank()] = desc;
+  if (c.agreed) return;
+  std::string message;
   try {
-    share(c, Phase::kAgree, descs.data(), sizeof(shm::OpDesc));
+    if (c.hierarchy != nullptr && c.members == nullptr) {
+      message = hier::agree(c, desc);  // through each host's arena and the hosts' leaders
+    } else {
+      std::vector<shm::OpDesc> descs(c.size());
+      descs[c.rank()] = desc;
+      share(c, Phase::kAgree, descs.data(), sizeof(shm::OpDesc));
+      message = mismatch(descs, c.seq);
+    }
   } catch (...) {
     if (early) early->cancel_all();  // (the group has failed: cancelling only tidies up)
     throw;
   }
-  std::string message = mismatch(descs, c.seq);
   if (!message.empty()) {
     if (early) early->cancel_all();
     throw UsageError(message);

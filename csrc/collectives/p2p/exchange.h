@@ -15,7 +15,7 @@
 namespace torchpar::collectives::p2p {
 
 // Steps of a collective, so that messages of different steps never match each other.
-enum class Phase : uint32_t { kAgree = 0, kCounts, kScatter, kGather, kTree, kDirect };
+enum class Phase : uint32_t { kAgree = 0, kCounts, kScatter, kGather, kTree, kDirect, kHosts };
 
 class Exchange {
  public:
@@ -57,7 +57,8 @@ class Exchange {
 void share(Comm& c, Phase phase, void* records, size_t bytes);
 
 // Every rank sends its descriptor to every other; returns once all have arrived and agree,
-// or throws the same UsageError on every rank. It is also a barrier. Receives posted in
+// or throws the same UsageError on every rank. It is also a barrier. Does nothing when
+// c.agreed (the hierarchical collectives checked every rank's descriptor already). Receives posted in
 // `early` beforehand (so that large messages land in place instead of in a buffer for early
 // arrivals) are withdrawn if it throws.
 void agree(Comm& c, const shm::OpDesc& desc, Exchange* early = nullptr);

@@ -50,7 +50,7 @@ void Arena::wait_peer(int peer, uint32_t target, Clock::time_point deadline, boo
       last_check = now;
     }
     if (now >= deadline) {
-      TP_THROW_TIMEOUT("timed out waiting for rank ", peer, " (it is at step ", seen,
+      TP_THROW_TIMEOUT("timed out waiting for rank ", monitor_->name(peer), " (it is at step ", seen,
                        ", this rank waits for step ", target, ")");
     }
     auto left = std::chrono::duration_cast<std::chrono::microseconds>(deadline - now);

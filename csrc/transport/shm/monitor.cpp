@@ -40,14 +40,14 @@ void Monitor::check_aborted() const {
 void Monitor::check(int peer) const {
   check_aborted();
   int pid = blocks_[peer].pid;
-  TP_CHECK(pid <= 0 || process_alive(pid), "rank ", peer, " (pid ", pid,
+  TP_CHECK(pid <= 0 || process_alive(pid), "rank ", name(peer), " (pid ", pid,
            ") has exited; the group cannot continue");
 }
 
 void Monitor::abort(const std::string& reason) {
   uint32_t healthy = 0;
   if (!header_->abort_state.compare_exchange_strong(healthy, 1)) return;  // first failure wins
-  header_->abort_rank = rank_;
+  header_->abort_rank = name(rank_);
   size_t n = std::min(reason.size(), kAbortMessageBytes - 1);
   std::memcpy(header_->abort_msg, reason.data(), n);
   header_->abort_msg[n] = '\0';

@@ -4,6 +4,7 @@
 #pragma once
 
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "transport/shm/layout.h"
@@ -13,8 +14,13 @@ namespace torchpar::shm {
 class Monitor {
  public:
   Monitor() = default;
-  Monitor(int rank, SegmentHeader* header, RankBlock* blocks, int size)
-      : rank_(rank), header_(header), blocks_(blocks), size_(size) {}
+  // `names`: the rank each member is known by in errors ([member]; empty: its index). The
+  // ranks of one host in a group spanning hosts are named by their ranks in the group.
+  Monitor(int rank, SegmentHeader* header, RankBlock* blocks, int size, std::vector<int> names = {})
+      : rank_(rank), header_(header), blocks_(blocks), size_(size), names_(std::move(names)) {}
+
+  // How member `r` is named in errors.
+  int name(int r) const { return names_.empty() ? r : names_[r]; }
 
   // Throws torchpar::Error if the group was aborted or `peer`'s process has exited.
   void check(int peer) const;
@@ -28,6 +34,7 @@ class Monitor {
   SegmentHeader* header_ = nullptr;
   RankBlock* blocks_ = nullptr;
   int size_ = 0;
+  std::vector<int> names_;
 };
 
 // Whether process `pid` exists and is not a zombie.

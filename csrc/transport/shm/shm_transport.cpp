@@ -39,10 +39,11 @@ Config adapt_to_cores(Config config, int ranks) {
 }  // namespace
 
 ShmTransport::ShmTransport(int rank, int size, Rendezvous& rendezvous, const Config& config,
-                           std::chrono::milliseconds timeout)
+                           std::chrono::milliseconds timeout, bool own_engine, std::vector<int> group_ranks)
     : rank_(rank), size_(size) {
   Config tuned = adapt_to_cores(config, size);
-  map_segment(rendezvous, tuned, timeout);
+  map_segment(rendezvous, tuned, timeout, std::move(group_ranks));
+  if (!own_engine) return;
   p2p_ = std::make_unique<P2PEngine>(rank_, size_, *this, std::chrono::microseconds(tuned.spin_us),
                                      std::chrono::microseconds(tuned.yield_us),
                                      static_cast<size_t>(tuned.unexpected_max_bytes));
@@ -53,8 +54,13 @@ ShmTransport::~ShmTransport() {
   if (p2p_) p2p_->stop();
 }
 
+P2PEngine& ShmTransport::p2p() {
+  TP_CHECK(p2p_ != nullptr, "this shared-memory transport is driven by another transport's engine");
+  return *p2p_;
+}
+
 void ShmTransport::map_segment(Rendezvous& rendezvous, const Config& config,
-                               std::chrono::milliseconds timeout) {
+                               std::chrono::milliseconds timeout, std::vector<int> group_ranks) {
   TP_CHECK(config.slot_bytes > 0 && config.ring_bytes > 0, "TORCHPAR_SHM_SLOT_BYTES (", config.slot_bytes,
            ") and TORCHPAR_SHM_RING_BYTES (", config.ring_bytes, ") must be positive");
   Layout layout(size_, config.slot_bytes, config.ring_bytes);
@@ -99,7 +105,9 @@ void ShmTransport::map_segment(Rendezvous& rendezvous, const Config& config,
     if (Clock::now() >= deadline) {
       std::string missing;
       for (int r = 0; r < size_; ++r) {
-        if (blocks_[r].pid == 0) missing += (missing.empty() ? "" : ", ") + std::to_string(r);
+        if (blocks_[r].pid == 0) {
+          missing += (missing.empty() ? "" : ", ") + std::to_string(group_ranks.empty() ? r : group_ranks[r]);
+        }
       }
       TP_THROW_TIMEOUT("timed out setting up shared memory: rank(s) ", missing,
                        " never mapped segment ", segment_.name());
@@ -108,7 +116,7 @@ void ShmTransport::map_segment(Rendezvous& rendezvous, const Config& config,
   }
   if (rank_ == 0) segment_.unlink();
 
-  monitor_ = Monitor(rank_, header_, blocks_, size_);
+  monitor_ = Monitor(rank_, header_, blocks_, size_, std::move(group_ranks));
   arena_ = Arena(rank_, size_, blocks_, base + layout.slots_offset, layout.slot_bytes, &monitor_,
                  std::chrono::microseconds(config.spin_us), std::chrono::microseconds(config.yield_us));
   for (int peer = 0; peer < size_; ++peer) {
@@ -131,7 +139,7 @@ size_t ShmTransport::write_some(int peer, const void* data, size_t n) {
   try {
     return send_rings_[peer].write_some(data, n);
   } catch (const Error& e) {
-    TP_THROW("the ring to rank ", peer, ": ", e.what());
+    TP_THROW("the ring to rank ", monitor_.name(peer), ": ", e.what());
   }
 }
 
@@ -139,7 +147,7 @@ size_t ShmTransport::read_some(int peer, void* data, size_t n) {
   try {
     return recv_rings_[peer].read_some(data, n);
   } catch (const Error& e) {
-    TP_THROW("the ring from rank ", peer, ": ", e.what());
+    TP_THROW("the ring from rank ", monitor_.name(peer), ": ", e.what());
   }
 }
 

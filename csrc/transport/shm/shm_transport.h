@@ -23,15 +23,18 @@ class ShmTransport final : public Transport {
  public:
   // Collective over the group: every rank constructs its transport with the same
   // rendezvous; returns once all ranks have mapped the segment (and it is unlinked).
+  // Without `own_engine` it starts no point-to-point engine: a transport spanning hosts
+  // (mixed_transport.h) drives its rings from the engine of the whole group, and names its
+  // ranks in errors by `group_ranks` (their ranks in that group).
   ShmTransport(int rank, int size, Rendezvous& rendezvous, const Config& config,
-               std::chrono::milliseconds timeout);
+               std::chrono::milliseconds timeout, bool own_engine = true, std::vector<int> group_ranks = {});
   ~ShmTransport() override;
 
   int rank() const { return rank_; }
   int size() const { return size_; }
   const char* name() const override { return "shm"; }
   Arena* arena() override { return &arena_; }
-  P2PEngine& p2p() override { return *p2p_; }
+  P2PEngine& p2p() override;
   const Monitor& monitor() const { return monitor_; }
   const std::string& segment_name() const { return segment_.name(); }
 
@@ -46,7 +49,8 @@ class ShmTransport final : public Transport {
   void check_peer(int peer) override;
 
  private:
-  void map_segment(Rendezvous& rendezvous, const Config& config, std::chrono::milliseconds timeout);
+  void map_segment(Rendezvous& rendezvous, const Config& config, std::chrono::milliseconds timeout,
+                   std::vector<int> group_ranks);
 
   const int rank_;
   const int size_;

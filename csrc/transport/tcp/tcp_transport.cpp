@@ -76,12 +76,16 @@ struct TcpTransport::Pending {
 };
 
 TcpTransport::TcpTransport(int rank, int size, Rendezvous& rendezvous, const Config& config,
-                           std::chrono::milliseconds timeout)
-    : rank_(rank), size_(size), rendezvous_(rendezvous), sockets_(size), want_write_(size, 0), broken_(size), lost_(size) {
+                           std::chrono::milliseconds timeout, std::vector<char> remote, bool own_engine)
+    : rank_(rank), size_(size), remote_(remote.empty() ? std::vector<char>(size, 1) : std::move(remote)),
+      rendezvous_(rendezvous), sockets_(size), want_write_(size, 0), broken_(size), lost_(size) {
+  TP_CHECK(static_cast<int>(remote_.size()) == size, "TcpTransport: ", remote_.size(), " peers marked for ", size,
+           " ranks");
   for (auto& b : broken_) b.store(false);
   wakeup_ = Fd(::eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC));
   TP_CHECK_ERRNO(wakeup_.get() >= 0, "eventfd");
   connect_all(rendezvous, config, timeout);
+  if (!own_engine) return;
   // poll() is the wait: spinning or yielding would only burn the CPU on recv() calls.
   p2p_ = std::make_unique<P2PEngine>(rank_, size_, *this, std::chrono::microseconds(0),
                                      std::chrono::microseconds(0),
@@ -91,6 +95,11 @@ TcpTransport::TcpTransport(int rank, int size, Rendezvous& rendezvous, const Con
 
 TcpTransport::~TcpTransport() {
   if (p2p_) p2p_->stop();
+}
+
+P2PEngine& TcpTransport::p2p() {
+  TP_CHECK(p2p_ != nullptr, "this TCP transport is driven by another transport's engine");
+  return *p2p_;
 }
 
 void TcpTransport::connect_all(Rendezvous& rendezvous, const Config& config,
@@ -135,6 +144,7 @@ void TcpTransport::connect_all(Rendezvous& rendezvous, const Config& config,
   });
   try {
     for (int peer = 0; peer < rank_; ++peer) {
+      if (!remote_[peer]) continue;
       Contact theirs = read_record<Contact>(rendezvous, store_keys::tcp_contact(peer));
       std::vector<std::string> candidates = std::move(theirs.addresses);
       if (theirs.host == mine.host) candidates.insert(candidates.begin(), "127.0.0.1");
@@ -150,7 +160,7 @@ void TcpTransport::connect_all(Rendezvous& rendezvous, const Config& config,
   answering.join();
   if (answer_error) std::rethrow_exception(answer_error);
   for (int peer = 0; peer < size_; ++peer) {
-    if (peer != rank_) tune_connected(sockets_[peer].get());
+    if (peer != rank_ && remote_[peer]) tune_connected(sockets_[peer].get());
   }
 }
 
@@ -227,13 +237,13 @@ void TcpTransport::answer(int listener, const Secret& secret, Clock::time_point 
   // After accept() runs short of descriptors or memory, the listener rests briefly rather
   // than spinning on a queue it cannot take from yet.
   Clock::time_point accept_paused_until{};
-  int missing = size_ - 1 - rank_;
+  int missing = static_cast<int>(std::count(remote_.begin() + rank_ + 1, remote_.end(), 1));
   while (missing > 0 && !stop.load()) {
     const auto now = Clock::now();
     if (now >= deadline) {
       std::string ranks;
       for (int r = rank_ + 1; r < size_; ++r) {
-        if (sockets_[r].get() < 0) ranks += (ranks.empty() ? "" : ", ") + std::to_string(r);
+        if (remote_[r] && sockets_[r].get() < 0) ranks += (ranks.empty() ? "" : ", ") + std::to_string(r);
       }
       TP_THROW_TIMEOUT("timed out setting up TCP connections: rank(s) ", ranks, " never connected to rank ", rank_,
                        refused ? " (" + std::to_string(refused) + " other connection(s) refused, the last one: " +
@@ -259,6 +269,8 @@ void TcpTransport::answer(int listener, const Secret& secret, Clock::time_point 
           drop = !read_part(p.fd.get(), &p.hello, sizeof(p.hello), &p.hello_got);
           if (!drop && p.hello_got == sizeof(p.hello)) {
             std::string why = check_hello(p.hello, rank_, size_);
+            // A rank of this host reaches this one through shared memory, never here.
+            if (why.empty() && !remote_[p.hello.rank]) why = "a hello from rank " + std::to_string(p.hello.rank) + " of this host";
             if (!why.empty()) {
               refuse(why);
               drop = true;
@@ -365,7 +377,7 @@ void TcpTransport::sleep_until_activity(uint32_t seen, std::chrono::microseconds
   fds.clear();
   fds.push_back(pollfd{wakeup_.get(), POLLIN, 0});
   for (int peer = 0; peer < size_; ++peer) {
-    if (peer == rank_ || broken_[peer].load(std::memory_order_acquire)) continue;
+    if (peer == rank_ || !remote_[peer] || broken_[peer].load(std::memory_order_acquire)) continue;
     short events = POLLIN;
     if (want_write_[peer]) events |= POLLOUT;
     fds.push_back(pollfd{sockets_[peer].get(), events, 0});
@@ -410,7 +422,7 @@ void TcpTransport::abort(const std::string& reason) {
   if (auto* engine = engine_.load(std::memory_order_acquire)) engine->fail(std::make_exception_ptr(Error(reason)));
   // Peers blocked on this rank see the connection end now rather than at their timeout.
   for (int peer = 0; peer < size_; ++peer) {
-    if (peer != rank_) ::shutdown(sockets_[peer].get(), SHUT_RDWR);
+    if (peer != rank_ && remote_[peer]) ::shutdown(sockets_[peer].get(), SHUT_RDWR);
   }
 }
 

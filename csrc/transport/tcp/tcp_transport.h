@@ -27,13 +27,16 @@ namespace torchpar::tcp {
 
 class TcpTransport final : public Transport {
  public:
-  // Collective over the group: returns once this rank is connected to every peer.
+  // Collective over the group: returns once this rank is connected to every peer, or to
+  // those `remote` marks ([peer] != 0; empty: all). Without `own_engine` it starts no
+  // point-to-point engine: a transport spanning hosts (mixed_transport.h) drives these
+  // sockets from the engine of the whole group, with shared memory for the other peers.
   TcpTransport(int rank, int size, Rendezvous& rendezvous, const Config& config,
-               std::chrono::milliseconds timeout);
+               std::chrono::milliseconds timeout, std::vector<char> remote = {}, bool own_engine = true);
   ~TcpTransport() override;
 
   const char* name() const override { return "tcp"; }
-  P2PEngine& p2p() override { return *p2p_; }
+  P2PEngine& p2p() override;
   // Publishes `reason` in the rendezvous (peers read it when their connection to this rank
   // ends) and shuts every connection down, so peers waiting on this rank fail at once.
   void abort(const std::string& reason) override;
@@ -62,6 +65,7 @@ class TcpTransport final : public Transport {
 
   const int rank_;
   const int size_;
+  const std::vector<char> remote_;  // [peer]: connected over TCP (every peer, by default)
   Rendezvous& rendezvous_;  // outlives the transport (the backend holds both)
   std::vector<Fd> sockets_;           // [peer]
   std::vector<char> want_write_;      // [peer], progress thread only: the socket was full

@@ -1,0 +1,279 @@
+// Groups spanning hosts (issue 21), with threads as ranks and the hosts made up: the mixed
+// transport takes its host map as an input, so one process can play several hosts (each
+// host's ranks share a segment of their own; ranks of different hosts talk TCP on loopback).
+#include <gtest/gtest.h>
+
+#include <cstdint>
+#include <cstring>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "collectives/collectives.h"
+#include "common/error.h"
+#include "ranks.h"
+#include "transport/mixed_transport.h"
+
+namespace torchpar {
+namespace {
+
+using collectives::ReduceOp;
+using tptest::comm;
+using tptest::run_ranks;
+using tptest::small_config;
+
+std::string name_of(const std::vector<int>& hosts) {
+  std::string s = "hosts";
+  for (int h : hosts) s += std::to_string(h);
+  return s;
+}
+
+// (host of each rank, hierarchical collectives or not)
+class Hosts : public ::testing::TestWithParam<std::tuple<std::vector<int>, bool>> {
+ protected:
+  const std::vector<int>& hosts() const { return std::get<0>(GetParam()); }
+  int world() const { return static_cast<int>(hosts().size()); }
+  void run(const std::function<void(int, Transport&)>& fn) {
+    run_ranks(world(), fn, std::chrono::milliseconds(20000), std::get<1>(GetParam()) ? "mixed" : "mixed-flat",
+              small_config(), hosts());
+  }
+};
+
+TEST_P(Hosts, PeersOnTheSameHostShareMemoryTheOthersUseTcp) {
+  run([&](int rank, Transport& t) {
+    auto& mixed = dynamic_cast<MixedTransport&>(t);
+    EXPECT_STREQ(t.name(), "mixed");
+    for (int peer = 0; peer < world(); ++peer) {
+      if (peer == rank) continue;
+      EXPECT_EQ(mixed.shares_memory_with(peer), hosts()[peer] == hosts()[rank]) << rank << " -> " << peer;
+    }
+    EXPECT_EQ(t.hierarchy() != nullptr, std::get<1>(GetParam()));
+  });
+}
+
+TEST_P(Hosts, RingOfSendsLargerThanThePipes) {
+  const int world = this->world();
+  run([&](int rank, Transport& t) {
+    const auto deadline = Clock::now() + std::chrono::seconds(20);
+    const size_t bytes = 100'003;  // ~12 rings of small_config() and many TCP chunks
+    std::vector<uint8_t> out(bytes), in(bytes);
+    for (size_t i = 0; i < bytes; ++i) out[i] = static_cast<uint8_t>(rank * 31 + i);
+    const int prev = (rank + world - 1) % world;
+    auto r = t.p2p().irecv(prev, 5, in.data(), bytes, deadline);
+    auto s = t.p2p().isend((rank + 1) % world, 5, out.data(), bytes, deadline);
+    s->wait();
+    r->wait();
+    for (size_t i = 0; i < bytes; ++i) ASSERT_EQ(in[i], static_cast<uint8_t>(prev * 31 + i)) << i;
+  });
+}
+
+// Exact values: integers, and floats that are small integers (every order of summation gives
+// the same), at sizes that take the one-shot and the chunked paths of every stage.
+TEST_P(Hosts, AllreduceEqualsExactValues) {
+  const int world = this->world();
+  run([&](int rank, Transport& t) {
+    uint64_t seq = 0;
+    for (size_t n : {size_t{0}, size_t{1}, size_t{1000}, size_t{70'001}}) {
+      std::vector<int64_t> v(n);
+      for (size_t i = 0; i < n; ++i) v[i] = static_cast<int64_t>(i % 97) * (rank + 1) - rank;
+      auto c = comm(t, seq++, 20000);
+      collectives::allreduce(c, v.data(), n, c10::ScalarType::Long, ReduceOp::kSum);
+      const int64_t ranks_sum = world * (world + 1) / 2, minus = world * (world - 1) / 2;
+      for (size_t i = 0; i < n; ++i) ASSERT_EQ(v[i], static_cast<int64_t>(i % 97) * ranks_sum - minus) << "n=" << n;
+
+      std::vector<int32_t> m(n);
+      for (size_t i = 0; i < n; ++i) m[i] = static_cast<int32_t>((i + rank * 7) % 13);
+      auto c2 = comm(t, seq++, 20000);
+      collectives::allreduce(c2, m.data(), n, c10::ScalarType::Int, ReduceOp::kMax);
+      for (size_t i = 0; i < n; ++i) {
+        int32_t want = 0;
+        for (int q = 0; q < world; ++q) want = std::max(want, static_cast<int32_t>((i + q * 7) % 13));
+        ASSERT_EQ(m[i], want) << "n=" << n << " i=" << i;
+      }
+
+      std::vector<float> f(n, static_cast<float>(rank + 1));
+      auto c3 = comm(t, seq++, 20000);
+      collectives::allreduce(c3, f.data(), n, c10::ScalarType::Float, ReduceOp::kAvg);
+      for (float x : f) ASSERT_EQ(x, (world + 1) / 2.0f) << "n=" << n;
+
+      std::vector<int64_t> a(n, 10 * (rank + 1));
+      auto c4 = comm(t, seq++, 20000);
+      collectives::allreduce(c4, a.data(), n, c10::ScalarType::Long, ReduceOp::kAvg);
+      for (int64_t x : a) ASSERT_EQ(x, 10 * (world + 1) / 2) << "n=" << n;  // the flat algorithm's integer division
+    }
+  });
+}
+
+// Random floats: every rank ends with the same bits, and (hierarchically) those of the
+// documented order: each host's ranks summed in rank order, then the hosts' sums in host
+// order (hosts ordered by their lowest rank).
+TEST_P(Hosts, FloatSumIsBitIdenticalOnEveryRankAndFollowsTheDocumentedOrder) {
+  const int world = this->world();
+  const size_t n = 20'000;
+  auto input = [](int rank, size_t n) {
+    std::mt19937 gen(rank + 1);
+    std::uniform_real_distribution<float> dist(-1.0f, 1.0f);
+    std::vector<float> v(n);
+    for (auto& x : v) x = dist(gen) * (1 << (rank * 3));  // magnitudes apart, so order shows
+    return v;
+  };
+  const HostMap map = HostMap::from(hosts());
+  std::vector<float> want(n);
+  for (size_t i = 0; i < n; ++i) {
+    float total = 0;
+    for (int h = 0; h < map.hosts(); ++h) {
+      float part = 0;
+      for (size_t k = 0; k < map.ranks_of[h].size(); ++k) {
+        float x = input(map.ranks_of[h][k], n)[i];
+        part = k == 0 ? x : part + x;
+      }
+      total = h == 0 ? part : total + part;
+    }
+    want[i] = total;
+  }
+  std::vector<std::vector<float>> got(world);
+  run([&](int rank, Transport& t) {
+    got[rank] = input(rank, n);
+    auto c = comm(t, 0, 20000);
+    collectives::allreduce(c, got[rank].data(), n, c10::ScalarType::Float, ReduceOp::kSum);
+  });
+  for (int r = 1; r < world; ++r) EXPECT_EQ(std::memcmp(got[r].data(), got[0].data(), n * sizeof(float)), 0) << r;
+  if (std::get<1>(GetParam())) EXPECT_EQ(std::memcmp(got[0].data(), want.data(), n * sizeof(float)), 0);
+}
+
+TEST_P(Hosts, CoalescedAllreduceOverSeveralBuffers) {
+  const int world = this->world();
+  run([&](int rank, Transport& t) {
+    std::vector<double> a(3000, rank + 1.0), b(40'000, 2.0 * rank);
+    collectives::Segments segments;
+    segments.add(a.data(), a.size() * sizeof(double));
+    segments.add(b.data(), b.size() * sizeof(double));
+    auto c = comm(t, 0, 20000);
+    collectives::allreduce(c, segments, a.size() + b.size(), c10::ScalarType::Double, ReduceOp::kSum);
+    for (double x : a) ASSERT_EQ(x, world * (world + 1) / 2.0);
+    for (double x : b) ASSERT_EQ(x, world * (world - 1.0));
+  });
+}
+
+TEST_P(Hosts, BroadcastFromEveryRoot) {
+  const int world = this->world();
+  run([&](int rank, Transport& t) {
+    uint64_t seq = 0;
+    for (int root = 0; root < world; ++root) {
+      for (size_t n : {size_t{0}, size_t{5}, size_t{50'000}}) {
+        std::vector<int32_t> v(n, rank == root ? 0 : -1);
+        if (rank == root) {
+          for (size_t i = 0; i < n; ++i) v[i] = static_cast<int32_t>(i * 3 + root);
+        }
+        auto c = comm(t, seq++, 20000);
+        collectives::broadcast(c, v.data(), n, c10::ScalarType::Int, root);
+        for (size_t i = 0; i < n; ++i) ASSERT_EQ(v[i], static_cast<int32_t>(i * 3 + root)) << "root " << root;
+      }
+    }
+  });
+}
+
+// The collectives that stay flat (point-to-point over the mixed transport) after the
+// hierarchical descriptor check.
+TEST_P(Hosts, OtherCollectivesEqualExactValues) {
+  const int world = this->world();
+  run([&](int rank, Transport& t) {
+    uint64_t seq = 0;
+    const size_t n = 3001;
+    std::vector<int64_t> in(n, rank + 1);
+    std::vector<std::vector<int64_t>> outs(world, std::vector<int64_t>(n, -1));
+    std::vector<void*> out_ptrs;
+    for (auto& o : outs) out_ptrs.push_back(o.data());
+    auto c = comm(t, seq++, 20000);
+    collectives::allgather(c, in.data(), out_ptrs.data(), n, c10::ScalarType::Long);
+    for (int q = 0; q < world; ++q) ASSERT_EQ(outs[q][n - 1], q + 1);
+
+    std::vector<std::vector<int64_t>> ins(world, std::vector<int64_t>(n));
+    std::vector<const void*> in_ptrs;
+    for (int q = 0; q < world; ++q) {
+      for (size_t i = 0; i < n; ++i) ins[q][i] = (rank + 1) * (q + 1) + static_cast<int64_t>(i);
+      in_ptrs.push_back(ins[q].data());
+    }
+    std::vector<int64_t> piece(n);
+    auto c2 = comm(t, seq++, 20000);
+    collectives::reduce_scatter(c2, in_ptrs.data(), piece.data(), n, c10::ScalarType::Long, ReduceOp::kSum);
+    for (size_t i = 0; i < n; ++i) {
+      ASSERT_EQ(piece[i], (rank + 1) * world * (world + 1) / 2 + world * static_cast<int64_t>(i));
+    }
+
+    std::vector<int64_t> red(n, rank);
+    auto c3 = comm(t, seq++, 20000);
+    collectives::reduce(c3, red.data(), n, c10::ScalarType::Long, ReduceOp::kSum, world - 1);
+    ASSERT_EQ(red[0], rank == world - 1 ? world * (world - 1) / 2 : rank);
+
+    auto c4 = comm(t, seq++, 20000);
+    collectives::barrier(c4);
+  });
+}
+
+TEST_P(Hosts, MismatchFailsEveryRankAlikeAndTheGroupStaysUsable) {
+  const int world = this->world();
+  std::vector<std::string> messages(world);
+  run([&](int rank, Transport& t) {
+    std::vector<double> v(10 + (rank == world - 1), 1.0);
+    auto c = comm(t, 0, 20000);
+    try {
+      collectives::allreduce(c, v.data(), v.size(), c10::ScalarType::Double, ReduceOp::kSum);
+      ADD_FAILURE() << "rank " << rank << " did not notice the mismatch";
+    } catch (const UsageError& e) {
+      messages[rank] = e.what();
+      messages[rank] = messages[rank].substr(messages[rank].find("collective mismatch"));
+    }
+    // A different collective altogether is a mismatch too, named as such.
+    auto c2 = comm(t, 1, 20000);
+    std::vector<int32_t> w(4, rank);
+    if (rank == 0) {
+      EXPECT_THROW(collectives::broadcast(c2, w.data(), 4, c10::ScalarType::Int, 0), UsageError);
+    } else {
+      EXPECT_THROW(collectives::allreduce(c2, w.data(), 4, c10::ScalarType::Int, ReduceOp::kSum), UsageError);
+    }
+    auto c3 = comm(t, 2, 20000);
+    collectives::allreduce(c3, v.data(), 10, c10::ScalarType::Double, ReduceOp::kMax);
+    EXPECT_EQ(v[0], 1.0);
+  });
+  for (int r = 0; r < world; ++r) {
+    EXPECT_EQ(messages[r], messages[0]) << r;
+    EXPECT_NE(messages[r].find("rank " + std::to_string(world - 1) + " called all_reduce of 11"), std::string::npos)
+        << messages[r];
+  }
+}
+
+// A rank that gives up fails every rank of every host rather than leaving them to their
+// timeout: its host's ranks through the segment, the others through its closed sockets,
+// each failing rank aborting in turn (as the backend does) to reach its own host.
+TEST_P(Hosts, AnAbortReachesEveryHost) {
+  const int world = this->world();
+  run([&](int rank, Transport& t) {
+    std::vector<float> v(5000, 1.0f);
+    if (rank == world - 1) {
+      t.abort("rank " + std::to_string(rank) + " gave up (test)");
+      return;
+    }
+    auto c = comm(t, 0, 15000);
+    const auto start = Clock::now();
+    try {
+      collectives::allreduce(c, v.data(), v.size(), c10::ScalarType::Float, ReduceOp::kSum);
+      ADD_FAILURE() << "rank " << rank << " finished an all-reduce without rank " << world - 1;
+    } catch (const Error& e) {
+      EXPECT_LT(Clock::now() - start, std::chrono::seconds(10)) << e.what();
+      t.abort(e.what());  // as the backend's queue does with a failed collective
+    }
+  });
+}
+
+INSTANTIATE_TEST_SUITE_P(
+    Layouts, Hosts,
+    ::testing::Combine(::testing::Values(std::vector<int>{0, 0, 1, 1}, std::vector<int>{0, 1, 1, 0},
+                                         std::vector<int>{0, 0, 1, 2}, std::vector<int>{0, 1}),
+                       ::testing::Bool()),
+    [](const auto& info) {
+      return name_of(std::get<0>(info.param)) + (std::get<1>(info.param) ? "Hierarchical" : "Flat");
+    });
+
+}  // namespace
+}  // namespace torchpar
