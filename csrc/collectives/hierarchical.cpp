@@ -20,13 +20,16 @@ Comm host_comm(const Comm& c) {
 }
 
 // One rank per host (its leader), over point-to-point messages; rank g is host g's leader.
-// Descriptors were checked by agree() already.
+// Descriptors were checked by agree() already, but the leaders' algorithms still run their
+// own (small) agreement: it is what makes them post their receives before any leader sends.
+// Without it a leader done with its host early sent its chunks to leaders still reducing
+// theirs, as early arrivals: extra copies, and a group failed past
+// TORCHPAR_UNEXPECTED_MAX_BYTES (review finding).
 Comm leaders_comm(const Comm& c) {
   const Hierarchy& h = *c.hierarchy;
   Comm leaders{nullptr, c.p2p, c.config, c.deadline, c.seq, c.busy_wait, c.scratch};
   leaders.members = &h.map.leaders;
   leaders.member_rank = h.host();
-  leaders.agreed = true;
   return leaders;
 }
 

@@ -57,10 +57,12 @@ std::unique_ptr<Transport> connect(Rendezvous& rv, int rank, int size, const Con
   const HostIdentity mine = HostIdentity::local();
   // 1 (default): a group spanning hosts runs all_reduce and broadcast hierarchically; 0: its
   // collectives run the point-to-point algorithms over the mixed transport (a baseline).
-  const int64_t hierarchical = env_int("TORCHPAR_HIERARCHICAL", 1);
+  // Read as text and checked after publishing: a rank throwing here left the others waiting.
+  const std::string hierarchical = env_str("TORCHPAR_HIERARCHICAL", "1");
   const std::pair<std::string, std::string> settings[] = {
       {"TORCHPAR_TRANSPORT", config.transport},
-      {"TORCHPAR_HIERARCHICAL", std::to_string(hierarchical)},
+      {"TORCHPAR_HIERARCHICAL", hierarchical},
+      {"TORCHPAR_SHM_SLOT_BYTES", std::to_string(config.slot_bytes)},
       {"TORCHPAR_ONESHOT_MAX_BYTES", std::to_string(config.oneshot_max_bytes)},
       {"TORCHPAR_P2P_CHUNK_BYTES", std::to_string(config.p2p_chunk_bytes)}};
   rv.set(store_keys::host(rank), mine.encode());
@@ -69,8 +71,8 @@ std::unique_ptr<Transport> connect(Rendezvous& rv, int rank, int size, const Con
   TP_CHECK_USAGE(config.unexpected_max_bytes >= 0, "torchpar: TORCHPAR_UNEXPECTED_MAX_BYTES must not be negative");
   TP_CHECK_USAGE(config.transport == "auto" || config.transport == "shm" || config.transport == "tcp",
                  "torchpar: TORCHPAR_TRANSPORT must be auto, shm or tcp, not '", config.transport, "'");
-  TP_CHECK_USAGE(hierarchical == 0 || hierarchical == 1, "torchpar: TORCHPAR_HIERARCHICAL must be 0 or 1, not ",
-                 hierarchical);
+  TP_CHECK_USAGE(hierarchical == "0" || hierarchical == "1", "torchpar: TORCHPAR_HIERARCHICAL must be 0 or 1, not '",
+                 hierarchical, "'");
   for (const auto& [name, value] : settings) check_same_everywhere(rv, rank, size, name, value);
   std::vector<HostIdentity> identities(size);
   int elsewhere = -1;
@@ -89,7 +91,7 @@ std::unique_ptr<Transport> connect(Rendezvous& rv, int rank, int size, const Con
     return std::make_unique<tcp::TcpTransport>(rank, size, rv, config, timeout);
   }
   return std::make_unique<MixedTransport>(rank, size, rv, adapt_to_machine(config, identities, mine), timeout,
-                                          HostMap::from(identities), hierarchical == 1);
+                                          HostMap::from(identities), hierarchical == "1");
 }
 
 }  // namespace torchpar

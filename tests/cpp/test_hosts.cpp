@@ -3,11 +3,14 @@
 // host's ranks share a segment of their own; ranks of different hosts talk TCP on loopback).
 #include <gtest/gtest.h>
 
+#include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <random>
 #include <string>
 #include <vector>
+
+#include <c10/util/Half.h>
 
 #include "collectives/collectives.h"
 #include "common/error.h"
@@ -139,6 +142,28 @@ TEST_P(Hosts, FloatSumIsBitIdenticalOnEveryRankAndFollowsTheDocumentedOrder) {
   });
   for (int r = 1; r < world; ++r) EXPECT_EQ(std::memcmp(got[r].data(), got[0].data(), n * sizeof(float)), 0) << r;
   if (std::get<1>(GetParam())) EXPECT_EQ(std::memcmp(got[0].data(), want.data(), n * sizeof(float)), 0);
+}
+
+// float16 sums go flat (review finding): a host's partial sum stored in float16 overflowed
+// where the flat algorithm, adding in float32 and rounding once, gives finite values. Ranks
+// hold +40000 and -40000 alternately by host, so host partials of two ranks pass 65504.
+TEST_P(Hosts, HalfSumsThatPassTheRangeOnOneHostStayFinite) {
+  const std::vector<int>& hosts = this->hosts();
+  run([&](int rank, Transport& t) {
+    const float sign = hosts[rank] % 2 == 0 ? 1.0f : -1.0f;
+    float expect_sum = 0;
+    for (int h : hosts) expect_sum += (h % 2 == 0 ? 1.0f : -1.0f) * 40000.0f;
+    std::vector<c10::Half> v(5, c10::Half(sign * 40000.0f));
+    auto c = comm(t, 0, 20000);
+    collectives::allreduce(c, v.data(), v.size(), c10::ScalarType::Half, ReduceOp::kSum);
+    std::vector<c10::Half> a(5, c10::Half(40000.0f));
+    auto c2 = comm(t, 1, 20000);
+    collectives::allreduce(c2, a.data(), a.size(), c10::ScalarType::Half, ReduceOp::kAvg);
+    for (size_t i = 0; i < v.size(); ++i) {
+      if (std::abs(expect_sum) <= 65504.0f) EXPECT_EQ(static_cast<float>(v[i]), expect_sum) << rank;
+      EXPECT_EQ(static_cast<float>(a[i]), 40000.0f) << rank;
+    }
+  });
 }
 
 TEST_P(Hosts, CoalescedAllreduceOverSeveralBuffers) {
