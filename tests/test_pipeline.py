@@ -149,6 +149,14 @@ def test_peak_live_activations(world_size):
     assert max(pool.run(_live_activations, "zb_h1", m)) <= world_size
 
 
+def _pp_by_dp(ctx, backend):
+    """4 ranks: this rank's pipeline group ({0,1} or {2,3}) and data-parallel group ({0,2} or {1,3})."""
+    kw = {"backend": "gloo"} if backend == "gloo" else {}
+    pp_groups = [dist.new_group([0, 1], **kw), dist.new_group([2, 3], **kw)]
+    dp_groups = [dist.new_group([0, 2], **kw), dist.new_group([1, 3], **kw)]
+    return pp_groups[ctx.rank // 2], dp_groups[ctx.rank % 2]
+
+
 def _with_ddp(ctx, backend, name):
     """4 ranks: pipeline pairs {0,1} and {2,3}; data-parallel pairs {0,2} and {1,3}. Every
     stage a torchpar DDP: armed before its last backward (GPipe, 1F1B, interleaved), or
@@ -156,10 +164,7 @@ def _with_ddp(ctx, backend, name):
     step is checked too."""
     torch.set_num_threads(1)
     from torchpar.parallel import DistributedDataParallel as DDP
-    kw = {"backend": "gloo"} if backend == "gloo" else {}
-    pp_groups = [dist.new_group([0, 1], **kw), dist.new_group([2, 3], **kw)]
-    dp_groups = [dist.new_group([0, 2], **kw), dist.new_group([1, 3], **kw)]
-    pp, dp = pp_groups[ctx.rank // 2], dp_groups[ctx.rank % 2]
+    pp, dp = _pp_by_dp(ctx, backend)
     dp_rank = ctx.rank // 2
     v = 2 if name == "interleaved" else 1
     n_stages = 2 * v
@@ -224,10 +229,7 @@ def _ddp_reduces_in_the_last_backward(ctx, backend):
     torch.set_num_threads(1)
     from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
     from torchpar.parallel import DistributedDataParallel as DDP
-    kw = {"backend": "gloo"} if backend == "gloo" else {}
-    pp_groups = [dist.new_group([0, 1], **kw), dist.new_group([2, 3], **kw)]
-    dp_groups = [dist.new_group([0, 2], **kw), dist.new_group([1, 3], **kw)]
-    pp, dp = pp_groups[ctx.rank // 2], dp_groups[ctx.rank % 2]
+    pp, dp = _pp_by_dp(ctx, backend)
     dp_rank, stage_index, m = ctx.rank // 2, ctx.rank % 2, 4
     model = _model(4)
     x, y = _data(0, 16)
@@ -281,10 +283,7 @@ def _ddp_parameter_unused_in_the_last_micro_batch(ctx, backend, find_unused):
     Both equal one process running the same micro-batches."""
     torch.set_num_threads(1)
     from torchpar.parallel import DistributedDataParallel as DDP
-    kw = {"backend": "gloo"} if backend == "gloo" else {}
-    pp_groups = [dist.new_group([0, 1], **kw), dist.new_group([2, 3], **kw)]
-    dp_groups = [dist.new_group([0, 2], **kw), dist.new_group([1, 3], **kw)]
-    pp, dp = pp_groups[ctx.rank // 2], dp_groups[ctx.rank % 2]
+    pp, dp = _pp_by_dp(ctx, backend)
     dp_rank, stage_index, m = ctx.rank // 2, ctx.rank % 2, 4
     torch.manual_seed(1)
     whole = nn.Sequential(_SometimesExtra(split(_model(4), 2, 0), m), split(_model(4), 2, 1))

@@ -795,40 +795,12 @@ def test_clip_grad_norm_of_an_overflowing_step_is_not_finite_and_the_step_is_ski
     _pool(backend, 2).run(_clip_overflow, backend, stage)
 
 
-def _clip_uneven(ctx, backend, stage):
-    """Under ddp.join(): the ranks still training clip (an all-reduce); a joined rank repeats
-    its own last clipping in its shadow step, so nobody waits, and the result is one process
-    clipping the active ranks' gradients / W."""
-    torch.set_num_threads(1)
-    group = _group(ctx, backend)
-    model = _mlp()
-    ref = copy.deepcopy(model)
-    ddp, opt = _wrap(ctx, group, model, stage)
-    with ddp.join():
-        for step in range(_uneven_steps(ctx.rank)):
-            x, y = _batch(100 * ctx.rank + step, 4)
-            opt.zero_grad()
-            _loss(ddp(x), y).backward()
-            opt.clip_grad_norm_(0.05)
-            opt.step()
-    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
-    for step in range(_uneven_steps(ctx.world_size - 1)):
-        ref_opt.zero_grad()
-        for r in range(ctx.world_size):
-            if step < _uneven_steps(r):
-                x, y = _batch(100 * r + step, 4)
-                _loss(ref(x), y).backward()
-        for p in ref.parameters():
-            p.grad /= ctx.world_size
-        assert torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.05) > 0.1
-        ref_opt.step()
-    _assert_close(model, ref, "end")
-
-
 @on_backends
 @STAGES
 def test_clip_grad_norm_under_join(backend, stage):
-    _pool(backend, 4).run(_clip_uneven, backend, stage, timeout=60)
+    """Under ddp.join(), every rank clipping every step it trains: the result is one process
+    clipping the active ranks' gradients / W (_clip_uneven_schedule)."""
+    _pool(backend, 4).run(_clip_uneven_schedule, backend, stage, _uneven_steps, _always, timeout=60)
 
 
 # ---- clipping under join(): the joined ranks follow the active ranks' clipping ----
