@@ -32,10 +32,11 @@ void allreduce(Comm& c, const Segments& data, size_t count, c10::ScalarType dtyp
                  " bytes of buffers");
   check_supported(op, dtype);
   if (!c.shared) {
-    // 16-bit floats are summed flat: the hierarchical path stores each host's partial sum in
-    // the dtype before the hosts' are added, which can overflow (fp16: 2 x 40000 > 65504) where
-    // the flat path, widening to float32 and rounding once, does not (review finding).
-    const bool narrow_sum = (dtype == c10::kHalf || dtype == c10::kBFloat16) &&
+    // float16 is summed flat: the hierarchical path stores each host's partial sum in the
+    // dtype before the hosts' are added, which can overflow (2 x 40000 > 65504) where the flat
+    // path, widening to float32 and rounding once, does not (review finding). bfloat16 has
+    // float32's range: it stays hierarchical (rounded once more, after the host's stage).
+    const bool narrow_sum = dtype == c10::kHalf &&
                             (op == ReduceOp::kSum || op == ReduceOp::kAvg || op == ReduceOp::kProduct);
     if (c.hierarchy != nullptr && c.members == nullptr && !narrow_sum) return hier::allreduce(c, data, count, dtype, op);
     return p2p::allreduce(c, data, count, dtype, op);
