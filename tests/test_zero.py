@@ -523,19 +523,27 @@ def _train_uneven(ctx, backend, stage, how):
             opt.zero_grad()
             _loss(ddp(x), y).backward()
             opt.step()
-    # One process: each step, the gradients of the ranks still training, divided by the whole
-    # group's size (divide_by_initial_world_size, as torch's DDP.join()).
+    _train_uneven_reference(ctx, ref, _uneven_steps)
+    _assert_close(model, ref, "end")
+
+
+def _train_uneven_reference(ctx, ref, steps_of, clips_at=None):
+    """One process: each step, the gradients of the ranks still training (rank r trains
+    ``steps_of(r)`` steps), divided by the whole group's size (divide_by_initial_world_size, as
+    torch's DDP.join()), clipped to 0.05 in the steps ``clips_at(step)`` says (each of which
+    must clip), then AdamW."""
     ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
-    for step in range(_uneven_steps(ctx.world_size - 1)):
+    for step in range(max(steps_of(r) for r in range(ctx.world_size))):
         ref_opt.zero_grad()
         for r in range(ctx.world_size):
-            if step < _uneven_steps(r):
+            if step < steps_of(r):
                 x, y = _batch(100 * r + step, 4)
                 _loss(ref(x), y).backward()
         for p in ref.parameters():
             p.grad /= ctx.world_size
+        if clips_at is not None and clips_at(step):
+            assert torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.05) > 0.1
         ref_opt.step()
-    _assert_close(model, ref, "end")
 
 
 @on_backends
@@ -823,18 +831,7 @@ def _clip_uneven_schedule(ctx, backend, stage, steps_of, clips_at):
             if clips_at(step):
                 opt.clip_grad_norm_(0.05)
             opt.step()
-    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
-    for step in range(max(steps_of(r) for r in range(ctx.world_size))):
-        ref_opt.zero_grad()
-        for r in range(ctx.world_size):
-            if step < steps_of(r):
-                x, y = _batch(100 * r + step, 4)
-                _loss(ref(x), y).backward()
-        for p in ref.parameters():
-            p.grad /= ctx.world_size
-        if clips_at(step):
-            assert torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.05) > 0.1
-        ref_opt.step()
+    _train_uneven_reference(ctx, ref, steps_of, clips_at)
     _assert_close(model, ref, "end")
 
 
