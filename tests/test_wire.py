@@ -1,6 +1,8 @@
 """Hardening the wire (issue 21): strangers on a rank's port while the group sets up, bad
 lengths and bad settings. A stranger is shrugged off and the group computes correctly; a
 bad value is a clear error on every rank; nothing hangs and nothing is left in /dev/shm."""
+import hashlib
+import hmac
 import os
 import socket
 import struct
@@ -16,6 +18,7 @@ from harness import spawn, transport_env
 pytestmark = pytest.mark.timeout(120)
 
 HELLO_MAGIC = 0x7470617274637033  # "tpartcp3" (csrc/transport/tcp/handshake.h)
+ACCEPTED_MAGIC = 0x7470617274636F6B  # "tpartcok"
 HELLO = struct.Struct("<Qiii16s")  # magic, caller, listener, world size, nonce
 CHALLENGE = struct.Struct("<Qiii16s32s")  # ... listener's nonce, its MAC
 PROOF = struct.Struct("<Q32s")
@@ -38,8 +41,25 @@ def _contact_port(store, rank, timeout_s=30):
     raise AssertionError(f"rank {rank}'s contact never appeared in the store")
 
 
-def _attack(port, kind, world_size):
-    """Connects to a listening rank and misbehaves; returns the socket (kept open)."""
+def _mac(secret, role, listener, caller, size, caller_nonce, listener_nonce):
+    """The handshake's MAC (csrc/transport/tcp/handshake.cpp), made as a stranger would."""
+    text = role + b"\0" + struct.pack("<iii", listener, caller, size) + caller_nonce + listener_nonce
+    return hmac.new(secret, text, hashlib.sha256).digest()
+
+
+def _recv_exactly(s, n):
+    got = b""
+    while len(got) < n:
+        chunk = s.recv(n - len(got))
+        if not chunk:
+            break
+        got += chunk
+    return got
+
+
+def _attack(port, kind, world_size, published=None):
+    """Connects to a listening rank and misbehaves; returns the socket (kept open).
+    ``published``: the secret as the store holds it (for ``store_reader``)."""
     s = socket.create_connection(("127.0.0.1", port), timeout=5)
     if kind == "silent":
         pass  # connects, then says nothing
@@ -60,6 +80,16 @@ def _attack(port, kind, world_size):
                 break
             reply += chunk
         s.sendall(PROOF.pack(HELLO_MAGIC, os.urandom(32)))
+    elif kind == "store_reader":
+        # The whole handshake as the last rank, with the secret read from the store: it
+        # passes unless the ranks mix a job key the store never saw into it.
+        nonce = os.urandom(16)
+        s.sendall(HELLO.pack(HELLO_MAGIC, world_size - 1, 0, world_size, nonce))
+        challenge = CHALLENGE.unpack(_recv_exactly(s, CHALLENGE.size))
+        s.sendall(PROOF.pack(HELLO_MAGIC, _mac(bytes.fromhex(published), b"torchpar caller", 0, world_size - 1,
+                                               world_size, nonce, challenge[4])))
+        reply = _recv_exactly(s, 8)
+        assert reply != struct.pack("<Q", ACCEPTED_MAGIC), "a store reader was accepted as a rank"
     else:
         raise ValueError(kind)
     return s
@@ -112,8 +142,9 @@ def _attacked_set_up(rank, world_size, init_file, kinds, timeout_s):
     def attack():
         try:
             port = _contact_port(raw, 0)
+            published = dist.PrefixStore("cpu/", dist.PrefixStore("0/", raw)).get("torchpar/tcp/secret").decode()
             for k in kinds:
-                held.append(_attack(port, k, world_size))
+                held.append(_attack(port, k, world_size, published))
         except Exception as e:  # noqa: BLE001
             failures.append(f"after {len(held)} connections: {e!r}")
 
@@ -158,6 +189,29 @@ def test_many_silent_strangers_do_not_crowd_out_the_ranks():
     # More connections than the old backlog (world size) and than the handshakes the
     # listener keeps open at once (64): the oldest strangers are dropped, the ranks get in.
     spawn(_attacked_set_up, 2, ["silent"] * 80, 10, timeout=90, env=transport_env("tcp"))
+
+
+def _key_file(tmp_path, name, content):
+    path = tmp_path / name
+    path.write_bytes(content)
+    return str(path)
+
+
+def test_a_store_reader_cannot_join_a_group_with_a_job_key(tmp_path):
+    # c10d's store has no authentication, and the group's published secret sits in it:
+    # TORCHPAR_SECRET_FILE mixes a key the store never sees into the handshake's secret.
+    env = transport_env("tcp", {"TORCHPAR_SECRET_FILE": _key_file(tmp_path, "key", os.urandom(32))})
+    spawn(_attacked_set_up, 2, ["store_reader"] * 2, 8, timeout=90, env=env)
+
+
+def _set_up_with_key(rank, world_size, init_file, keys):
+    os.environ["TORCHPAR_SECRET_FILE"] = keys[rank]
+    return _init_fails(rank, world_size, init_file, "TORCHPAR_SECRET_FILE")
+
+
+def test_ranks_with_different_job_keys_fail_set_up_naming_the_setting(tmp_path):
+    keys = [_key_file(tmp_path, f"key{r}", os.urandom(32)) for r in range(2)]
+    assert spawn(_set_up_with_key, 2, keys, timeout=60, env=transport_env("tcp")) == [True, True]
 
 
 # ---------------------------------------------------------------- lengths and settings

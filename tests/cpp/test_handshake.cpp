@@ -9,6 +9,7 @@
 
 #include <atomic>
 #include <cerrno>
+#include <cstdlib>
 #include <cstring>
 #include <string>
 #include <thread>
@@ -205,6 +206,98 @@ TEST(Tcp, AStrangerWithoutTheSecretCannotTakeARanksPlace) {
   for (int fd : strangers) ::close(fd);
   EXPECT_EQ(errors[0], "");
   EXPECT_EQ(errors[1], "");
+}
+
+// The store is c10d's and has no authentication: whoever reads it learns the published
+// secret. With a job key (TORCHPAR_SECRET_FILE) the handshakes use HMAC(key, published),
+// which that reader cannot make.
+TEST(Handshake, AJobKeyMixesIntoTheSecret) {
+  const Secret published = random_secret();
+  EXPECT_EQ(group_secret(published, ""), published);  // no key: the published secret itself
+  const std::string key(32, 'k');
+  const Secret keyed = group_secret(published, key);
+  EXPECT_NE(keyed, published);
+  EXPECT_EQ(group_secret(published, key), keyed);
+  EXPECT_NE(group_secret(published, std::string(32, 'j')), keyed);
+  EXPECT_NE(group_secret(random_secret(), key), keyed);
+
+  Nonce caller = random_nonce(), listener = random_nonce();
+  Hello hello{kHandshakeMagic, 1, 0, 2, caller};
+  Proof from_store{kHandshakeMagic, caller_mac(published, 0, 1, 2, caller, listener)};
+  EXPECT_FALSE(check_proof(from_store, keyed, 0, hello, listener));
+  Challenge c{kHandshakeMagic, 0, 1, 2, listener, listener_mac(published, 0, 1, 2, caller, listener)};
+  EXPECT_NE(check_challenge(c, keyed, 1, 0, 2, caller), "");
+}
+
+// A stranger who read the published secret from the store plays rank 1 through the whole
+// handshake; with a job key it is refused and the real ranks connect.
+TEST(Tcp, AStoreReaderWithoutTheJobKeyCannotTakeARanksPlace) {
+  char path[] = "/tmp/torchpar-key-XXXXXX";
+  int key_fd = ::mkstemp(path);
+  ASSERT_GE(key_fd, 0);
+  const std::string key(32, 'q');
+  ASSERT_EQ(::write(key_fd, key.data(), key.size()), static_cast<ssize_t>(key.size()));
+  ::close(key_fd);
+  ::setenv("TORCHPAR_SECRET_FILE", path, 1);
+  MemoryRendezvous rv;
+  std::vector<std::string> errors(2);
+  auto rank = [&](int r) {
+    try {
+      TcpTransport t(r, 2, rv, small_config(), std::chrono::milliseconds(5000));
+      float x = static_cast<float>(r + 1);
+      auto c = tptest::comm(t, 0);
+      collectives::allreduce(c, &x, 1, c10::ScalarType::Float, collectives::ReduceOp::kSum);
+      if (x != 3.0f) errors[r] = "wrong sum " + std::to_string(x);
+    } catch (const std::exception& e) {
+      errors[r] = e.what();
+    }
+  };
+  std::thread rank0(rank, 0);
+  const uint16_t port = read_record<Contact>(rv, store_keys::tcp_contact(0)).port;
+  const Secret published = parse_secret(rv.get(store_keys::kTcpSecret));
+  int fd = dial(port);
+  ASSERT_GE(fd, 0);
+  Hello hello{kHandshakeMagic, 1, 0, 2, random_nonce()};
+  ::send(fd, &hello, sizeof(hello), MSG_NOSIGNAL);
+  Challenge c{};
+  ASSERT_EQ(::recv(fd, &c, sizeof(c), MSG_WAITALL), static_cast<ssize_t>(sizeof(c)));
+  Proof proof{kHandshakeMagic, caller_mac(published, 0, 1, 2, hello.nonce, c.nonce)};
+  ::send(fd, &proof, sizeof(proof), MSG_NOSIGNAL);
+  Accepted accepted{};
+  EXPECT_NE(::recv(fd, &accepted, sizeof(accepted), MSG_WAITALL), static_cast<ssize_t>(sizeof(accepted)))
+      << "the listener accepted a caller that knew only what the store holds";
+  ::close(fd);
+  std::thread rank1(rank, 1);
+  rank0.join();
+  rank1.join();
+  ::unsetenv("TORCHPAR_SECRET_FILE");
+  ::unlink(path);
+  EXPECT_EQ(errors[0], "");
+  EXPECT_EQ(errors[1], "");
+}
+
+// A key file that is missing, or too short to be a key, fails set-up naming it.
+TEST(Tcp, ABadJobKeyFileFailsSetUpNamingIt) {
+  for (bool missing : {false, true}) {
+    char path[] = "/tmp/torchpar-key-XXXXXX";
+    int key_fd = ::mkstemp(path);
+    ASSERT_GE(key_fd, 0);
+    ASSERT_EQ(::write(key_fd, "short", 5), 5);
+    ::close(key_fd);
+    if (missing) ::unlink(path);
+    ::setenv("TORCHPAR_SECRET_FILE", path, 1);
+    MemoryRendezvous rv;
+    std::string error;
+    try {
+      TcpTransport t(0, 2, rv, small_config(), std::chrono::milliseconds(2000));
+    } catch (const std::exception& e) {
+      error = e.what();
+    }
+    ::unsetenv("TORCHPAR_SECRET_FILE");
+    ::unlink(path);
+    EXPECT_TRUE(contains(error, "TORCHPAR_SECRET_FILE='" + std::string(path) + "'")) << error;
+    EXPECT_TRUE(contains(error, missing ? "cannot be read" : "holds 5 bytes")) << error;
+  }
 }
 
 // The listener may drop a connection after the caller's proof (too many handshakes at once,

@@ -78,6 +78,20 @@ Secret parse_secret(const std::string& text) {
   return secret;
 }
 
+Secret group_secret(const Secret& published, const std::string& job_key) {
+  if (job_key.empty()) return published;
+  static const char kLabel[] = "torchpar group secret";  // with its NUL: domain separation from the MACs
+  std::vector<uint8_t> text(kLabel, kLabel + sizeof(kLabel));
+  text.insert(text.end(), published.begin(), published.end());
+  Secret out{};
+  unsigned int len = 0;
+  TP_CHECK(::HMAC(::EVP_sha256(), job_key.data(), static_cast<int>(job_key.size()), text.data(), text.size(),
+                  out.data(), &len) != nullptr &&
+               len == kSecretBytes,
+           "HMAC-SHA256 failed");
+  return out;
+}
+
 Mac listener_mac(const Secret& secret, int listener, int caller, int size, const Nonce& caller_nonce,
                  const Nonce& listener_nonce) {
   return mac_of(secret, "torchpar listener", listener, caller, size, caller_nonce, listener_nonce);
@@ -105,7 +119,8 @@ std::string check_challenge(const Challenge& challenge, const Secret& secret, in
     return "the process listening there is not rank " + std::to_string(peer) + " of this group";
   }
   if (!same_mac(challenge.mac, listener_mac(secret, peer, me, size, my_nonce, challenge.nonce))) {
-    return "the process listening there does not prove that it knows this group's secret";
+    return "the process listening there does not prove that it knows this group's secret (a stranger, or a rank "
+           "whose TORCHPAR_SECRET_FILE holds another key)";
   }
   return "";
 }

@@ -75,6 +75,13 @@ Nonce random_nonce();
 std::string secret_to_hex(const Secret& secret);
 Secret parse_secret(const std::string& text);
 
+// The secret the handshakes use. `published` is the one rank 0 drew and put in the store; the
+// store is c10d's, which has no authentication, so whoever can read it could join the group.
+// With a job key that every rank holds and the store never sees (TORCHPAR_SECRET_FILE) the
+// secret is HMAC(key, published): a reader of the store learns the published half only.
+// Without a key (empty) it is `published` itself.
+Secret group_secret(const Secret& published, const std::string& job_key);
+
 // The MACs each side sends: over both ranks, the world size and both nonces.
 Mac listener_mac(const Secret& secret, int listener, int caller, int size, const Nonce& caller_nonce,
                  const Nonce& listener_nonce);

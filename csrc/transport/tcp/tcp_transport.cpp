@@ -7,7 +7,10 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <cstring>
 #include <deque>
+#include <fstream>
+#include <iterator>
 #include <thread>
 
 #include "common/error.h"
@@ -59,6 +62,23 @@ bool read_part(int fd, void* into, size_t size, size_t* got) {
     return k < 0 && (errno == EAGAIN || errno == EWOULDBLOCK || errno == EINTR);
   }
   return true;
+}
+
+// TORCHPAR_SECRET_FILE names a file holding the job's key: the same bytes on every rank,
+// handed out the way the job's other credentials are, never through the store (c10d's store
+// has no authentication; handshake.h: group_secret). Read at each group's set-up.
+constexpr size_t kMinJobKeyBytes = 16;
+
+std::string read_job_key() {
+  const std::string path = env_str("TORCHPAR_SECRET_FILE", "");
+  if (path.empty()) return "";
+  std::ifstream in(path, std::ios::binary);
+  TP_CHECK(in.is_open(), "TORCHPAR_SECRET_FILE='", path, "' cannot be read: ", std::strerror(errno));
+  std::string key((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+  TP_CHECK(!in.bad(), "TORCHPAR_SECRET_FILE='", path, "' cannot be read: ", std::strerror(errno));
+  TP_CHECK(key.size() >= kMinJobKeyBytes, "TORCHPAR_SECRET_FILE='", path, "' holds ", key.size(),
+           " bytes; a key needs at least ", kMinJobKeyBytes, " random bytes (e.g. `head -c 32 /dev/urandom > FILE`)");
+  return key;
 }
 
 }  // namespace
@@ -113,20 +133,23 @@ void TcpTransport::connect_all(Rendezvous& rendezvous, const Config& config,
   // The kernel's largest backlog: connections wait there only until the answering thread
   // (started below) accepts them, so strangers cannot crowd out the group's ranks.
   Fd listener = listen_on(bind_to, SOMAXCONN, &port);
-  // The group's secret reaches the other ranks through the store only; on the wire each
-  // connection proves it knows it (transport/tcp/handshake.h).
-  Secret secret{};
+  // The group's secret reaches the other ranks through the store only, mixed with the job's
+  // key where there is one; on the wire each connection proves it knows it
+  // (transport/tcp/handshake.h).
+  const std::string job_key = read_job_key();
+  Secret published{};
   if (rank_ == 0) {
-    secret = random_secret();
-    rendezvous.set(store_keys::kTcpSecret, secret_to_hex(secret));
+    published = random_secret();
+    rendezvous.set(store_keys::kTcpSecret, secret_to_hex(published));
   } else {
     const std::string text = rendezvous.get(store_keys::kTcpSecret);
     try {
-      secret = parse_secret(text);
+      published = parse_secret(text);
     } catch (const Error& e) {
       TP_THROW("the store key '", store_keys::kTcpSecret, "' holds a malformed value: ", e.what());
     }
   }
+  const Secret secret = group_secret(published, job_key);
   Contact mine{port, HostIdentity::local(), addresses};
   rendezvous.set(store_keys::tcp_contact(rank_), mine.encode());
 
@@ -285,6 +308,11 @@ void TcpTransport::answer(int listener, const Secret& secret, Clock::time_point 
           }
         } else {
           drop = !read_part(p.fd.get(), &p.proof, sizeof(p.proof), &p.proof_got);
+          if (drop) {
+            // A rank hangs up here when this rank's challenge did not check out for it.
+            refuse("a caller claiming rank " + std::to_string(p.hello.rank) +
+                   " hung up on the challenge (a rank whose TORCHPAR_SECRET_FILE holds another key, or a stranger)");
+          }
           if (!drop && p.proof_got == sizeof(p.proof)) {
             if (check_proof(p.proof, secret, rank_, p.hello, p.nonce)) {
               const Accepted accepted{kAcceptedMagic};
@@ -296,7 +324,8 @@ void TcpTransport::answer(int listener, const Secret& secret, Clock::time_point 
               }
             } else {
               refuse("a caller claiming rank " + std::to_string(p.hello.rank) +
-                     " did not prove that it knows the group's secret");
+                     " did not prove that it knows the group's secret (a stranger, or a rank whose "
+                     "TORCHPAR_SECRET_FILE holds another key)");
             }
             drop = true;
           }
