@@ -11,6 +11,7 @@
 #include <string>
 #include <vector>
 
+#include <c10/util/BFloat16.h>
 #include <c10/util/Half.h>
 
 #include "collectives/collectives.h"
@@ -336,6 +337,75 @@ TEST_P(Hosts, ReduceToEveryRootEqualsExactValues) {
   });
 }
 
+// Element sizes 1, 2 and 8 at counts around the pipelined all_reduce's threshold (two slots:
+// 64 Ki int8, 32 Ki bfloat16, 8 Ki double) and odd counts: a last chunk of one element, pieces
+// of a chunk that the hosts do not divide evenly, counts smaller than a piece. Small integers,
+// so every order of summation gives the same exact values; reduce_scatter in place (the
+// output is this rank's input block, as reduce_scatter_tensor over a view), reduce to every root.
+template <typename T>
+void odd_counts_of(int rank, int world, Transport& t, c10::ScalarType dtype, size_t slot, uint64_t& seq) {
+  const auto value = [](int r, size_t i) { return static_cast<float>((i + 3 * r) % 5); };
+  for (size_t n : {size_t{1}, size_t{17}, 2 * slot, 2 * slot + 1, 3 * slot - 1, 5 * slot + 7}) {
+    std::vector<T> v(n);
+    for (size_t i = 0; i < n; ++i) v[i] = static_cast<T>(value(rank, i));
+    auto c = comm(t, seq++, 20000);
+    collectives::allreduce(c, v.data(), n, dtype, ReduceOp::kSum);
+    for (size_t i = 0; i < n; ++i) {
+      float want = 0;
+      for (int q = 0; q < world; ++q) want += value(q, i);
+      ASSERT_EQ(static_cast<float>(v[i]), want) << "all_reduce n=" << n << " i=" << i;
+    }
+    std::vector<T> mx(n);
+    for (size_t i = 0; i < n; ++i) mx[i] = static_cast<T>(value(rank, i));
+    auto c2 = comm(t, seq++, 20000);
+    collectives::allreduce(c2, mx.data(), n, dtype, ReduceOp::kMax);
+    for (size_t i = 0; i < n; ++i) {
+      float want = 0;
+      for (int q = 0; q < world; ++q) want = std::max(want, value(q, i));
+      ASSERT_EQ(static_cast<float>(mx[i]), want) << "all_reduce max n=" << n << " i=" << i;
+    }
+  }
+  for (size_t n : {size_t{1}, size_t{17}, size_t{4099}}) {
+    std::vector<T> all(world * n);
+    std::vector<const void*> ins;
+    for (int q = 0; q < world; ++q) {
+      for (size_t i = 0; i < n; ++i) all[q * n + i] = static_cast<T>(value(rank, q * n + i));
+      ins.push_back(all.data() + q * n);
+    }
+    auto c = comm(t, seq++, 20000);
+    collectives::reduce_scatter(c, ins.data(), all.data() + rank * n, n, dtype, ReduceOp::kSum);
+    for (size_t i = 0; i < n; ++i) {
+      float want = 0;
+      for (int q = 0; q < world; ++q) want += value(q, rank * n + i);
+      ASSERT_EQ(static_cast<float>(all[rank * n + i]), want) << "reduce_scatter n=" << n << " i=" << i;
+    }
+    for (int root = 0; root < world; ++root) {
+      std::vector<T> r(n);
+      for (size_t i = 0; i < n; ++i) r[i] = static_cast<T>(value(rank, i));
+      auto c2 = comm(t, seq++, 20000);
+      collectives::reduce(c2, r.data(), n, dtype, ReduceOp::kSum, root);
+      for (size_t i = 0; i < n; ++i) {
+        float want = value(rank, i);
+        if (rank == root) {
+          want = 0;
+          for (int q = 0; q < world; ++q) want += value(q, i);
+        }
+        ASSERT_EQ(static_cast<float>(r[i]), want) << "reduce root " << root << " n=" << n << " i=" << i;
+      }
+    }
+  }
+}
+
+TEST_P(Hosts, OddCountsOfNarrowAndWideDtypes) {
+  const int world = this->world();
+  run([&](int rank, Transport& t) {
+    uint64_t seq = 0;
+    odd_counts_of<int8_t>(rank, world, t, c10::ScalarType::Char, 64 << 10, seq);
+    odd_counts_of<c10::BFloat16>(rank, world, t, c10::ScalarType::BFloat16, 32 << 10, seq);
+    odd_counts_of<double>(rank, world, t, c10::ScalarType::Double, 8 << 10, seq);
+  });
+}
+
 TEST_P(Hosts, BarrierAndAllToAllOverTheMixedTransport) {
   const int world = this->world();
   run([&](int rank, Transport& t) {
@@ -406,6 +476,43 @@ TEST_P(Hosts, MismatchFailsEveryRankAlikeAndTheGroupStaysUsable) {
     EXPECT_EQ(messages[r], messages[0]) << r;
     EXPECT_NE(messages[r].find("rank " + std::to_string(world - 1) + " called all_reduce of 11"), std::string::npos)
         << messages[r];
+  }
+}
+
+// reduce with roots that differ, all_gather with dtypes that differ (same byte count):
+// the same message on every rank, before any data moves, and the group stays usable.
+TEST_P(Hosts, ReduceAndAllgatherMismatchesFailEveryRankAlike) {
+  const int world = this->world();
+  std::vector<std::string> roots(world), dtypes(world);
+  run([&](int rank, Transport& t) {
+    std::vector<int32_t> v(6, rank);
+    auto c = comm(t, 0, 20000);
+    try {
+      collectives::reduce(c, v.data(), v.size(), c10::ScalarType::Int, ReduceOp::kSum, rank == world - 1 ? 1 : 0);
+      ADD_FAILURE() << "rank " << rank << " did not notice the mismatch";
+    } catch (const UsageError& e) {
+      roots[rank] = e.what();
+      roots[rank] = roots[rank].substr(roots[rank].find("collective mismatch"));
+    }
+    EXPECT_EQ(v[0], rank);
+    std::vector<int32_t> out(world * 6, -1);
+    std::vector<void*> outs;
+    for (int q = 0; q < world; ++q) outs.push_back(out.data() + q * 6);
+    auto c2 = comm(t, 1, 20000);
+    try {
+      collectives::allgather(c2, v.data(), outs.data(), 6, rank == 0 ? c10::ScalarType::Float : c10::ScalarType::Int);
+      ADD_FAILURE() << "rank " << rank << " did not notice the mismatch";
+    } catch (const UsageError& e) {
+      dtypes[rank] = e.what();
+      dtypes[rank] = dtypes[rank].substr(dtypes[rank].find("collective mismatch"));
+    }
+    auto c3 = comm(t, 2, 20000);
+    collectives::reduce(c3, v.data(), v.size(), c10::ScalarType::Int, ReduceOp::kSum, world - 1);
+    EXPECT_EQ(v[0], rank == world - 1 ? world * (world - 1) / 2 : rank);
+  });
+  for (int r = 0; r < world; ++r) {
+    EXPECT_EQ(roots[r], roots[0]) << r;
+    EXPECT_EQ(dtypes[r], dtypes[0]) << r;
   }
 }
 
