@@ -146,11 +146,12 @@ void allreduce(Comm& c, const Segments& data, size_t count, c10::ScalarType dtyp
   // cores, not the link, are the bottleneck (on the loaded test machine, 16 chunks of a
   // 64 MiB all_reduce over the plain veth took 1.6x as long as the stages one after the
   // other); 8 leave a quarter of the host stages' time exposed on a slow link. Every rank
-  // decides alike (count and the slot size are the same on all).
+  // decides alike (count and the slot size are the same on all). chunk > count / 8, so there
+  // are at most 8 chunks (the pipeline's tags are chunk numbers).
   constexpr size_t kPipelineChunks = 8;
   const size_t slot = std::max<size_t>(16, static_cast<size_t>(c.config.slot_bytes) / es / 16 * 16);
   const size_t chunk = std::max(slot, (count + kPipelineChunks - 1) / kPipelineChunks / 16 * 16 + 16);
-  if (count <= 2 * slot || p2p::chunks_of(count, chunk) >= (size_t{1} << 20)) {
+  if (count <= 2 * slot) {
     in_stages(c, data, count, dtype, op, partial);
   } else {
     pipelined(c, data, count, chunk, dtype, op, partial);
