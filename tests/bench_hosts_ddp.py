@@ -1,4 +1,4 @@
-"""DDP across two test hosts (tests/netns.py), one rank each, on an unshaped and on a shaped
+"""DDP across two test hosts (torchpar/bench/_hosts.py), one rank each, on an unshaped and on a shaped
 link: torchpar's overlapped DDP against the no-overlap baseline (issue 21).
 
     sudo python tests/bench_hosts_ddp.py [--rate 1gbit] [--width 1024 --depth 4 --batch 256]
@@ -15,9 +15,9 @@ import subprocess
 import sys
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from netns import Hosts  # noqa: E402
-from test_hosts import STORE_PORT, WORKER, _env  # noqa: E402
+from torchpar.bench._hosts import Hosts, start_ranks, worker_env
+
+WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "hosts_worker.py")
 
 
 def run(shaped, args):
@@ -25,17 +25,11 @@ def run(shaped, args):
         if shaped:
             for h in hosts:
                 h.shape(rate=args.rate)
-        procs = []
-        for rank, h in enumerate(hosts):
-            env = _env(RANK=rank, WORLD_SIZE=2, LOCAL_RANK=0, LOCAL_WORLD_SIZE=1, MASTER_ADDR=hosts[0].address,
-                       MASTER_PORT=STORE_PORT, HOSTS_TIMEOUT=600, TORCHPAR_TRANSPORT="auto",
-                       BENCH_WIDTH=args.width, BENCH_DEPTH=args.depth, BENCH_BATCH=args.batch,
-                       BENCH_STEPS=args.steps, BENCH_ROUNDS=args.rounds, BENCH_BUCKET_MB=args.bucket_cap_mb)
-            for k in ("TORCHPAR_SHM_SLOT_BYTES", "TORCHPAR_SHM_RING_BYTES", "TORCHPAR_ONESHOT_MAX_BYTES",
-                      "TORCHPAR_P2P_CHUNK_BYTES"):
-                env.pop(k)  # the defaults, not the tests' small buffers
-            procs.append(h.popen([sys.executable, WORKER, "ddp_bench"], stdout=subprocess.PIPE,
-                                 stderr=subprocess.STDOUT, text=True, env=env))
+        # The defaults, not the tests' small buffers (whatever this shell sets applies).
+        env = worker_env(HOSTS_TIMEOUT=600, BENCH_WIDTH=args.width, BENCH_DEPTH=args.depth, BENCH_BATCH=args.batch,
+                         BENCH_STEPS=args.steps, BENCH_ROUNDS=args.rounds, BENCH_BUCKET_MB=args.bucket_cap_mb)
+        procs = start_ranks(hosts, [1, 1], [sys.executable, WORKER, "ddp_bench"], env,
+                            output=lambda rank: subprocess.PIPE)
         outs = [p.communicate(timeout=args.timeout)[0] for p in procs]
     for line in outs[0].splitlines():
         if line.startswith("HOSTS bench "):

@@ -1,4 +1,4 @@
-"""One rank of a job spread over the test hosts of tests/netns.py (run by tests/test_hosts.py,
+"""One rank of a job spread over the test hosts of torchpar/bench/_hosts.py (run by tests/test_hosts.py,
 under torchrun or started directly with RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT set).
 
     python tests/hosts_worker.py suite     # collectives against exact values, then DDP
@@ -109,6 +109,11 @@ def collectives(W, r, n):
     dist.reduce_scatter_tensor(rs_out, rs_in)
     want = torch.arange(r * n, (r + 1) * n, dtype=torch.float64) * W + W * (W - 1) // 2
     equal(rs_out, want, "reduce_scatter_tensor")
+
+    red = torch.full((n,), float(r + 1), dtype=torch.float64)
+    dist.reduce(red, dst=W - 1)  # to a rank that is not its host's leader (3 hosts: alone on its host)
+    equal(red, torch.full((n,), float(W * (W + 1) // 2 if r == W - 1 else r + 1), dtype=torch.float64),
+          "reduce to the last rank")
 
     a2a_in = (100 * r + torch.arange(W)).repeat_interleave(n)
     a2a_out = torch.empty_like(a2a_in)
@@ -341,54 +346,6 @@ def ddp_bench():
     dist.destroy_process_group()
 
 
-def allreduce_bench():
-    """Median time per all_reduce (us) of float32 buffers of BENCH_SIZES bytes, on groups of
-    every rank made with different settings, interleaved round by round: "hier" (the default
-    over several hosts: shared memory in each host, TCP between leaders), "mixed_flat"
-    (TORCHPAR_HIERARCHICAL=0: the same transport, flat point-to-point algorithms), "tcp"
-    (TORCHPAR_TRANSPORT=tcp: TCP between every pair) and gloo. Rank 0 prints one JSON line."""
-    import json
-    import statistics
-
-    if os.environ.get("BENCH_VERBOSE"):
-        import faulthandler
-        faulthandler.dump_traceback_later(40, exit=True)
-    W, r = init()
-    sizes = [int(x) for x in os.environ["BENCH_SIZES"].split(",")]
-    rounds = int(os.environ.get("BENCH_ROUNDS", "5"))
-    groups = {"hier": dist.group.WORLD}
-    for name, setting, value in (("mixed_flat", "TORCHPAR_HIERARCHICAL", "0"), ("tcp", "TORCHPAR_TRANSPORT", "tcp")):
-        os.environ[setting] = value
-        try:
-            groups[name] = dist.new_group(list(range(W)))
-        finally:
-            del os.environ[setting]
-    groups["gloo"] = dist.new_group(list(range(W)), backend="gloo")
-    check(transport_of(groups["tcp"]) == "tcp" and transport_of() == "mixed", "unexpected transports")
-    result = {}
-    for size in sizes:
-        t = torch.ones(size // 4)
-        calls = max(2, min(50, (4 << 20) // size))
-        samples = {m: [] for m in groups}
-        for round_ in range(rounds):
-            order = list(groups)[round_ % len(groups):] + list(groups)[:round_ % len(groups)]
-            for mode in order:
-                g = groups[mode]
-                dist.all_reduce(t, group=g)  # warm-up (and the staging memory)
-                dist.barrier(group=groups["hier"])
-                t0 = time.perf_counter()
-                for _ in range(calls):
-                    dist.all_reduce(t, group=g)
-                samples[mode].append((time.perf_counter() - t0) / calls)
-        result[size] = {m: round(statistics.median(v) * 1e6, 1) for m, v in samples.items()}
-        if r == 0:
-            say("point", size, json.dumps(result[size]))
-    if r == 0:
-        say("bench", json.dumps(result))
-    dist.destroy_process_group()
-
-
 if __name__ == "__main__":
     torch.set_num_threads(1)  # several ranks share two cores
-    {"suite": suite, "loop": loop, "restart": restart, "ddp_bench": ddp_bench,
-     "allreduce_bench": allreduce_bench}[sys.argv[1]]()
+    {"suite": suite, "loop": loop, "restart": restart, "ddp_bench": ddp_bench}[sys.argv[1]]()

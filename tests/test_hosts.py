@@ -1,8 +1,9 @@
 """torchpar across hosts (issue 21): jobs over network namespaces joined by a bridge
-(tests/netns.py), launched by torchrun with the c10d rendezvous as on real machines, and
+(torchpar/bench/_hosts.py), launched by torchrun with the c10d rendezvous as on real machines, and
 the faults a multi-host job meets: a rank killed mid-collective, a restart after it, a host
-whose link goes down. The ranks run tests/hosts_worker.py. Needs root; skips saying why
-otherwise. docs/hosts.md describes the set-up.
+whose link goes down. The ranks run tests/hosts_worker.py; the hosts are those of
+torchpar/bench/_hosts.py (as for ``python -m torchpar.bench collectives --hosts N``). Needs
+root; skips saying why otherwise. docs/hosts.md describes the set-up.
 """
 import os
 import re
@@ -13,12 +14,11 @@ import time
 import pytest
 
 from harness import SMALL_BUFFERS
-from netns import Hosts
+from torchpar.bench._hosts import Hosts, start_ranks, worker_env
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 WORKER = os.path.join(ROOT, "tests", "hosts_worker.py")
 RDZV_PORT = 29400   # each host is a namespace of its own: no other job shares its ports
-STORE_PORT = 29500
 
 
 @pytest.fixture(scope="module")
@@ -29,12 +29,8 @@ def can_make_hosts():
 
 
 def _env(**extra):
-    env = dict(os.environ)
-    env.update(SMALL_BUFFERS)  # small chunks and slots: modest tensors cross every boundary
-    env.update({"PYTHONPATH": ROOT + os.pathsep + env.get("PYTHONPATH", ""), "OMP_NUM_THREADS": "1",
-                "TORCHPAR_TRANSPORT": "auto", "HOSTS_TIMEOUT": "30"})
-    env.update({k: str(v) for k, v in extra.items()})
-    return env
+    # Small chunks and slots: modest tensors cross every boundary.
+    return worker_env(**SMALL_BUFFERS, **{"HOSTS_TIMEOUT": "30", **extra})
 
 
 def _torchrun(hosts, nprocs, mode, tmp_path, max_restarts=0, **env):
@@ -56,16 +52,9 @@ def _torchrun(hosts, nprocs, mode, tmp_path, max_restarts=0, **env):
 
 def _start_ranks(hosts, nprocs, mode, tmp_path, **env):
     """The ranks started directly (no torchrun agent to kill the survivors of a fault)."""
-    world = sum(nprocs)
-    procs, rank = [], 0
-    for h, nproc in zip(hosts, nprocs):
-        for local in range(nproc):
-            log = open(tmp_path / f"rank{rank}.log", "w+")
-            e = _env(RANK=rank, WORLD_SIZE=world, LOCAL_RANK=local, LOCAL_WORLD_SIZE=nproc,
-                     MASTER_ADDR=hosts[0].address, MASTER_PORT=STORE_PORT, **env)
-            procs.append((h.popen([sys.executable, WORKER, mode], stdout=log, stderr=subprocess.STDOUT, env=e), log))
-            rank += 1
-    return procs
+    logs = [open(tmp_path / f"rank{rank}.log", "w+") for rank in range(sum(nprocs))]
+    procs = start_ranks(hosts, nprocs, [sys.executable, WORKER, mode], _env(**env), output=lambda rank: logs[rank])
+    return list(zip(procs, logs))
 
 
 def _wait(procs, timeout):

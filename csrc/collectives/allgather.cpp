@@ -38,7 +38,10 @@ void gather_chunks(Comm& c, OpKind kind, const void* in, void* const* outs, size
 }  // namespace
 
 void allgather(Comm& c, const void* in, void* const* outs, size_t count, c10::ScalarType dtype) {
-  if (!c.shared) return p2p::allgather(c, in, outs, count, dtype);
+  if (!c.shared) {
+    if (c.hierarchy != nullptr && c.members == nullptr) return hier::allgather(c, in, outs, count, dtype);
+    return p2p::allgather(c, in, outs, count, dtype);
+  }
   gather_chunks(c, OpKind::kAllgather, in, outs, count, dtype, -1);
 }
 

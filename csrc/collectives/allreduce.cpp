@@ -32,13 +32,10 @@ void allreduce(Comm& c, const Segments& data, size_t count, c10::ScalarType dtyp
                  " bytes of buffers");
   check_supported(op, dtype);
   if (!c.shared) {
-    // float16 is summed flat: the hierarchical path stores each host's partial sum in the
-    // dtype before the hosts' are added, which can overflow (2 x 40000 > 65504) where the flat
-    // path, widening to float32 and rounding once, does not (review finding). bfloat16 has
-    // float32's range: it stays hierarchical (rounded once more, after the host's stage).
-    const bool narrow_sum = dtype == c10::kHalf &&
-                            (op == ReduceOp::kSum || op == ReduceOp::kAvg || op == ReduceOp::kProduct);
-    if (c.hierarchy != nullptr && c.members == nullptr && !narrow_sum) return hier::allreduce(c, data, count, dtype, op);
+    // (float16 sums stay flat across hosts: hier::reduces_flat.)
+    if (c.hierarchy != nullptr && c.members == nullptr && !hier::reduces_flat(dtype, op)) {
+      return hier::allreduce(c, data, count, dtype, op);
+    }
     return p2p::allreduce(c, data, count, dtype, op);
   }
   c.begin(op_desc(OpKind::kAllreduce, dtype, count, 0, static_cast<int>(op)));

@@ -8,9 +8,7 @@
 #include "common/error.h"
 
 namespace torchpar::collectives::hier {
-namespace {
 
-// This host's ranks, over its arena.
 Comm host_comm(const Comm& c) {
   const Hierarchy& h = *c.hierarchy;
   Comm host{h.arena, c.p2p, c.config, c.deadline, c.seq, c.busy_wait, c.scratch};
@@ -19,19 +17,27 @@ Comm host_comm(const Comm& c) {
   return host;
 }
 
-// One rank per host (its leader), over point-to-point messages; rank g is host g's leader.
-// Descriptors were checked by agree() already, but the leaders' algorithms still run their
-// own (small) agreement: it is what makes them post their receives before any leader sends.
-// Without it a leader done with its host early sent its chunks to leaders still reducing
-// theirs, as early arrivals: extra copies, and a group failed past
+// Descriptors were checked by agree() already, but the algorithms among hosts still run
+// their own (small) agreement: it is what makes them post their receives before any of them
+// sends. Without it a leader done with its host early sent its chunks to leaders still
+// reducing theirs, as early arrivals: extra copies, and a group failed past
 // TORCHPAR_UNEXPECTED_MAX_BYTES (review finding).
-Comm leaders_comm(const Comm& c) {
+Comm hosts_comm(const Comm& c, const std::vector<int>& ranks) {
   const Hierarchy& h = *c.hierarchy;
-  Comm leaders{nullptr, c.p2p, c.config, c.deadline, c.seq, c.busy_wait, c.scratch};
-  leaders.members = &h.map.leaders;
-  leaders.member_rank = h.host();
-  return leaders;
+  Comm hosts{nullptr, c.p2p, c.config, c.deadline, c.seq, c.busy_wait, c.scratch};
+  hosts.members = &ranks;
+  hosts.member_rank = h.host();
+  return hosts;
 }
+
+bool reduces_flat(c10::ScalarType dtype, ReduceOp op) {
+  return dtype == c10::kHalf && (op == ReduceOp::kSum || op == ReduceOp::kAvg || op == ReduceOp::kProduct);
+}
+
+namespace {
+
+// One rank per host (its leader); rank g is host g's leader.
+Comm leaders_comm(const Comm& c) { return hosts_comm(c, c.hierarchy->map.leaders); }
 
 // Within this host, from local rank `root` to the others (a no-op for a rank alone).
 void host_broadcast(Comm& c, const Segments& data, size_t count, c10::ScalarType dtype, int root) {
@@ -87,32 +93,6 @@ std::string agree(Comm& c, const shm::OpDesc& desc) {
     host.arrive();  // done reading the slot
   }
   return mismatch(table, c.seq);
-}
-
-void allreduce(Comm& c, const Segments& data, size_t count, c10::ScalarType dtype, ReduceOp op) {
-  const Hierarchy& h = *c.hierarchy;
-  const size_t es = element_size(dtype);
-  const auto desc = op_desc(OpKind::kAllreduce, dtype, count, 0, static_cast<int>(op));
-  std::string message = agree(c, desc);
-  if (!message.empty()) throw UsageError(message);
-  // AVG: sums all the way, then one division by the group's size on each leader.
-  const ReduceOp partial = op == ReduceOp::kAvg ? ReduceOp::kSum : op;
-  if (h.arena != nullptr) {
-    Comm host = host_comm(c);
-    host.begin(op_desc(OpKind::kReduce, dtype, count, 0, static_cast<int>(partial)));
-    reduce_in_chunks(host, data, count, dtype, partial, /*root=*/0);
-  }
-  if (h.leader()) {
-    Comm leaders = leaders_comm(c);
-    p2p::allreduce(leaders, data, count, dtype, partial);
-    if (op == ReduceOp::kAvg) {
-      data.for_each(0, count * es, [&](char* at, size_t, size_t bytes) {
-        const void* src = at;
-        reduce(dtype, ReduceOp::kAvg, at, &src, 1, bytes / es, c.size());
-      });
-    }
-  }
-  host_broadcast(c, data, count, dtype, 0);
 }
 
 void broadcast(Comm& c, void* data, size_t count, c10::ScalarType dtype, int root) {

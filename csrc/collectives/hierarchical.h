@@ -18,11 +18,24 @@
 //
 // broadcast: within the root's host from the root, among the leaders from the root's
 // host's leader, then within every other host from its leader.
+//
+// all_gather (hierarchical_allgather.cpp): all-gather within each host through its arena,
+// the leaders exchange their hosts' blocks, each leader broadcasts the other hosts' blocks
+// within its host. A rank's block crosses the network once per other host, not once per
+// rank there.
+//
+// reduce_scatter and reduce (hierarchical_reduce.cpp): reduce within each host through its
+// arena (every rank's block, to the leader; for reduce, to the root on the root's host),
+// the hosts' partial sums go leader to leader (each host's blocks to their host's leader;
+// for reduce, to the root), are added in host order, and reduce_scatter scatters the
+// results within each host. Same order of summation as all_reduce: bit-identical to it.
 #pragma once
 
 #include <c10/core/ScalarType.h>
 
 #include <cstddef>
+#include <string>
+#include <vector>
 
 #include "collectives/comm.h"
 #include "collectives/reduce_op.h"
@@ -34,7 +47,24 @@ namespace torchpar::collectives::hier {
 // else the message every rank throws.
 std::string agree(Comm& c, const shm::OpDesc& desc);
 
+// Whether a reduction with `op` over `dtype` runs flat even across hosts: float16 sums
+// (and averages, products). The hierarchical path stores each host's partial in the dtype
+// before the hosts' are added, which can overflow (2 x 40000 > 65504) where the flat path,
+// widening to float32 and rounding once, does not (review finding). bfloat16 has float32's
+// range: it stays hierarchical (rounded once more, after the host's stage).
+bool reduces_flat(c10::ScalarType dtype, ReduceOp op);
+
 void allreduce(Comm& c, const Segments& data, size_t count, c10::ScalarType dtype, ReduceOp op);
 void broadcast(Comm& c, void* data, size_t count, c10::ScalarType dtype, int root);
+void allgather(Comm& c, const void* in, void* const* outs, size_t count, c10::ScalarType dtype);
+void reduce_scatter(Comm& c, const void* const* ins, void* out, size_t count, c10::ScalarType dtype, ReduceOp op);
+void reduce(Comm& c, void* data, size_t count, c10::ScalarType dtype, ReduceOp op, int root);
+
+// The sub-communicators the hierarchical collectives run on: this host's ranks over its
+// arena (null arena when the rank is alone on its host), and one rank per host over
+// point-to-point messages (member g is `ranks`[g]: the hosts' leaders, or for reduce the
+// root on the root's host).
+Comm host_comm(const Comm& c);
+Comm hosts_comm(const Comm& c, const std::vector<int>& ranks);
 
 }  // namespace torchpar::collectives::hier

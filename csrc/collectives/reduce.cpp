@@ -57,7 +57,12 @@ void reduce_in_chunks(Comm& c, const Segments& data, size_t count, c10::ScalarTy
 
 void reduce(Comm& c, void* data, size_t count, c10::ScalarType dtype, ReduceOp op, int root) {
   check_supported(op, dtype);
-  if (!c.shared) return p2p::reduce(c, data, count, dtype, op, root);
+  if (!c.shared) {
+    if (c.hierarchy != nullptr && c.members == nullptr && !hier::reduces_flat(dtype, op)) {
+      return hier::reduce(c, data, count, dtype, op, root);
+    }
+    return p2p::reduce(c, data, count, dtype, op, root);
+  }
   c.begin(op_desc(OpKind::kReduce, dtype, count, root, static_cast<int>(op)));
   reduce_in_chunks(c, Segments(data, count * element_size(dtype)), count, dtype, op, root);
 }

@@ -12,7 +12,12 @@ namespace torchpar::collectives {
 void reduce_scatter(Comm& c, const void* const* ins, void* out, size_t count, c10::ScalarType dtype,
                     ReduceOp op) {
   check_supported(op, dtype);
-  if (!c.shared) return p2p::reduce_scatter(c, ins, out, count, dtype, op);
+  if (!c.shared) {
+    if (c.hierarchy != nullptr && c.members == nullptr && !hier::reduces_flat(dtype, op)) {
+      return hier::reduce_scatter(c, ins, out, count, dtype, op);
+    }
+    return p2p::reduce_scatter(c, ins, out, count, dtype, op);
+  }
   c.begin(op_desc(OpKind::kReduceScatter, dtype, count, 0, static_cast<int>(op)));
   const size_t es = element_size(dtype);
   const size_t chunk = std::max<size_t>(1, c.arena().slot_bytes() / (es * c.size()));

@@ -11,6 +11,13 @@ all_to_all x (n-1)/n; broadcast x 1), for torchpar and gloo, and the speed-up of
 A single-core copy bandwidth measured in the same run is printed beside busbw: the
 shared-memory transport is bounded by memory bandwidth. With ``--transport tcp`` torchpar
 runs over its TCP transport (loopback between ranks of this host), as gloo always does.
+
+    python -m torchpar.bench collectives --hosts 2 [--ranks-per-host 2] [--rate 1gbit]
+
+runs over test hosts made of network namespaces (as root; torchpar/bench/_hosts.py), on the
+plain link and on one shaped with ``tc tbf`` at ``--rate``: torchpar across hosts
+(hierarchical), its flat algorithms over the same transport, torchpar with TCP between every
+pair, and gloo, round by round in one job (torchpar/bench/_hosts_report.py).
 """
 import argparse
 import os
@@ -105,30 +112,66 @@ def sizes_up_to(max_bytes):
     return sizes
 
 
+# The systems compared: the default group (torchpar as the environment makes it), torchpar
+# groups made with one setting changed, gloo.
+SYSTEMS = {"torchpar": None, "torchpar_flat": ("TORCHPAR_HIERARCHICAL", "0"),
+           "torchpar_tcp": ("TORCHPAR_TRANSPORT", "tcp"), "gloo": None}
+
+
+def make_groups(systems):
+    """One group of every rank per system (every rank calls this alike)."""
+    timeout = timedelta(seconds=600)
+    groups = {}
+    for name in systems:
+        if name == "torchpar":
+            groups[name] = dist.group.WORLD
+        elif name == "gloo":
+            groups[name] = dist.new_group(backend="gloo", timeout=timeout)
+        else:
+            setting, value = SYSTEMS[name]  # read by the backend when the group is made
+            old = os.environ.get(setting)
+            os.environ[setting] = value
+            try:
+                groups[name] = dist.new_group(timeout=timeout)
+            finally:
+                if old is None:
+                    del os.environ[setting]
+                else:
+                    os.environ[setting] = old
+    return groups
+
+
 def run_rank(args):
-    """Runs in every rank with the default group already initialised (torchpar)."""
+    """Runs in every rank with the default group already initialised (torchpar). With
+    ``args.rounds`` > 1 the systems take turns round by round (each round in a rotated order)
+    and each point is the median of the rounds."""
     torch.set_num_threads(1)
     world, rank = dist.get_world_size(), dist.get_rank()
-    groups = {"torchpar": dist.group.WORLD,
-              "gloo": dist.new_group(backend="gloo", timeout=timedelta(seconds=600))}
+    groups = make_groups(args.systems)
     results = []
     copy_bw = {}
-    for size in sizes_up_to(args.max_bytes):
+    for size in args.sizes or sizes_up_to(args.max_bytes):
         dist.barrier()
         if rank == 0 and size >= 64 << 10:
             copy_bw[size] = copy_bandwidth(size)
         dist.barrier()
         for op in args.ops:
             row = {"op": op, "world_size": world, "bytes": size}
-            for backend, group in groups.items():
-                # Slow peers (gloo at MiB sizes) get fewer iterations.
-                seconds = time_op(make_op(op, size, world, group), group, args.budget, args.batches)
-                row[backend] = seconds
+            fns = {name: make_op(op, size, world, group) for name, group in groups.items()}
+            samples = {name: [] for name in groups}
+            names = list(groups)
+            for round_ in range(args.rounds):
+                for name in names[round_ % len(names):] + names[:round_ % len(names)]:
+                    # Slow peers (gloo at MiB sizes) get fewer iterations.
+                    samples[name].append(time_op(fns[name], groups[name], args.budget / args.rounds,
+                                                 args.batches))
+            for name in names:
+                row[name] = statistics.median(samples[name])
             results.append(row)
             if rank == 0 and args.progress:
-                print(f"  ws={world} {op:24s} {human_bytes(size):>8s}  torchpar {row['torchpar']*1e6:10.1f} us"
-                      f"  gloo {row['gloo']*1e6:10.1f} us  x{row['gloo']/row['torchpar']:.1f}", flush=True)
-    transport = groups["torchpar"]._get_backend(torch.device("cpu")).transport
+                times = "".join(f"  {name} {row[name] * 1e6:10.1f} us" for name in names)
+                print(f"  ws={world} {op:24s} {human_bytes(size):>8s}{times}", flush=True)
+    transport = dist.group.WORLD._get_backend(torch.device("cpu")).transport
     for r in results:
         r["copy_GBps"] = copy_bw.get(r["bytes"], 0) / 1e9
         r["transport"] = transport
@@ -247,7 +290,8 @@ def main(argv=None):
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--world-sizes", default="2,4", help="comma-separated (ignored under torchrun)")
     p.add_argument("--max-bytes", default="64M", type=parse_bytes)
-    p.add_argument("--ops", default=",".join(OPS), type=lambda s: s.split(","))
+    p.add_argument("--ops", default=None, type=lambda s: s.split(","),
+                   help=f"comma-separated (default {','.join(OPS)}; all_reduce with --hosts)")
     p.add_argument("--budget", default=0.3, type=float, help="seconds per measurement point and backend")
     p.add_argument("--batches", default=30, type=int, help="most timed batches per point")
     p.add_argument("--transport", choices=["auto", "shm", "tcp"], default=None,
@@ -256,10 +300,47 @@ def main(argv=None):
     p.add_argument("--plot", help="write a PNG of busbw against size here")
     p.add_argument("--markdown", help="write a compact Markdown table (as in the README) here")
     p.add_argument("--quiet", dest="progress", action="store_false", help="no per-point progress lines")
+    p.add_argument("--sizes", type=lambda s: [parse_bytes(x) for x in s.split(",")],
+                   help="comma-separated message sizes (default: 4 B to --max-bytes, x4)")
+    p.add_argument("--rounds", type=int, default=None,
+                   help="rounds in which the systems take turns (default 1; 3 with --hosts)")
+    hosts = p.add_argument_group("across test hosts (network namespaces; needs root)")
+    hosts.add_argument("--hosts", type=int, default=0, help="run over this many test hosts")
+    hosts.add_argument("--ranks-per-host", type=int, default=2)
+    hosts.add_argument("--rate", default="1gbit", help="the shaped link's tc tbf rate")
+    hosts.add_argument("--links", default="unshaped,shaped", type=lambda s: s.split(","),
+                       help="unshaped (the plain veth), shaped (tc tbf at --rate on both ends), or both")
+    hosts.add_argument("--systems", type=lambda s: s.split(","), default=None,
+                       help=f"compared with --hosts (default all of {','.join(SYSTEMS)})")
+    hosts.add_argument("--worker-results", help=argparse.SUPPRESS)  # a rank of a --hosts run: rank 0 writes here
     args = p.parse_args(argv)
+    across_hosts = bool(args.hosts or args.worker_results)
+    args.ops = args.ops or (["all_reduce"] if across_hosts else OPS)
     for op in args.ops:
         if op not in OPS:
             p.error(f"unknown op {op}; choose from {', '.join(OPS)}")
+    if across_hosts:
+        args.systems = args.systems or list(SYSTEMS)
+        args.rounds = args.rounds or 3
+    else:
+        args.systems, args.rounds = ["torchpar", "gloo"], args.rounds or 1
+    for name in args.systems:
+        if name not in SYSTEMS:
+            p.error(f"unknown system {name}; choose from {', '.join(SYSTEMS)}")
+    if args.hosts:
+        from torchpar.bench._hosts_report import run_hosts
+        return run_hosts(args)
+    if args.worker_results:  # one rank of run_hosts' job (env:// rendezvous)
+        import json
+
+        import torchpar  # noqa: F401
+        dist.init_process_group("torchpar", timeout=timedelta(seconds=600))
+        results = run_rank(args)
+        if dist.get_rank() == 0:
+            with open(args.worker_results, "w") as f:
+                json.dump(results, f)
+        dist.destroy_process_group()
+        return 0
 
     if args.transport:
         os.environ["TORCHPAR_TRANSPORT"] = args.transport  # read by every rank's group

@@ -1,4 +1,5 @@
-"""Test hosts on one machine: Linux network namespaces joined through a bridge (issue 21).
+"""Test hosts on one machine: Linux network namespaces joined through a bridge (issue 21), for
+``python -m torchpar.bench collectives --hosts N`` and tests/test_hosts.py.
 
 ``Hosts(n)`` makes ``n`` namespaces, each with loopback up and one veth whose other end sits
 in a bridge in the root namespace, addressed 10.77.0.1 ... 10.77.0.n on one /24. The hosts
@@ -12,7 +13,8 @@ and (for a run that crashed) by the next run: names carry the creating process's
         hosts[1].link_down()                           # the host drops off the network
 
 ``Hosts.unavailable()`` says why namespaces cannot be made here (not root, no `ip`, a
-kernel that refuses), or None; the tests skip with that reason.
+kernel that refuses), or None; the tests skip with that reason. ``start_ranks`` starts the
+ranks of one job over the hosts, with the environment of ``torch.distributed``'s env://.
 """
 import os
 import itertools
@@ -21,6 +23,7 @@ import signal
 import subprocess
 import time
 
+STORE_PORT = 29500  # MASTER_PORT on host 0: each host is a namespace of its own, no other job shares it
 PREFIX = "tpn"            # every name made here starts with it (netns, bridge, veth)
 SUBNET = "10.77.0"        # hosts are SUBNET.1 ... SUBNET.n; each bridge is an L2 domain of
                           # its own with no address in the root namespace, so runs side by
@@ -229,3 +232,36 @@ class Hosts:
             _ip("netns", "del", h.netns, check=False)  # takes its veth pair with it
             _ip("link", "del", h.veth, check=False)
         _ip("link", "del", self.bridge, check=False)
+
+
+def package_root():
+    """The directory holding this torchpar package, for PYTHONPATH in the hosts' processes."""
+    return os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def worker_env(**extra):
+    """The environment of a process on a test host: this one's, with this torchpar first on
+    PYTHONPATH, one OpenMP thread (several ranks share the cores), the transport chosen per
+    group (shared memory within a namespace, TCP between), and gloo on the hosts' links
+    (by default it takes the hostname, which every namespace shares and resolves to loopback)."""
+    env = dict(os.environ)
+    env.update({"PYTHONPATH": package_root() + os.pathsep + env.get("PYTHONPATH", ""), "OMP_NUM_THREADS": "1",
+                "TORCHPAR_TRANSPORT": "auto", "GLOO_SOCKET_IFNAME": "eth0"})
+    env.update({k: str(v) for k, v in extra.items()})
+    return env
+
+
+def start_ranks(hosts, nprocs, argv, env, output=lambda rank: subprocess.DEVNULL):
+    """Starts one job's ranks, each running ``argv``: hosts[i] runs nprocs[i] of them, ranks
+    numbered host by host, with RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR
+    (host 0's address) and MASTER_PORT set over ``env``. ``output(rank)`` is where the rank's
+    stdout and stderr go (a file, or subprocess.PIPE). Returns the processes in rank order."""
+    world = sum(nprocs)
+    procs, rank = [], 0
+    for h, nproc in zip(hosts, nprocs):
+        for local in range(nproc):
+            e = dict(env, RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(local), LOCAL_WORLD_SIZE=str(nproc),
+                     MASTER_ADDR=hosts[0].address, MASTER_PORT=str(STORE_PORT))
+            procs.append(h.popen(argv, stdout=output(rank), stderr=subprocess.STDOUT, text=True, env=e))
+            rank += 1
+    return procs

@@ -1,0 +1,161 @@
+// all_reduce across hosts (issue 21; hierarchical.h): reduce into each host's leader through
+// the arena, all-reduce among the leaders, broadcast within each host.
+//
+// Up to two arena slots' worth the three stages run one after the other. Beyond, they run as
+// a pipeline, chunk by chunk (up to 8 chunks, each a slot or more): while the network carries chunk k, the
+// host reduces chunk k+1 and broadcasts chunk k-2, so on a slow link the stages inside the
+// hosts hide behind the transfer (one after the other, a 64 MiB all_reduce spent ~10 % of
+// its time in them: issue 21's 90 %-of-the-link target). Among the leaders each chunk is a
+// direct reduce-scatter then all-gather (as p2p/reduce.cpp): leader g reduces piece g of the
+// chunk and sends it back to the others. Every element is added in the same order either way.
+#include <algorithm>
+#include <vector>
+
+#include "collectives/collectives.h"
+#include "collectives/p2p/exchange.h"
+#include "common/error.h"
+
+namespace torchpar::collectives::hier {
+namespace {
+
+// Bytes [begin, begin + bytes) of `s`, as a Segments of its own.
+Segments slice(const Segments& s, size_t begin, size_t bytes) {
+  Segments out;
+  s.for_each(begin, bytes, [&](char* p, size_t, size_t n) { out.add(p, n); });
+  return out;
+}
+
+void divide(const Comm& c, c10::ScalarType dtype, char* at, size_t count) {
+  const void* src = at;
+  if (count) collectives::reduce(dtype, ReduceOp::kAvg, at, &src, 1, count, c.size());
+}
+
+void in_stages(Comm& c, const Segments& data, size_t count, c10::ScalarType dtype, ReduceOp op, ReduceOp partial) {
+  const Hierarchy& h = *c.hierarchy;
+  const size_t es = element_size(dtype);
+  Comm host = host_comm(c);
+  if (h.arena != nullptr) {
+    host.begin(op_desc(OpKind::kReduce, dtype, count, 0, static_cast<int>(partial)));
+    reduce_in_chunks(host, data, count, dtype, partial, /*root=*/0);
+  }
+  if (h.leader()) {
+    Comm leaders = hosts_comm(c, h.map.leaders);
+    p2p::allreduce(leaders, data, count, dtype, partial);
+    if (op == ReduceOp::kAvg) data.for_each(0, count * es, [&](char* at, size_t, size_t n) { divide(c, dtype, at, n / es); });
+  }
+  if (h.arena != nullptr) collectives::broadcast(host, data, count, dtype, 0);
+}
+
+void pipelined(Comm& c, const Segments& data, size_t count, size_t chunk, c10::ScalarType dtype, ReduceOp op,
+               ReduceOp partial) {
+  const Hierarchy& h = *c.hierarchy;
+  const size_t es = element_size(dtype), bytes = count * es;
+  const size_t chunks = p2p::chunks_of(count, chunk);
+  const int hosts = h.map.hosts(), me = h.host();
+  auto span = [&](size_t k) { return Piece{k * chunk, std::min(count, (k + 1) * chunk)}; };
+  Comm host = host_comm(c);
+  Comm leaders = hosts_comm(c, h.map.leaders);
+
+  // The leader's buffer: the data itself, or (several tensors) a packed copy in staging, since
+  // sockets take bytes from one place. Then the other leaders' contributions to its pieces:
+  // [chunk][leader other than itself], each piece_of(chunk, hosts, me) long.
+  const size_t piece_cap = piece_of(chunk, hosts, 0).size();
+  char* flat = data.contiguous();
+  char* incoming = nullptr;
+  if (h.leader()) {
+    const size_t packed = flat ? 0 : (bytes + 63) / 64 * 64;
+    char* staged = c.staging(packed + chunks * (hosts - 1) * piece_cap * es);
+    if (!flat) {
+      flat = staged;
+      data.gather(flat, 0, bytes, false);
+    }
+    incoming = staged + packed;
+  }
+  const Segments& mine = h.leader() ? Segments(flat, bytes) : data;
+  auto from = [&](size_t k, int g) { return incoming + (k * (hosts - 1) + (g - (g > me))) * piece_cap * es; };
+  auto piece = [&](size_t k, int g) {
+    const Piece s = span(k), p = piece_of(s.size(), hosts, g);
+    return Piece{s.begin + p.begin, s.begin + p.end};
+  };
+
+  std::vector<std::vector<p2p::Exchange::Handle>> contributions(chunks), reduced(chunks);
+  p2p::Exchange ex(leaders);
+  if (h.leader()) {
+    // Every receive is posted before any leader sends (the leaders' agreement): data lands in
+    // place, never in the engine's buffer for early arrivals. Leader g's reduced piece g of a
+    // chunk lands where our copy of it was; g reduces it only once our copy has reached it.
+    for (size_t k = 0; k < chunks; ++k) {
+      for (int g = 0; g < hosts; ++g) {
+        if (g == me) continue;
+        const Piece own = piece(k, me), theirs = piece(k, g);
+        contributions[k].push_back(ex.recv(g, p2p::Phase::kScatter, static_cast<uint32_t>(k), from(k, g), own.size() * es));
+        reduced[k].push_back(ex.recv(g, p2p::Phase::kGather, static_cast<uint32_t>(k), flat + theirs.begin * es, theirs.size() * es));
+      }
+    }
+    p2p::agree(leaders, op_desc(OpKind::kAllreduce, dtype, count, 0, static_cast<int>(op)), &ex);
+  }
+  std::vector<const void*> srcs(hosts);
+  for (size_t k = 0; k < chunks + 2; ++k) {
+    if (k < chunks) {
+      const Piece s = span(k);
+      if (h.arena != nullptr) {
+        host.begin(op_desc(OpKind::kReduce, dtype, s.size(), 0, static_cast<int>(partial)));
+        reduce_in_chunks(host, slice(mine, s.begin * es, s.size() * es), s.size(), dtype, partial, /*root=*/0);
+      }
+      for (int g = 0; h.leader() && g < hosts; ++g) {
+        const Piece p = piece(k, g);
+        if (g != me) ex.send(g, p2p::Phase::kScatter, static_cast<uint32_t>(k), flat + p.begin * es, p.size() * es);
+      }
+    }
+    if (h.leader() && k >= 1 && k <= chunks) {  // piece `me` of chunk k-1: every host's, in host order
+      for (auto& handle : contributions[k - 1]) ex.wait(handle);
+      const Piece p = piece(k - 1, me);
+      char* at = flat + p.begin * es;
+      for (int g = 0; g < hosts; ++g) srcs[g] = g == me ? at : from(k - 1, g);
+      collectives::reduce(dtype, partial, at, srcs.data(), hosts, p.size(), hosts);
+      if (op == ReduceOp::kAvg) divide(c, dtype, at, p.size());
+      for (int g = 0; g < hosts; ++g) {
+        if (g != me) ex.send(g, p2p::Phase::kGather, static_cast<uint32_t>(k - 1), at, p.size() * es);
+      }
+    }
+    if (k >= 2) {
+      const Piece s = span(k - 2);
+      if (h.leader()) {
+        for (auto& handle : reduced[k - 2]) ex.wait(handle);
+      }
+      if (h.arena != nullptr) {
+        collectives::broadcast(host, slice(mine, s.begin * es, s.size() * es), s.size(), dtype, /*root=*/0);
+      }
+    }
+  }
+  ex.wait_all();
+  if (h.leader() && flat != data.contiguous()) data.scatter(0, flat, bytes);
+}
+
+}  // namespace
+
+void allreduce(Comm& c, const Segments& data, size_t count, c10::ScalarType dtype, ReduceOp op) {
+  const size_t es = element_size(dtype);
+  const auto desc = op_desc(OpKind::kAllreduce, dtype, count, 0, static_cast<int>(op));
+  std::string message = agree(c, desc);
+  if (!message.empty()) throw UsageError(message);
+  // AVG: sums all the way, then one division by the group's size (on the leaders).
+  const ReduceOp partial = op == ReduceOp::kAvg ? ReduceOp::kSum : op;
+  // Pipelined beyond two slots, in kPipelineChunks chunks of at least a slot each: each
+  // chunk's stages synchronise the host's ranks and the leaders anew, which costs where the
+  // cores, not the link, are the bottleneck (on the loaded test machine, 16 chunks of a
+  // 64 MiB all_reduce over the plain veth took 1.6x as long as the stages one after the
+  // other); 8 leave a quarter of the host stages' time exposed on a slow link. Every rank
+  // decides alike (count and the slot size are the same on all). chunk > count / 8, so there
+  // are at most 8 chunks (the pipeline's tags are chunk numbers).
+  constexpr size_t kPipelineChunks = 8;
+  const size_t slot = std::max<size_t>(16, static_cast<size_t>(c.config.slot_bytes) / es / 16 * 16);
+  const size_t chunk = std::max(slot, (count + kPipelineChunks - 1) / kPipelineChunks / 16 * 16 + 16);
+  if (count <= 2 * slot) {
+    in_stages(c, data, count, dtype, op, partial);
+  } else {
+    pipelined(c, data, count, chunk, dtype, op, partial);
+  }
+}
+
+}  // namespace torchpar::collectives::hier
