@@ -681,3 +681,126 @@ def test_parameters_with_gradients_on_some_ranks_only_equal_single_process(backe
     # with the ranks that had them all.
     taken = _pool(backend, world_size).run(_branch_grads_match, timeout=60)
     assert [t[:2] for t in taken] == [[r % 2 == 0, r % 2 == 1] for r in range(world_size)]
+
+
+# ---- a whole unit whose forward runs on some ranks only (a data-dependent skip) ----
+
+class SkipNet(Net):
+    """Net whose ``gated`` blocks run only when the batch's inputs sum above zero: the whole unit
+    is skipped on the other ranks. The blocks are identical in size, so collectives of one paired
+    with another's would go unnoticed by the backend (silently wrong before the engine followed
+    skips; with blocks of different sizes it was a hang or a size-mismatch error)."""
+
+    def __init__(self, gated, **kwargs):
+        super().__init__(depth=4, **kwargs)
+        self.gated = gated
+
+    def forward(self, x):
+        take = bool(x.sum() > 0)
+        h = self.inp(x)
+        for i, b in enumerate(self.blocks):
+            if take or i not in self.gated:
+                h = b(h)
+        return self.out(h)
+
+
+def _skip_takes(step, world_size):
+    # Step 0: rank 0 skips (its recorded order lacks the gated blocks), then the other way round,
+    # then no rank takes the branch, then every rank does.
+    if step < 2:
+        return [(r + step) % 2 == 1 for r in range(world_size)]
+    return [step == 3] * world_size
+
+
+def _skip_grads_match(ctx, gated, reshard_after_forward, steps=4):
+    _setup(ctx)
+    model = SkipNet(gated)
+    ref = copy.deepcopy(model)
+    _shard_model(model, ctx.pg, reshard_after_forward=reshard_after_forward)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    skipped = []
+    for step in range(steps):
+        x, y = _batch(step, 2 * ctx.world_size)
+        takes = _skip_takes(step, ctx.world_size)
+        xs = [p + (3.0 if t else -3.0) for p, t in zip(x.chunk(ctx.world_size), takes)]
+        ys = y.chunk(ctx.world_size)
+        opt.zero_grad()
+        _loss(model(xs[ctx.rank]), ys[ctx.rank]).backward()
+        # One process running every rank's part: the average of the ranks' gradients; a block no
+        # rank ran keeps no gradient.
+        ref_opt.zero_grad()
+        for xr, yr in zip(xs, ys):
+            _loss(ref(xr), yr).backward()
+        for p in ref.parameters():
+            if p.grad is not None:
+                p.grad /= ctx.world_size
+        for u in (m._fsdp for m in model.modules() if isinstance(m, FSDPModule)):
+            for _, _, i, name in u.sites:
+                ref_grad = ref.get_parameter(_full_name(model, u, name)).grad
+                if ref_grad is None:
+                    assert u.sharded[i].grad is None, f"step {step}, {name}: a gradient for a unit no rank ran"
+                    continue
+                start, length = u.flat.shard_range(i)
+                torch.testing.assert_close(u.sharded[i].grad, ref_grad.reshape(-1)[start:start + length],
+                                           rtol=1e-5, atol=1e-6, msg=lambda m: f"step {step}, {name}: {m}")
+        opt.step()
+        ref_opt.step()
+        _assert_matches(model.state_dict(), ref, step)
+        skipped.append([e for e in model.fsdp_engine.trace() if e[0] == "skipped_backward"])
+    return skipped
+
+
+@on_backends
+@multi_rank
+@pytest.mark.parametrize("gated,reshard_after_forward", [((1,), True), ((2, 3), True), ((1,), False)],
+                         ids=["middle", "last_two", "middle-keep"])
+def test_unit_run_on_some_ranks_only_equals_single_process(backend, world_size, gated, reshard_after_forward):
+    # Hung before, or (equal block sizes) trained on another block's gathered parameters: the rank
+    # that skipped a unit reduced it at the end of backward, out of order with the others.
+    skipped = _pool(backend, world_size).run(_skip_grads_match, gated, reshard_after_forward, timeout=60)
+    units = {1 + g for g in gated}  # unit 0 is the root, blocks follow
+    for rank, per_step in enumerate(skipped):
+        for step, events in enumerate(per_step):
+            took = _skip_takes(step, world_size)[rank]
+            assert {u for _, u in events} == (set() if took else units), (rank, step, events)
+
+
+class TwoBranchNet(Net):
+    """Two blocks of one size summed, run in an order that depends on the data (and so on the
+    rank): their backward passes, and reduce-scatters, come in different orders on different
+    ranks. The engine cannot line these up; it must say so instead of mixing the two blocks."""
+
+    def forward(self, x):
+        h = self.inp(x)
+        a, b = self.blocks[0], self.blocks[1]
+        if x.sum() > 0:
+            h = a(h) + b(h)
+        else:
+            h = b(h) + a(h)
+        return self.out(self.blocks[2](h))
+
+
+def _mismatched_backward(ctx, reshard_after_forward):
+    import torch.distributed as dist
+    _setup(ctx)
+    # A group of its own: a collective a rank had launched when it raised must not pair with a
+    # later test's.
+    group = dist.new_group(backend=dist.get_backend(ctx.pg))
+    model = _shard_model(TwoBranchNet(), group, reshard_after_forward=reshard_after_forward)
+    x, y = _batch(0, 2 * ctx.world_size)
+    x = _part(x, ctx) + (3.0 if ctx.rank % 2 == 0 else -3.0)
+    try:
+        _loss(model(x), _part(y, ctx)).backward()
+    except RuntimeError as e:
+        return str(e)
+    return None
+
+
+@on_backends
+@pytest.mark.parametrize("reshard_after_forward", [True, False], ids=["reshard", "keep"])
+def test_backward_in_different_orders_raises_on_every_rank(backend, reshard_after_forward):
+    # Silently wrong before: the two blocks' reduce-scatters paired up crosswise.
+    errors = _pool(backend, 2).run(_mismatched_backward, reshard_after_forward, timeout=60)
+    for e in errors:
+        assert e is not None and "went out of step" in e and "unit 1" in e and "unit 2" in e, errors

@@ -4,6 +4,8 @@
 #include <torch/csrc/autograd/graph_task.h>
 
 #include <algorithm>
+#include <cmath>
+#include <sstream>
 
 namespace torchpar::parallel {
 
@@ -16,12 +18,22 @@ namespace {
 // backward is done, and it is no new step.
 bool in_backward() { return autograd::get_current_graph_task_id() != -1; }
 
+// A reduce-scatter's unit tag: exact in the reduce dtype (bfloat16 holds integers up to 256).
+double unit_tag(int64_t unit, at::ScalarType dtype) {
+  const bool half = dtype == at::kHalf || dtype == at::kBFloat16;
+  return 1.0 + static_cast<double>(half ? unit % 255 : unit);
+}
+
 }  // namespace
 
 FsdpEngine::FsdpEngine(std::vector<std::shared_ptr<FlatParam>> units, int64_t root) : root_(root) {
   TORCH_CHECK(root >= 0 && static_cast<size_t>(root) < units.size(), "torchpar fully_shard: root unit ", root,
               " out of range");
   position_.assign(units.size(), -1);
+  for (size_t u = 0; u < units.size(); ++u) {
+    stream_.push_back(static_cast<int64_t>(u));
+    stream_pos_.push_back(static_cast<int64_t>(u));
+  }
   for (size_t u = 0; u < units.size(); ++u) {
     Unit unit;
     unit.flat = std::move(units[u]);
@@ -58,17 +70,11 @@ void FsdpEngine::begin_step_locked() {
   for (auto& u : units_) {
     u.needs_backward = false;
     u.ran_forward = false;
+    u.ran = false;
+    u.slot_done = false;
     u.nodes = u.pending = 0;
   }
   backward_queued_ = false;
-}
-
-int64_t FsdpEngine::neighbour(int64_t unit, int step) const {
-  if (!order_recorded_ || position_[unit] < 0) {
-    return -1;
-  }
-  const int64_t at = position_[unit] + step;
-  return at >= 0 && at < static_cast<int64_t>(order_.size()) ? order_[at] : -1;
 }
 
 void FsdpEngine::unshard_locked(int64_t unit) {
@@ -111,21 +117,82 @@ void FsdpEngine::pre_forward(int64_t unit, bool grad_enabled) {
   // A no_grad forward between a forward and its backward (an evaluation, a metric) starts no step:
   // the pending backward still has its units to reduce.
   const bool pending = std::any_of(units_.begin(), units_.end(), [](const Unit& u) { return u.needs_backward; });
-  if (unit == root_ && !in_backward() && (grad_enabled || !pending)) {
-    begin_step_locked();
+  if (unit == root_ && !in_backward()) {
+    step_forward_ = grad_enabled || !pending;
+    if (step_forward_) begin_step_locked();
+    cursor_ = 0;
   }
   record(FsdpEvent::kPreForward, unit);
-  if (!order_recorded_ && position_[unit] < 0) {
-    position_[unit] = static_cast<int64_t>(order_.size());
-    order_.push_back(unit);
+  if (!in_backward()) {
+    if (step_forward_) {
+      units_[unit].ran = true;  // not in a no_grad forward between this step's forward and backward
+    }
+    if (!order_recorded_ && position_[unit] < 0) {
+      position_[unit] = static_cast<int64_t>(order_.size());
+      order_.push_back(unit);
+    }
+    // The units of the stream before this one that this rank skipped are gathered too: the
+    // ranks that run them gather them now.
+    if (stream_pos_[unit] >= 0) {
+      advance_stream_locked(static_cast<size_t>(stream_pos_[unit]) + 1);
+    }
   }
   unshard_locked(unit);
   // The next unit's parameters travel while this one computes (from the second step, once the
   // order is known). Not in a recomputation inside backward: the next unit's backward is over.
-  if (!in_backward()) {
-    prefetch_locked(neighbour(unit, +1));
+  if (!in_backward() && order_recorded_) {
+    advance_stream_locked(cursor_ + 1);
   }
   (void)grad_enabled;
+}
+
+void FsdpEngine::advance_stream_locked(size_t to) {
+  for (to = std::min(to, stream_.size()); cursor_ < to; ++cursor_) {
+    prefetch_locked(stream_[cursor_]);
+  }
+}
+
+void FsdpEngine::agree_order_locked() {
+  // Once, at the end of the first forward: every rank's recorded order, so that the stream and
+  // the backward order are the same on every rank even where their forwards ran different units.
+  const auto& group = units_[root_].flat->group();
+  const int64_t n = static_cast<int64_t>(units_.size()), world = group->getSize();
+  at::Tensor mine = at::full({n}, -1, at::TensorOptions().dtype(at::kLong));
+  for (size_t i = 0; i < order_.size(); ++i) mine[static_cast<int64_t>(i)] = order_[i];
+  const at::Device device = units_[root_].flat->device();
+  std::vector<at::Tensor> in{mine.to(device)};
+  std::vector<std::vector<at::Tensor>> out(1);
+  for (int64_t r = 0; r < world; ++r) out[0].push_back(at::empty_like(in[0]));
+  group->allgather(out, in)->wait();
+  std::vector<std::vector<int64_t>> orders;
+  size_t longest = 0;  // the first rank's among the longest
+  for (auto& t : out[0]) {
+    at::Tensor c = t.cpu().contiguous();
+    const int64_t* v = c.data_ptr<int64_t>();
+    std::vector<int64_t> o;
+    for (int64_t i = 0; i < n && v[i] >= 0; ++i) o.push_back(v[i]);
+    if (!orders.empty() && o.size() > orders[longest].size()) {
+      longest = orders.size();
+    }
+    orders.push_back(std::move(o));
+  }
+  std::vector<int64_t> agreed = orders[longest];
+  std::vector<int64_t> pos(units_.size(), -1);
+  for (size_t i = 0; i < agreed.size(); ++i) pos[agreed[i]] = static_cast<int64_t>(i);
+  for (const auto& o : orders) {
+    for (int64_t u : o) {
+      if (pos[u] < 0) {
+        pos[u] = static_cast<int64_t>(agreed.size());
+        agreed.push_back(u);
+      }
+    }
+  }
+  order_ = agreed;
+  position_ = pos;
+  stream_ = agreed;
+  stream_pos_ = pos;
+  cursor_ = stream_.size();
+  order_recorded_ = true;
 }
 
 bool FsdpEngine::post_forward(int64_t unit, bool grad_enabled) {
@@ -140,10 +207,17 @@ bool FsdpEngine::post_forward(int64_t unit, bool grad_enabled) {
     return false;  // recomputation (checkpointing): its backward reads these parameters next
   }
   if (unit == root_) {
-    order_recorded_ = true;
+    advance_stream_locked(stream_.size());  // the units after the last one this rank ran
+    if (!order_recorded_) {
+      agree_order_locked();
+    }
     if (!grad_enabled) {  // no backward follows: nothing stays gathered
       for (size_t v = 0; v < units_.size(); ++v) reshard_locked(static_cast<int64_t>(v));
       return true;
+    }
+    // Units gathered for the stream only, freed as the ranks that ran them freed them.
+    for (size_t v = 0; v < units_.size(); ++v) {
+      if (!units_[v].ran && units_[v].flat->options().reshard_after_forward) reshard_locked(static_cast<int64_t>(v));
     }
     return false;  // backward starts with the root's parameters
   }
@@ -162,6 +236,7 @@ void FsdpEngine::pre_backward(int64_t unit) {
     autograd::Engine::get_default_engine().queue_callback([self] {
       if (auto engine = self.lock()) engine->finalize();
     });
+    for (auto& u : units_) u.slot_done = false;
   }
   record(FsdpEvent::kPreBackward, unit);
   Unit& u = units_[unit];
@@ -173,12 +248,62 @@ void FsdpEngine::pre_backward(int64_t unit) {
   }
   unshard_locked(unit);
   // Backward runs the units in reverse forward order; the root (gathered throughout) comes first,
-  // so the unit after it is the last one of forward.
-  const int64_t next = unit == root_ ? (order_recorded_ && !order_.empty() ? order_.back() : -1)
-                                     : neighbour(unit, -1);
-  if (next >= 0 && units_[next].needs_backward) {
+  // so the unit after it is the last one of forward. Prefetched whether or not this rank ran it
+  // (the others may have): the same on every rank.
+  const int64_t next = backward_next(unit);
+  if (next >= 0 && units_[next].trained && !units_[next].slot_done) {
     prefetch_locked(next);
   }
+  // The root's backward starts with the units after it; a unit with no post-backward node (frozen,
+  // or inputs without grad) has no more collectives in its place.
+  if (unit == root_ || u.nodes == 0) {
+    complete_slot_locked(unit);
+  }
+}
+
+int64_t FsdpEngine::backward_next(int64_t unit) const {
+  if (!order_recorded_) {
+    return -1;
+  }
+  int64_t at = unit == root_ ? static_cast<int64_t>(order_.size()) : position_[unit];
+  if (at < 0) {
+    return -1;
+  }
+  for (--at; at >= 0; --at) {
+    if (order_[at] != root_) return order_[at];
+  }
+  return -1;
+}
+
+bool FsdpEngine::skipped(int64_t unit) const {
+  return order_recorded_ && unit != root_ && position_[unit] >= 0 && !units_[unit].ran;
+}
+
+void FsdpEngine::complete_slot_locked(int64_t unit) {
+  units_[unit].slot_done = true;
+  const int64_t next = backward_next(unit);
+  if (next >= 0 && skipped(next) && !units_[next].slot_done) {
+    skipped_backward_locked(next);
+  }
+}
+
+void FsdpEngine::skipped_backward_locked(int64_t unit) {
+  // What a rank that ran `unit` does in its pre_backward and post_backward, with no gradient of
+  // its own: the same collectives at the same place (after the unit before it in backward order).
+  record(FsdpEvent::kSkippedBackward, unit);
+  Unit& u = units_[unit];
+  prefetch_locked(unit);
+  const int64_t next = backward_next(unit);
+  if (next >= 0 && units_[next].trained && !units_[next].slot_done) {
+    prefetch_locked(next);
+  }
+  if (u.trained) {
+    reshard_locked(unit);
+    if (u.flat->requires_grad_sync) {
+      start_reduce_scatter_locked(unit, u.flat->has_accumulator());
+    }
+  }
+  complete_slot_locked(unit);
 }
 
 bool FsdpEngine::register_post_backward(int64_t unit) {
@@ -214,11 +339,20 @@ void FsdpEngine::post_backward_locked(int64_t unit) {
   FlatParam& flat = *u.flat;
   if (!flat.requires_grad_sync) {
     flat.accumulate_grads_locally();
+    complete_slot_locked(unit);
     return;
   }
+  start_reduce_scatter_locked(unit, true);
+  complete_slot_locked(unit);
+}
+
+void FsdpEngine::start_reduce_scatter_locked(int64_t unit, bool real_grads) {
+  FlatParam& flat = *units_[unit].flat;
   finish_reduce_scatter_locked();  // one in flight at a time bounds the packed buffers
   at::Tensor packed = flat.take_grads();
-  auto [work, out] = flat.start_reduce_scatter(packed);
+  // Negative: this rank had no gradient for the unit (it skipped its forward).
+  const double tag = unit_tag(unit, flat.reduce_dtype()) * (real_grads ? 1.0 : -1.0);
+  auto [work, out] = flat.start_reduce_scatter(packed, tag);
   in_flight_ = InFlight{unit, std::move(work), std::move(packed), std::move(out)};
   record(FsdpEvent::kReduceScatterLaunch, unit);
 }
@@ -232,15 +366,47 @@ void FsdpEngine::finish_reduce_scatter_locked() {
   InFlight done = std::move(in_flight_);
   in_flight_ = InFlight{};
   done.packed.reset();
-  units_[done.unit].flat->deliver_grads(done.out);
+  FlatParam& flat = *units_[done.unit].flat;
+  const double mine = unit_tag(done.unit, flat.reduce_dtype());
+  const std::vector<double> tags = flat.reduced_tags(done.out);
+  bool any_grads = false;
+  for (size_t r = 0; r < tags.size(); ++r) {
+    if (std::fabs(tags[r]) != mine) {
+      std::ostringstream msg;
+      msg << "torchpar fully_shard: the gradient reduce-scatters of the ranks went out of step: rank "
+          << flat.rank() << " reduced unit " << done.unit << " ('" << (flat.size() ? flat.name(0) : "") << "', ...)"
+          << " while rank " << r << " reduced ";
+      if (tags[r] == 0 || std::fabs(tags[r]) != std::floor(std::fabs(tags[r]))) {
+        msg << "something else (tag " << tags[r] << ")";
+      } else {
+        const int64_t other = static_cast<int64_t>(std::fabs(tags[r])) - 1;
+        msg << "unit " << other;
+        if (other >= 0 && other < static_cast<int64_t>(units_.size()) && units_[other].flat->size()) {
+          msg << " ('" << units_[other].flat->name(0) << "', ...)";
+        }
+      }
+      msg << ". The ranks ran their units in orders the engine cannot line up (units whose order "
+             "depends on the data, a unit no rank ran in the first step, or a unit run more times on "
+             "some ranks than on others); this step's gradients are incomplete: do not step on them.";
+      TORCH_CHECK(false, msg.str());
+    }
+    any_grads = any_grads || tags[r] > 0;
+  }
+  if (any_grads) {  // no rank ran the unit: its .grad stays as one process leaves it
+    flat.deliver_grads(done.out);
+  }
 }
 
 void FsdpEngine::finalize() {
   std::lock_guard<std::mutex> lock(mutex_);
-  // Units the hooks did not complete (a parameter or output without gradient), in backward order,
-  // the same on every rank.
+  // Units the hooks did not complete (a parameter or output without gradient), and those this
+  // rank skipped not done yet, in backward order, the same on every rank.
   for (auto it = order_.rbegin(); it != order_.rend(); ++it) {
-    if (units_[*it].needs_backward) post_backward_locked(*it);
+    if (skipped(*it) && !units_[*it].slot_done) {
+      skipped_backward_locked(*it);
+    } else if (units_[*it].needs_backward) {
+      post_backward_locked(*it);
+    }
   }
   for (size_t v = 0; v < units_.size(); ++v) {
     if (units_[v].needs_backward) post_backward_locked(static_cast<int64_t>(v));

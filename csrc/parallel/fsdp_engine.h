@@ -28,8 +28,29 @@
 // until that unit's post_backward; a no_grad forward while a backward is pending starts no step;
 // a second backward over a retained graph re-arms each unit it reaches (pre_backward), so its
 // gradients are reduced and added too.
-// Every collective is issued in this order on every rank (the program is the same), so no tags or
-// agreement are needed.
+//
+// Units that run on some ranks only (a data-dependent branch around a whole unit; issue 19): every
+// rank must still issue the same collectives in the same order, or they pair up wrongly (a hang,
+// a size mismatch, or, between units of equal size, silently wrong numbers).
+//   forward   all-gathers follow one stream, the same on every rank: the units in index order in
+//             the first forward, then the forward order agreed at its end (one all-gather of each
+//             rank's order; the longest wins, units only other ranks ran appended). pre_forward(u)
+//             launches every unit of the stream up to u not launched yet (a unit this rank skips
+//             is gathered all the same, and freed at the end of forward), the root's post_forward
+//             the rest.
+//   backward  a unit this rank's forward did not run takes its place in the backward of the
+//             others as if it had run, when the unit before it in backward order is done:
+//             gathered (if the others gather it), the next unit prefetched, freed, and zeros
+//             reduce-scattered in its place (kSkippedBackward). Prefetch in backward follows the
+//             agreed order, whatever this rank ran.
+//   checked   each reduce-scatter carries every rank's unit id and whether it had gradients
+//             (FlatParam::start_reduce_scatter); ranks whose reduce-scatters paired different
+//             units raise, naming both; a unit no rank had gradients for leaves .grad untouched
+//             (as one process would). Forward all-gathers carry no id (it would cost a copy of
+//             every gathered unit): one gathered out of the stream (a unit no rank ran in the
+//             first forward, a unit's forward run twice) on some ranks only is caught by the
+//             reduce-scatters that follow, before any gradient is handed over.
+// Otherwise every collective is issued in this order on every rank (the program is the same).
 #pragma once
 
 #include "parallel/fsdp_flat_param.h"
@@ -45,7 +66,8 @@ namespace torchpar::parallel {
 struct FsdpEvent {
   enum Kind {
     kPreForward, kPostForward, kGatherLaunch, kGatherWait, kReshard,
-    kPreBackward, kPostBackward, kReduceScatterLaunch, kReduceScatterWait, kFinalize
+    kPreBackward, kPostBackward, kReduceScatterLaunch, kReduceScatterWait, kFinalize,
+    kSkippedBackward  // the collectives of a unit this rank's forward did not run (see below)
   } kind;
   int64_t unit;  // -1 for kFinalize
 };
@@ -102,6 +124,8 @@ class FsdpEngine : public std::enable_shared_from_this<FsdpEngine> {
     size_t pending = 0;             // of those, the ones still to run this backward
     bool needs_backward = false;    // ran forward with grad this step, not reduced yet
     bool ran_forward = false;       // ran forward with grad this step (a backward may come again)
+    bool ran = false;               // its forward ran this step (any grad mode, outside backward)
+    bool slot_done = false;         // its place in this backward's collectives is passed
   };
   struct InFlight {                 // the reduce-scatter running
     int64_t unit = -1;
@@ -110,6 +134,12 @@ class FsdpEngine : public std::enable_shared_from_this<FsdpEngine> {
   };
 
   void post_backward_locked(int64_t unit);
+  void advance_stream_locked(size_t to);
+  void agree_order_locked();
+  bool skipped(int64_t unit) const;
+  void complete_slot_locked(int64_t unit);
+  void skipped_backward_locked(int64_t unit);
+  void start_reduce_scatter_locked(int64_t unit, bool real_grads);
   void finalize();
   void unshard_locked(int64_t unit);
   void prefetch_locked(int64_t unit);
@@ -118,16 +148,23 @@ class FsdpEngine : public std::enable_shared_from_this<FsdpEngine> {
   void begin_step_locked();
   void record(FsdpEvent::Kind kind, int64_t unit);
   FsdpMemory memory_locked() const;
-  // The unit `step` places after (+1) or before (-1) `unit` in forward order, or -1.
-  int64_t neighbour(int64_t unit, int step) const;
+  // The unit after `unit` in backward order (before it in the agreed forward order, the root
+  // left out; for the root, the last unit of forward), or -1.
+  int64_t backward_next(int64_t unit) const;
 
   std::vector<Unit> units_;
   int64_t root_;
 
   mutable std::mutex mutex_;        // hooks run on autograd's threads
-  std::vector<int64_t> order_;      // forward order, recorded in the first forward
+  std::vector<int64_t> order_;      // forward order: this rank's in the first forward, then agreed
   std::vector<int64_t> position_;   // unit -> index in order_, -1 if not run
-  bool order_recorded_ = false;
+  bool order_recorded_ = false;     // order_ is the one every rank agreed on
+  // The forward all-gathers, in the order every rank issues them (see "Units that run on some
+  // ranks only"): every unit in index order in the first forward, then the agreed order_.
+  std::vector<int64_t> stream_;
+  std::vector<int64_t> stream_pos_; // unit -> index in stream_, -1 if not in it
+  size_t cursor_ = 0;               // stream_[0, cursor_) are launched in this forward
+  bool step_forward_ = false;       // the forward running began a step
   bool backward_queued_ = false;    // finalize is queued on the running backward
   InFlight in_flight_;
   std::vector<FsdpEvent> trace_;

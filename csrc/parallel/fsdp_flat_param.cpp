@@ -164,24 +164,41 @@ void FlatParam::free_full() {
   }
 }
 
+at::Tensor FlatParam::empty_packed() const {
+  at::Tensor packed = at::empty({world_ * packed_stride()}, shard_.options().dtype(reduce_dtype_));
+  // The tag slots, and the padding after the last parameter, are zero.
+  packed.view({world_, packed_stride()}).narrow(1, shard_numel_, world_).zero_();
+  const int64_t padding = padded_numel() - numel_;
+  if (padding > 0) {
+    pack(packed, numel_, at::zeros({padding}, packed.options()), false);
+  }
+  return packed;
+}
+
+void FlatParam::pack(at::Tensor& packed, int64_t offset, const at::Tensor& src, bool add) const {
+  const int64_t n = src.numel();
+  for (int64_t done = 0; done < n;) {
+    const int64_t chunk = (offset + done) / shard_numel_, col = (offset + done) % shard_numel_;
+    const int64_t len = std::min(n - done, shard_numel_ - col);
+    at::Tensor dst = packed.narrow(0, chunk * packed_stride() + col, len);
+    const at::Tensor piece = src.narrow(0, done, len);
+    add ? dst.add_(piece) : dst.copy_(piece);
+    done += len;
+  }
+}
+
 at::Tensor FlatParam::take_grads() {
   at::NoGradGuard no_grad;
   at::Tensor packed;
   const bool accumulated = accumulator_.defined();
-  if (accumulated) {
-    packed = std::move(accumulator_);
-  } else {
-    packed = at::empty({padded_numel()}, shard_.options().dtype(reduce_dtype_));
-    packed.narrow(0, numel_, padded_numel() - numel_).zero_();
-  }
+  packed = accumulated ? std::move(accumulator_) : empty_packed();
   for (size_t i = 0; i < size(); ++i) {
-    at::Tensor slot = packed.narrow(0, offsets_[i], numels_[i]);
     at::Tensor grad = unsharded_.empty() ? at::Tensor() : unsharded_[i].grad();
     if (grad.defined()) {
-      accumulated ? slot.add_(grad.reshape(-1)) : slot.copy_(grad.reshape(-1));
+      pack(packed, offsets_[i], grad.reshape(-1), accumulated);
       unsharded_[i].mutable_grad().reset();
-    } else if (!accumulated) {
-      slot.zero_();
+    } else if (!accumulated && numels_[i] > 0) {
+      pack(packed, offsets_[i], at::zeros({numels_[i]}, packed.options()), false);
     }
   }
   return packed;
@@ -190,11 +207,11 @@ at::Tensor FlatParam::take_grads() {
 void FlatParam::accumulate_grads_locally() {
   at::NoGradGuard no_grad;
   if (!accumulator_.defined()) {
-    accumulator_ = at::zeros({padded_numel()}, shard_.options().dtype(reduce_dtype_));
+    accumulator_ = at::zeros({world_ * packed_stride()}, shard_.options().dtype(reduce_dtype_));
   }
   for (size_t i = 0; i < unsharded_.size(); ++i) {
     if (unsharded_[i].grad().defined()) {
-      accumulator_.narrow(0, offsets_[i], numels_[i]).add_(unsharded_[i].grad().reshape(-1));
+      pack(accumulator_, offsets_[i], unsharded_[i].grad().reshape(-1), true);
       unsharded_[i].mutable_grad().reset();
     }
   }
@@ -206,15 +223,24 @@ void FlatParam::discard_unsharded_grads() {
   }
 }
 
-std::pair<c10::intrusive_ptr<c10d::Work>, at::Tensor> FlatParam::start_reduce_scatter(at::Tensor& packed) {
-  at::Tensor out = at::empty({shard_numel_}, packed.options());
+std::pair<c10::intrusive_ptr<c10d::Work>, at::Tensor> FlatParam::start_reduce_scatter(at::Tensor& packed,
+                                                                                      double tag) {
+  packed.view({world_, packed_stride()}).select(1, shard_numel_ + rank_).fill_(tag);
+  at::Tensor out = at::empty({packed_stride()}, packed.options());
   c10d::ReduceScatterOptions opts;
   opts.reduceOp = c10d::ReduceOp::SUM;  // then divided by the world size: gloo has no AVG
   return {group_->_reduce_scatter_base(out, packed, opts), out};
 }
 
-void FlatParam::deliver_grads(const at::Tensor& reduced) {
+std::vector<double> FlatParam::reduced_tags(const at::Tensor& reduced) const {
+  at::Tensor tags = reduced.narrow(0, shard_numel_, world_).to(at::Device(at::kCPU), at::kDouble);
+  const double* v = tags.data_ptr<double>();
+  return std::vector<double>(v, v + world_);
+}
+
+void FlatParam::deliver_grads(const at::Tensor& out) {
   at::NoGradGuard no_grad;
+  at::Tensor reduced = out.narrow(0, 0, shard_numel_);
   reduced.div_(static_cast<double>(world_));
   for (size_t i = 0; i < sharded_.size(); ++i) {
     if (!requires_grad_[i]) {

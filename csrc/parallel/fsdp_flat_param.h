@@ -56,6 +56,8 @@ class FlatParam {
   std::pair<int64_t, int64_t> shard_range(size_t i) const;
   const std::vector<int64_t>& shape(size_t i) const { return shapes_[i]; }
   at::ScalarType master_dtype() const { return shard_.scalar_type(); }
+  at::Device device() const { return shard_.device(); }
+  const c10::intrusive_ptr<c10d::ProcessGroup>& group() const { return group_; }
   at::ScalarType compute_dtype() const { return compute_dtype_; }
   at::ScalarType reduce_dtype() const { return reduce_dtype_; }
   const FlatParamOptions& options() const { return options_; }
@@ -89,10 +91,18 @@ class FlatParam {
   // Release the unsharded gradients unreduced (left by a backward that raised).
   void discard_unsharded_grads();
   // Reduce-scatter `packed` (sum) into this rank's shard; returns the work and the output.
-  std::pair<c10::intrusive_ptr<c10d::Work>, at::Tensor> start_reduce_scatter(at::Tensor& packed);
+  // Packed gradients are laid out as world_size chunks of shard_numel elements, each followed by
+  // world_size tag slots: this rank writes `tag` into slot `rank` of every chunk (the others stay
+  // zero), so after the sum each rank reads every rank's tag exactly (one non-zero term per slot)
+  // and can tell whether all of them reduced the same unit (reduced_tags). `tag` must be an
+  // integer the reduce dtype represents exactly.
+  std::pair<c10::intrusive_ptr<c10d::Work>, at::Tensor> start_reduce_scatter(at::Tensor& packed, double tag);
+  // The tags of a finished reduce-scatter's output, one per rank.
+  std::vector<double> reduced_tags(const at::Tensor& reduced) const;
   // Divide the summed shard by the world size and hand it to the sharded parameters' .grad
   // (assigned as views of `reduced` when .grad is undefined, added otherwise).
   void deliver_grads(const at::Tensor& reduced);
+  bool has_accumulator() const { return accumulator_.defined(); }
   bool requires_grad_sync = true;
 
   // ---- checkpoints ----
@@ -111,6 +121,11 @@ class FlatParam {
 
  private:
   void check_same_on_every_rank(const std::vector<at::Tensor>& params);
+  // A packed gradient buffer (see start_reduce_scatter): chunk stride, and `src` (flat) written
+  // (or added) at flat offset `offset`, split at the chunk boundaries.
+  int64_t packed_stride() const { return shard_numel_ + world_; }
+  at::Tensor empty_packed() const;
+  void pack(at::Tensor& packed, int64_t offset, const at::Tensor& src, bool add) const;
 
   std::vector<std::string> names_;
   std::vector<std::vector<int64_t>> shapes_;

@@ -27,6 +27,7 @@ const char* event_name(FsdpEvent::Kind kind) {
     case FsdpEvent::kReduceScatterLaunch: return "reduce_scatter_launch";
     case FsdpEvent::kReduceScatterWait: return "reduce_scatter_wait";
     case FsdpEvent::kFinalize: return "finalize";
+    case FsdpEvent::kSkippedBackward: return "skipped_backward";
   }
   return "?";
 }
