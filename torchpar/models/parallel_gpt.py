@@ -40,6 +40,7 @@ drawing its batches from the default generator (``torch.randint`` without ``gene
 give each stage other data. Draw batches from an explicit ``torch.Generator``, seeded alike on
 every rank of a data-parallel replica (as examples/train_gpt.py does).
 """
+import contextlib
 import os
 from dataclasses import dataclass
 from typing import Optional
@@ -232,6 +233,10 @@ class ParallelGPT:
         cls = SCHEDULES[L.schedule]
         stages = self.stages if cls is ScheduleInterleaved1F1B else self.stages[0]
         self.schedule = cls(stages, L.microbatches, loss_fn=self._loss)
+        # One stage (pp = 1, no virtual stages): nothing to pipeline, so train_step runs the
+        # micro-batches itself (``_run_unpipelined``), as Megatron-LM's
+        # forward_backward_no_pipelining does whatever the schedule.
+        self.pipelined = num_stages > 1
 
         params = [p for m in modules for p in m.parameters()]
         opt_cls, kw = ((torch.optim.AdamW, dict(lr=lr, weight_decay=weight_decay)) if optimizer == "adamw"
@@ -336,12 +341,32 @@ class ParallelGPT:
             raise ValueError(f"ParallelGPT: batch size {b} does not split into dp x micro-batches = "
                              f"{L.dp} x {L.microbatches}")
 
-    def _run(self, run, idx, target):
+    def _run(self, run, idx, target, train):
         self.check_batch(idx, target)
         idx, target = (t.chunk(self.layout.dp)[self.dp_rank].to(self.device) for t in (idx, target))
         losses = []
-        run(*((idx,) if self.has_first else ()), target=target if self.has_last else None, losses=losses)
+        if self.pipelined:
+            run(*((idx,) if self.has_first else ()), target=target if self.has_last else None, losses=losses)
+        else:
+            self._run_unpipelined(idx, target, losses, train)
         return self._mean_loss(losses)
+
+    def _run_unpipelined(self, idx, target, losses, train):
+        """The one stage's micro-batches in order, forward then backward each (1F1B's order on
+        one stage; every schedule's arithmetic at pp = 1), each loss scaled by 1 / micro-batches
+        as the schedules scale it. Under DDP every backward but the last runs in ``no_sync()``,
+        so the last one averages the accumulated gradients bucket by bucket while it still runs
+        (Megatron-LM's forward_backward_no_pipelining; the schedule instead averages a DDP stage
+        in one all-reduce after the step, executor._armable says why). A fully_shard stage
+        reduce-scatters in every backward, as under the schedule."""
+        module, m = self.modules[0], self.layout.microbatches
+        ddp = train and isinstance(module, DistributedDataParallel)
+        for i, (x, y) in enumerate(zip(idx.chunk(m), target.chunk(m))):
+            with module.no_sync() if ddp and i < m - 1 else contextlib.nullcontext():
+                loss = self._loss(module(x), y)
+                losses.append(loss.detach())
+                if train:
+                    (loss * (1.0 / m)).backward()
 
     def _mean_loss(self, losses):
         # The last pipeline rank holds the micro-batch losses: sum over the pp group (zeros
@@ -363,7 +388,7 @@ class ParallelGPT:
         for m in self.modules:
             m.train()
         self.optimizer.zero_grad(set_to_none=True)
-        loss = self._run(self.schedule.step, idx, target)
+        loss = self._run(self.schedule.step, idx, target, train=True)
         for w in self.embedding_weights:  # Megatron's _allreduce_word_embedding_grads
             if w.grad is None:
                 w.grad = torch.zeros_like(w)
@@ -402,7 +427,7 @@ class ParallelGPT:
         """Mean loss on a batch, forward only (dropout off)."""
         for m in self.modules:
             m.eval()
-        return self._run(self.schedule.eval, idx, target)
+        return self._run(self.schedule.eval, idx, target, train=False)
 
 
 def rank_device(device):
