@@ -372,15 +372,16 @@ class ParallelGPT:
                     (loss * (1.0 / m)).backward()
 
     def _mean_loss(self, losses):
-        # The last pipeline rank holds the micro-batch losses: sum over the pp group (zeros
-        # elsewhere), then average over the data-parallel replicas.
+        # The last pipeline stage's ranks hold the micro-batch losses (its tp ranks the same
+        # value, each dp rank its own): one all-reduce over the whole job, each of them adding
+        # its mean / (dp x tp) and the other stages zero, gives the global batch's mean on every
+        # rank, with one synchronisation per step instead of one over pp and one over dp.
+        L = self.layout
         loss = (torch.stack(losses).double().mean() if losses
                 else torch.zeros((), dtype=torch.float64, device=self.device))
-        if self.layout.pp > 1:
-            dist.all_reduce(loss, group=self.pp_group)
-        if self.layout.dp > 1:
-            dist.all_reduce(loss, group=self.dp_group)
-            loss /= self.layout.dp
+        if L.pp > 1 or L.dp > 1:
+            loss /= L.dp * L.tp
+            dist.all_reduce(loss)
         return loss.item()
 
     def forward_backward(self, idx, target):
