@@ -79,6 +79,9 @@ LAYOUTS = {
     "2x1x2": Layout(dp=2, tp=1, pp=2, microbatches=2),
     "1x2x2": Layout(dp=1, tp=2, pp=2, microbatches=2),
     "2x2x1": Layout(dp=2, tp=2, pp=1, microbatches=2),
+    # pp = 1 without tensor parallelism: ParallelGPT runs the micro-batches itself (no
+    # schedule), DDP averaging in the last one's backward.
+    "4x1x1": Layout(dp=4, microbatches=2),
     "fsdp-2x1x2": Layout(dp=2, pp=2, fsdp=True, microbatches=2),
     "fsdp-2x2x1": Layout(dp=2, tp=2, fsdp=True),
     "sp-1x2x2": Layout(tp=2, pp=2, sequence_parallel=True, microbatches=2),

@@ -168,7 +168,8 @@ def _torch_system(cfg, dp, tp, pp, fsdp, microbatches, lr):
 def _torchpar_system(cfg, dp, tp, pp, fsdp, microbatches, lr):
     """ParallelGPT at the layout, as ``_torch_system``."""
     from torchpar.models.parallel_gpt import Layout, ParallelGPT
-    trainer = ParallelGPT(cfg, Layout(dp, tp, pp, fsdp, microbatches=microbatches), lr=lr)
+    # torch's AdamW default weight decay (0.01; ParallelGPT's default is 0), as the torch side has it.
+    trainer = ParallelGPT(cfg, Layout(dp, tp, pp, fsdp, microbatches=microbatches), lr=lr, weight_decay=0.01)
     return trainer.train_step, nn.ModuleList(trainer.modules), trainer.optimizer
 
 
