@@ -306,6 +306,124 @@ def test_ddp_stage_with_a_parameter_unused_in_the_last_micro_batch(backend, find
     _pool(backend, 4).run(_ddp_parameter_unused_in_the_last_micro_batch, backend, find_unused)
 
 
+class _SignalInTheLastBackward(torch.autograd.Function):
+    """Identity; its backward sets ``key`` in the store when it runs for the step's last
+    micro-batch (``calls`` counts the forwards)."""
+
+    @staticmethod
+    def forward(ctx, x, signal):
+        ctx.signal = signal
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, g):
+        ctx.signal()
+        return g, None
+
+
+class _SignalsItsLastBackward(nn.Module):
+    def __init__(self, block, m, store, key):
+        super().__init__()
+        self.block, self.m, self.store, self.key, self.calls = block, m, store, key, 0
+
+    def forward(self, x):
+        self.calls += 1
+        last = self.calls % self.m == 0
+        return _SignalInTheLastBackward.apply(self.block(x), lambda: last and self.store.set(self.key, "1"))
+
+
+def _ddp_sends_before_its_reduction(ctx, backend):
+    """Review finding: stage 1's armed last backward returned only after its data-parallel
+    reduction, so the gradient it owed stage 0 waited for it. Here stage 1's reduction (a comm
+    hook) completes only once stage 0 has run its own last backward, which needs that gradient:
+    it finishes only if the gradient is sent first (else the hook gives up after 30 s and the
+    step fails)."""
+    import threading
+    from datetime import timedelta
+    from torchpar.parallel import DistributedDataParallel as DDP
+    torch.set_num_threads(1)
+    pp, dp = _pp_by_dp(ctx, backend)
+    dp_rank, stage_index, m = ctx.rank // 2, ctx.rank % 2, 4
+    store = dist.distributed_c10d._get_default_store()
+    run = [store.add("test_pipeline/sends-before-reduction", 1) if ctx.rank == 0 else None]
+    dist.broadcast_object_list(run, src=0)
+    key = f"test_pipeline/sends-before-reduction/{run[0]}/{dp_rank}"  # stage 0 of this pipeline is through
+    model = _model(4)
+    x, y = _data(0, 16)
+    ref, _ = _reference_grads(model, x, y)
+    block = split(copy.deepcopy(model), 2, stage_index)
+    module = _SignalsItsLastBackward(block, m, store, key) if stage_index == 0 else block
+    ddp = DDP(module, process_group=dp, find_unused_parameters=True)
+    if stage_index == 1:
+        def hook(_, bucket):
+            fut, buf = torch.futures.Future(), bucket.buffer()
+
+            def reduce():
+                try:
+                    store.wait([key], timedelta(seconds=30))
+                    dist.all_reduce(buf, group=dp)
+                    fut.set_result(buf.div_(2))
+                except Exception as e:  # noqa: BLE001 - the step raises it
+                    fut.set_exception(e)
+            threading.Thread(target=reduce, daemon=True).start()
+            return fut
+        ddp.register_comm_hook(None, hook)
+    stage = PipelineStage(ddp, stage_index, 2, group=pp)
+    xs, ys = x.chunk(2)[dp_rank], y.chunk(2)[dp_rank]
+    Schedule1F1B(stage, m, loss_fn=_mse).step(*((xs,) if stage.is_first else ()), target=ys if stage.is_last else None)
+    for (name, p), q in zip(block.named_parameters(), split(ref, 2, stage_index).parameters()):
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-5, atol=1e-6, msg=lambda msg: f"{name}: {msg}")
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_ddp_stage_sends_its_input_gradient_before_its_reduction_finishes(backend):
+    _pool(backend, 4).run(_ddp_sends_before_its_reduction, backend)
+
+
+class _SkippedInTheLast(nn.Module):
+    """``block`` on every micro-batch of a step but the last, which passes its input through (a
+    conditional stage): the stage's last backward reaches none of its parameters."""
+
+    def __init__(self, block, m):
+        super().__init__()
+        self.block, self.m, self.calls = block, m, 0
+
+    def forward(self, x):
+        self.calls += 1
+        return self.block(x) if (self.calls - 1) % self.m != self.m - 1 else x * 1.0
+
+
+def _ddp_stage_skipped_in_the_last_micro_batch(ctx, backend):
+    """Review finding: stage 1's DDP, armed before a last backward that reaches none of its
+    parameters, got no gradient hook, so nothing was reduced and the reducer stayed armed. Two
+    steps, each equal to one process running the same micro-batches."""
+    torch.set_num_threads(1)
+    from torchpar.parallel import DistributedDataParallel as DDP
+    pp, dp = _pp_by_dp(ctx, backend)
+    dp_rank, stage_index, m = ctx.rank // 2, ctx.rank % 2, 4
+    torch.manual_seed(1)
+    whole = nn.Sequential(split(_model(4), 2, 0), _SkippedInTheLast(split(_model(4), 2, 1), m))
+    ddp = DDP(copy.deepcopy(whole[stage_index]), process_group=dp, find_unused_parameters=True)
+    sched = Schedule1F1B(PipelineStage(ddp, stage_index, 2, group=pp), m, loss_fn=_mse)
+    for step in range(2):
+        ref = copy.deepcopy(whole)
+        x, y = _data(step, 16)
+        for r in range(2):  # every data-parallel replica's micro-batches, in one process
+            for xm, ym in zip(x.chunk(2)[r].chunk(m), y.chunk(2)[r].chunk(m)):
+                (_mse(ref(xm), ym) / m / 2).backward()
+        ddp.zero_grad(set_to_none=True)
+        xs, ys = x.chunk(2)[dp_rank], y.chunk(2)[dp_rank]
+        sched.step(*((xs,) if stage_index == 0 else ()), target=ys if stage_index == 1 else None)
+        for (name, p), q in zip(ddp.module.named_parameters(), ref[stage_index].parameters()):
+            torch.testing.assert_close(p.grad, q.grad, rtol=1e-5, atol=1e-6,
+                                       msg=lambda msg: f"step {step} {name}: {msg}")
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_ddp_stage_whose_last_backward_reaches_no_parameter(backend):
+    _pool(backend, 4).run(_ddp_stage_skipped_in_the_last_micro_batch, backend)
+
+
 def _variable_length(ctx, name):
     torch.set_num_threads(1)
     model = _model(2 * ctx.world_size)
@@ -377,6 +495,9 @@ def test_eval_and_chrome_trace():
         events = json.load(open(path))["traceEvents"]
         assert {e["pid"] for e in events} == {0, 1}
         assert sum(e["cat"] == "F" for e in events) == 4 and sum(e["cat"] == "B" for e in events) == 4
+        # One clock for both ranks: stage 1's first forward starts after stage 0's has ended.
+        f0 = {e["pid"]: e for e in events if e["name"] == "F0"}
+        assert f0[1]["ts"] >= f0[0]["ts"] + f0[0]["dur"], f0
 
 
 # ---- bad input: a clear error on every rank, never a hang ----

@@ -14,7 +14,9 @@ peer's pending receive from another process while that process lives (its ``abor
 the connections open), so there the failed rank exits, as an uncaught exception makes it do,
 and its peers learn why from the store (docs/pipeline.md, "Failures").
 """
+import copy
 import os
+import signal
 import time
 from datetime import timedelta
 
@@ -171,3 +173,151 @@ def test_a_shape_change_reaches_ranks_two_stages_away(backend):
         assert result is not None, f"rank {rank} finished three steps"
         step, kind, msg = result
         assert step == 1 and "(2, 4)" in msg and "(2, 8)" in msg, f"rank {rank}: {kind}: {msg}"
+
+
+class _Interrupted(nn.Module):
+    """A Linear whose ``n``-th forward is interrupted by Ctrl-C (SIGINT to its own process)."""
+
+    def __init__(self, n):
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+        self.n, self.calls = n, 0
+
+    def forward(self, x):
+        self.calls += 1
+        if self.calls == self.n:
+            signal.raise_signal(signal.SIGINT)  # KeyboardInterrupt at the next bytecode, as for Ctrl-C
+        return self.lin(x)
+
+
+def _interrupted(rank, world_size, init_file, backend):
+    signal.signal(signal.SIGINT, signal.default_int_handler)  # Python's own, whatever the spawner set
+    _init(rank, world_size, init_file, backend)
+    try:
+        torch.manual_seed(0)
+        mod = _Interrupted(7) if rank == 1 else nn.Linear(8, 8)
+        sched = Schedule1F1B(PipelineStage(mod, rank, world_size), 4, loss_fn=_mse)
+        x, y = torch.randn(8, 8), torch.randn(8, 8)
+        result = None
+        for step in range(3):
+            try:
+                sched.step(*((x,) if rank == 0 else ()), target=y if rank == world_size - 1 else None)
+            except BaseException as e:  # noqa: BLE001 - KeyboardInterrupt is what the test inspects
+                result = step, type(e).__name__, str(e)
+                break
+        return _answer(backend, world_size, result)
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.timeout(BOUND)
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_ctrl_c_mid_step_reaches_the_peers(backend):
+    """Review finding: a KeyboardInterrupt in stage 1's forward (micro-batch 2 of step 1) was
+    neither published nor did it abort the group, so stage 0 waited until the timeout."""
+    results = spawn(_interrupted, 2, backend, timeout=BOUND)
+    assert results[1] is not None and results[1][:2] == (1, "KeyboardInterrupt"), results
+    assert results[0] is not None and results[0][0] == 1, results
+    assert "pipeline stage 1 (pipeline rank 1) failed in the forward of micro-batch 2: KeyboardInterrupt" \
+        in results[0][2], results
+
+
+def _one_rank_made_another_schedule(rank, world_size, init_file, backend):
+    _init(rank, world_size, init_file, backend)
+    try:
+        torch.manual_seed(0)
+        stage = PipelineStage(_FailsOnCall(7, "forward") if rank == 1 else nn.Linear(8, 8), rank, world_size)
+        if rank == 0:
+            ScheduleGPipe(stage, 2, loss_fn=_mse)  # made over the same group, never stepped
+        sched = Schedule1F1B(stage, 4, loss_fn=_mse)
+        x, y = torch.randn(8, 8), torch.randn(8, 8)
+        return _answer(backend, world_size, _first_error(sched, rank, world_size, x, y, steps=3))
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.timeout(BOUND)
+def test_the_reason_reaches_ranks_that_made_different_numbers_of_schedules():
+    """Review finding: the reason's store key counted the schedules made over the group in each
+    process, so a rank that had made one more looked under another key and lost the reason."""
+    results = spawn(_one_rank_made_another_schedule, 2, "torchpar", timeout=BOUND)
+    assert results[1][:2] == (1, "RuntimeError") and "boom in forward" in results[1][2], results
+    assert "pipeline stage 1 (pipeline rank 1) failed in the forward of micro-batch 2" in results[0][2], results
+
+
+_RAISE = {"on": False}  # per process
+
+
+class _RaisesWhileOn(torch.autograd.Function):
+    """Identity whose backward raises while ``_RAISE["on"]``."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, g):
+        if _RAISE["on"]:
+            raise RuntimeError("boom in the armed backward")
+        return g
+
+
+class _RaisesInTheLastBackward(nn.Module):
+    """Linear, Tanh, Linear; between them, in the step's last micro-batch, an identity whose
+    backward raises while ``_RAISE["on"]``: the second Linear's gradient hooks have fired by then."""
+
+    def __init__(self, m):
+        super().__init__()
+        self.a, self.b = nn.Linear(8, 8), nn.Linear(8, 8)
+        self.m, self.calls = m, 0
+
+    def forward(self, x):
+        self.calls += 1
+        h = torch.tanh(self.a(x))
+        if self.calls % self.m == 0:
+            h = _RaisesWhileOn.apply(h)
+        return self.b(h)
+
+
+def _ddp_after_a_raising_armed_backward(rank, world_size, init_file, backend):
+    """pp=2 x dp=2 (pipelines {0,1}, {2,3}; data parallel {0,2}, {1,3}): stage 1's DDP is armed
+    before its last backward, which raises. The step fails; a new pipeline group and schedule
+    over the same DDP modules must then give the one-process gradients."""
+    _init(rank, world_size, init_file, backend)
+    try:
+        from torchpar.parallel import DistributedDataParallel as DDP
+        pps = [dist.new_group([0, 1]), dist.new_group([2, 3])]
+        dps = [dist.new_group([0, 2]), dist.new_group([1, 3])]
+        dp_rank, stage_index, m = rank // 2, rank % 2, 4
+        _RAISE["on"] = True
+        torch.manual_seed(0)
+        whole = nn.Sequential(nn.Sequential(nn.Linear(8, 8), nn.Tanh()), _RaisesInTheLastBackward(m))
+        ddp = DDP(copy.deepcopy(whole[stage_index]), process_group=dps[rank % 2], find_unused_parameters=True)
+        x, y = torch.randn(16, 8), torch.randn(16, 8)
+        xs, ys = x.chunk(2)[dp_rank], y.chunk(2)[dp_rank]
+        args, kw = ((xs,) if stage_index == 0 else ()), {"target": ys if stage_index == 1 else None}
+        sched = Schedule1F1B(PipelineStage(ddp, stage_index, 2, group=pps[dp_rank]), m, loss_fn=_mse)
+        try:
+            sched.step(*args, **kw)
+            failed = None
+        except RuntimeError as e:
+            failed = str(e)
+        assert failed is not None and ("boom in the armed backward" in failed), failed
+        _RAISE["on"] = False
+        ddp.zero_grad(set_to_none=True)
+        pps = [dist.new_group([0, 1]), dist.new_group([2, 3])]  # the failed step aborted the first
+        sched = Schedule1F1B(PipelineStage(ddp, stage_index, 2, group=pps[dp_rank]), m, loss_fn=_mse)
+        sched.step(*args, **kw)
+        ref = copy.deepcopy(whole)
+        _mse(ref(x), y).backward()
+        for (name, p), q in zip(ddp.module.named_parameters(), ref[stage_index].parameters()):
+            torch.testing.assert_close(p.grad, q.grad, rtol=1e-5, atol=1e-6, msg=lambda msg: f"{name}: {msg}")
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.timeout(BOUND)
+def test_ddp_stage_works_after_its_armed_backward_raised():
+    """Review finding: the reducer armed before the last backward stayed armed when that
+    backward raised, and the next step's first (no_sync) backward failed in it."""
+    spawn(_ddp_after_a_raising_armed_backward, 4, "torchpar", timeout=BOUND)

@@ -1,6 +1,7 @@
 #include "backend/queue.h"
 
 #include <c10/util/Exception.h>
+#include <pthread.h>
 
 #include <utility>
 
@@ -16,7 +17,10 @@ thread_local const CollectiveQueue* running_here = nullptr;
 CollectiveQueue::CollectiveQueue(Transport& transport, const Config& config, int rank, int size,
                                  std::string group_name)
     : transport_(transport), config_(config), rank_(rank), size_(size), group_name_(std::move(group_name)) {
-  worker_ = std::thread([this] { run_worker(); });
+  worker_ = std::thread([this] {
+    ::pthread_setname_np(::pthread_self(), "torchpar-coll");  // for top -H, perf sched, gdb
+    run_worker();
+  });
 }
 
 void CollectiveQueue::stop() {

@@ -162,13 +162,7 @@ void Reducer::prepare_for_backward(const std::vector<at::Tensor>& outputs) {
   if (expect_backward_ && backward_started_) {
     const std::string missing = params_without_gradient();
     // Reductions already launched still write into .grad (or the buckets): let them finish.
-    for (auto& b : buckets_) {
-      try {
-        if (b.reduction.work) b.reduction.work->wait();
-        if (b.reduction.hook_result) b.reduction.hook_result->wait();
-      } catch (...) {  // NOLINT(bugprone-empty-catch): the error below is the one to report
-      }
-    }
+    wait_launched();
     reset_step();
     TORCH_CHECK(false, "torchpar DDP: the previous step's backward ended (or raised) before these "
                 "parameters got a gradient, so that step's gradients were not all averaged: ",
@@ -208,6 +202,47 @@ void Reducer::prepare_for_backward(const std::vector<at::Tensor>& outputs) {
   }
   for (size_t i = 0; i < params_.size(); ++i) {
     reachable_[i] = seen.count(accumulators_[i].get()) > 0;
+  }
+}
+
+bool Reducer::reduce_if_unreached() {
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    at::NoGradGuard no_grad;
+    if (!expect_backward_ || backward_started_) {
+      return false;
+    }
+    backward_started_ = true;
+    try {
+      for (size_t i = 0; i < params_.size(); ++i) {
+        mark_ready(static_cast<int64_t>(i), used_since_sync_[i] != 0);
+      }
+    } catch (...) {
+      wait_launched();
+      reset_step();
+      throw;
+    }
+  }
+  finalize();  // not inside a backward: it waits, writes back and disarms now
+  return true;
+}
+
+void Reducer::cancel_backward() {
+  std::lock_guard<std::mutex> lock(mutex_);
+  if (!expect_backward_) {
+    return;
+  }
+  wait_launched();
+  reset_step();
+}
+
+void Reducer::wait_launched() {
+  for (auto& b : buckets_) {
+    try {
+      if (b.reduction.work) b.reduction.work->wait();
+      if (b.reduction.hook_result) b.reduction.hook_result->wait();
+    } catch (...) {  // NOLINT(bugprone-empty-catch): the caller reports the error that matters
+    }
   }
 }
 

@@ -94,6 +94,19 @@ class Reducer {
   // not preceded by this call (no_sync) just accumulates gradients locally.
   void prepare_for_backward(const std::vector<at::Tensor>& outputs);
 
+  // For a caller that arms a backward it runs itself (a pipeline stage's last micro-batch,
+  // torchpar/parallel/pipeline/executor.py). After that backward returned: if no gradient
+  // hook fired (it reached none of the parameters, e.g. a conditional stage), reduces now
+  // what accumulated since the last reduction, with the collectives a backward that reached
+  // them issues (every bucket in order, then the used flags), so data-parallel peers whose
+  // backward did reach them match. Returns whether it reduced; a no-op once finalize ran.
+  bool reduce_if_unreached();
+  // After an armed backward raised: disarms, so the next backward without
+  // prepare_for_backward only accumulates again. Reductions it launched are waited for
+  // (they write into the buckets or .grad; errors ignored), nothing is written back: .grad
+  // is left partly averaged and must be zeroed before the next step.
+  void cancel_backward();
+
   // Replaces each bucket's all-reduce with `hook` (c10d's interface, so torch's own hooks
   // and Python hooks through c10d::PythonCommHook both fit): it gets the bucket's summed-
   // not-averaged gradients as a c10d::GradBucket and returns a future of the reduced flat
@@ -191,6 +204,8 @@ class Reducer {
   void write_back(Bucket& b, const std::vector<int32_t>& used_anywhere);
   void write_back_shard(Bucket& b, const std::vector<int32_t>& used_anywhere);
   void reset_step();
+  // Waits for the reductions launched this step, ignoring their errors (mutex_ held).
+  void wait_launched();
 
   std::vector<at::Tensor> params_;
   std::vector<std::string> names_;

@@ -62,6 +62,11 @@ TORCHPAR_PYBIND(reducer) {
            py::arg("reduce_grads_in_place") = false, py::arg("shard_gradients") = false)
       .def("prepare_for_backward", &Reducer::prepare_for_backward, py::arg("outputs"),
            py::call_guard<py::gil_scoped_release>())
+      .def("reduce_if_unreached", &Reducer::reduce_if_unreached, py::call_guard<py::gil_scoped_release>(),
+           "After an armed backward the caller ran: reduce now if it reached no parameter "
+           "(returns True then).")
+      .def("cancel_backward", &Reducer::cancel_backward, py::call_guard<py::gil_scoped_release>(),
+           "Disarm after an armed backward raised (launched reductions are waited for).")
       .def("trace",
            [](const Reducer& r) {
              py::list out;

@@ -1,10 +1,14 @@
 #include "transport/p2p_engine.h"
 
+#include <pthread.h>
 #include <sched.h>
+#include <sys/syscall.h>
+#include <unistd.h>
 
 #include <algorithm>
 #include <cstring>
 
+#include "common/env.h"
 #include "common/error.h"
 #include "transport/shm/flag.h"
 
@@ -18,6 +22,33 @@ constexpr auto kIdleSleep = std::chrono::milliseconds(50);
 constexpr size_t kEarlyRecordBytes = 64;
 
 size_t held_bytes(size_t payload) { return payload + kEarlyRecordBytes; }
+
+// The progress thread runs for microseconds at a time, but messages wait for it. Beside ranks
+// that compute while their transfers progress (a pipeline stage posts its send and computes
+// on, issue 18), a woken thread waits until the computing one has had its slice (EEVDF's
+// run-to-parity: 0.75 ms x (1 + log2 cores)) unless its own slice is shorter: since Linux
+// 6.12 a SCHED_OTHER thread may ask for one (sched_attr.sched_runtime), and a shorter slice
+// preempts on wake-up. TORCHPAR_PROGRESS_SLICE_US (default 100, the kernel's least; 0 keeps
+// the default slice). Older kernels refuse or ignore it, and nothing depends on it.
+void ask_for_a_short_slice(int64_t slice_us) {
+#if defined(__linux__) && defined(SYS_sched_getattr) && defined(SYS_sched_setattr)
+  if (slice_us <= 0) return;
+  struct {  // the kernel's struct sched_attr, first version (glibc < 2.41 has no declaration)
+    uint32_t size;
+    uint32_t policy;
+    uint64_t flags;
+    int32_t nice;
+    uint32_t priority;
+    uint64_t runtime, deadline, period;
+  } attr{};
+  if (::syscall(SYS_sched_getattr, 0, &attr, sizeof(attr), 0) != 0) return;
+  if (attr.policy != SCHED_OTHER && attr.policy != SCHED_BATCH) return;  // a user's choice stays
+  attr.size = sizeof(attr);
+  attr.flags = 0;
+  attr.runtime = static_cast<uint64_t>(slice_us) * 1000;  // nanoseconds; policy and nice unchanged
+  (void)::syscall(SYS_sched_setattr, 0, &attr, 0);
+#endif
+}
 
 bool matches(const Request& r, int source, uint64_t tag) {
   return (r.peer == -1 || r.peer == source) && r.tag == tag;
@@ -36,7 +67,12 @@ P2PEngine::P2PEngine(int rank, int size, Link& link, std::chrono::microseconds s
                      std::chrono::microseconds yield, size_t unexpected_max_bytes)
     : rank_(rank), size_(size), link_(link), spin_(spin), yield_(yield),
       unexpected_max_(unexpected_max_bytes), out_(size), in_(size), scratch_(1 << 16) {
-  thread_ = std::thread([this] { run(); });
+  const int64_t slice_us = env_int("TORCHPAR_PROGRESS_SLICE_US", 100);  // a bad value raises here
+  thread_ = std::thread([this, slice_us] {
+    ::pthread_setname_np(::pthread_self(), "torchpar-p2p");  // for top -H, perf sched, gdb
+    ask_for_a_short_slice(slice_us);
+    run();
+  });
 }
 
 P2PEngine::~P2PEngine() { stop(); }

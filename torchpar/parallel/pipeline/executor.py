@@ -129,7 +129,8 @@ class Executor:
         step_time = time.perf_counter() - t_start
         self._remember()
         stats = {"step_time": step_time, "busy": busy, "bubble": 1 - busy / step_time if step_time else 0.0,
-                 "peak_live": max(s.peak_live for s in self.s.stages)}
+                 "peak_live": max(s.peak_live for s in self.s.stages),
+                 "start": t_start}  # time.perf_counter(): one clock for every process of a host
         outputs = _merge(self.outputs) if self.outputs else None
         return outputs, self.losses, stats, self.events
 
@@ -253,17 +254,62 @@ class Executor:
             self._wait(pending.works)
             grads = pending.tensors
         t_wait = time.perf_counter()
-        if self.last_b.get(stage) == mb:  # the stage's last backward reduces over data parallel
-            ddp = self.sync_in_last_backward[stage]
-            # The search for unused parameters starts where this backward does: the loss on the
-            # last stage (an output the loss ignores must not count as used), else the outputs.
-            roots = [st._mbs[mb].loss] if st.is_last else list(st.outputs(mb))
-            ddp.reducer.prepare_for_backward(roots)
         backward = st.backward_input if stage in self.split_stages else st.backward
-        in_grads = backward(mb, grads, self.scale)
+        sent = False
+        if self.last_b.get(stage) == mb:  # the stage's last backward reduces over data parallel
+            in_grads, sent = self._armed_backward(backward, st, mb, grads)
+        else:
+            in_grads = backward(mb, grads, self.scale)
         if not st.is_first:
-            self.to_send_b[(mb, stage)] = _needed(in_grads, self.recv_learned[stage], st.device)
+            self.to_send_b[(mb, stage)] = [] if sent else _needed(in_grads, self.recv_learned[stage], st.device)
         return t_wait
+
+    def _armed_backward(self, backward, st, mb, grads):
+        """The stage's last backward with its DDP armed, so that its gradient hooks reduce the
+        accumulated gradients while it runs."""
+        reducer = self.sync_in_last_backward[st.stage_index].reducer
+        # The search for unused parameters starts where this backward does: the loss on the
+        # last stage (an output the loss ignores must not count as used), else the outputs.
+        roots = [st._mbs[mb].loss] if st.is_last else list(st.outputs(mb))
+        hooks, sent = self._send_input_grads_when_ready(st, mb)
+        reducer.prepare_for_backward(roots)
+        try:
+            in_grads = backward(mb, grads, self.scale)
+        except BaseException:
+            # Armed and left so, the next step's first (no_sync) backward would reduce (review).
+            reducer.cancel_backward()
+            raise
+        finally:
+            for h in hooks:
+                h.remove()
+        # A backward that reached none of the stage's parameters (a conditional stage) fired no
+        # gradient hook: what the earlier micro-batches accumulated is reduced now (review).
+        reducer.reduce_if_unreached()
+        return in_grads, sent[0]
+
+    def _send_input_grads_when_ready(self, st, mb):
+        """An armed backward returns only after the reducer waited for its last buckets (its
+        callback runs at the end of the graph task), but the input gradients are ready before:
+        hooks post their send as soon as the last of them has accumulated, so the upstream stage
+        does not wait for this stage's data-parallel reduction (Megatron-LM likewise waits for
+        its reductions only after the schedule). Returns the hooks and a flag set once sent."""
+        sent = [False]
+        if st.is_first:
+            return [], sent
+        stage = st.stage_index
+        inputs = [x for x, (_, _, rg) in zip(st._mbs[mb].inputs, self.recv_learned[stage]) if rg]
+        if not inputs:
+            return [], sent
+        left = [len(inputs)]
+
+        def arrived(_):
+            left[0] -= 1
+            if left[0] == 0:  # in the inputs' order, which the receiver's posted buffers follow
+                for x in inputs:
+                    self._send(x.grad.contiguous(), stage - 1, _comm.tag_gradient(stage - 1))
+                self._flush()
+                sent[0] = True
+        return [x.register_post_accumulate_grad_hook(arrived) for x in inputs], sent
 
     def do_w(self, mb, stage):
         t_wait = time.perf_counter()

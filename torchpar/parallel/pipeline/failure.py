@@ -5,7 +5,13 @@ would wait for them, and ranks further along would wait on those, until the grou
 So the first rank to fail publishes why in the group's store (one key per step), then aborts
 the pipeline group (``ProcessGroup.abort``). A rank whose wait then fails reads the reason and
 raises it; the rank whose own work raised re-raises its own exception; a rank that had
-finished the step raises the reason at the start of the next one.
+finished the step raises the reason at the start of the next one. A KeyboardInterrupt (Ctrl-C)
+or SystemExit mid-step counts as the rank's own failure: published, the group aborted, and
+re-raised as it is (review: the peers waited for the timeout).
+
+The keys carry a random number that pipeline rank 0 drew for the schedule, learned by every
+rank in the first step's agreement; a count of the schedules made over the group (as before)
+differs between ranks that made different numbers of them, and the reason was lost (review).
 
 - torchpar: the abort fails every pending and later operation of the group on every rank
   within ~50 ms (the progress threads watch the group's shared abort flag, or the TCP
@@ -19,6 +25,7 @@ The group is unusable afterwards: make a new one. The one exception is a shape m
 between the two ranks of a two-rank pipeline: both raise by themselves (the header carries
 the shapes), nobody is left waiting, and the group goes on.
 """
+import secrets
 from datetime import timedelta
 
 import torch.distributed as dist
@@ -34,9 +41,14 @@ _ACTIONS = {"F": "the forward", "B": "the backward", "W": "the weight gradient",
 class StepFailure:
     """Where one schedule publishes why a step failed: the group's store, a key per step."""
 
-    def __init__(self, group, schedule_index):
+    def __init__(self, group):
         self.group = group
-        self.prefix = f"torchpar/pipeline/{schedule_index}/"
+        self.nonce = secrets.randbits(62)  # this rank's draw; rank 0's is the one used
+        self.prefix = None  # until the first step's agreement: nothing can fail mid-step before
+
+    def agree(self, nonce):
+        """Takes pipeline rank 0's number (every rank gets the same from the step's agreement)."""
+        self.prefix = f"torchpar/pipeline/{nonce:x}/"
 
     def fail(self, sched, step, exc, action, waiting):
         """Called with the exception that ended this rank's step number ``step`` while it ran
@@ -46,6 +58,9 @@ class StepFailure:
         name, mb, stage = action
         me = f"pipeline stage {stage} (pipeline rank {sched.rank})" if stage is not None else \
             f"pipeline rank {sched.rank}"
+        # A KeyboardInterrupt or SystemExit is this rank's own, wherever it struck: published
+        # (unless a peer's reason came first) and re-raised as it is.
+        own = not isinstance(exc, Exception)
         reason = self.published(step) if waiting else None
         if reason is None:
             what = _ACTIONS.get(name, name or "the step")
@@ -57,13 +72,15 @@ class StepFailure:
                 self.group.abort()
             except Exception:  # noqa: BLE001 - a backend without abort: its peers time out
                 pass
-        if reason is None:
+        if reason is None or own:
             return exc
         return RuntimeError(f"{type(sched).__name__}: {me} stopped waiting for its peers because {reason}")
 
     def published(self, step):
         """The reason the first rank to fail in step ``step`` published, or None. A rank that
         has counted itself in but not yet written its reason is waited for, briefly."""
+        if self.prefix is None:
+            return None
         try:
             store = self._store()
             key = f"{self.prefix}{step}"
@@ -77,6 +94,8 @@ class StepFailure:
             return None
 
     def _publish(self, step, reason):
+        if self.prefix is None:
+            return
         try:
             store = self._store()
             key = f"{self.prefix}{step}"

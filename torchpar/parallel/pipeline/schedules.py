@@ -36,7 +36,6 @@ from torchpar.parallel.pipeline.failure import StepFailure
 from torchpar.parallel.pipeline.stage import PipelineStage
 
 _KIND_IDS = {"gpipe": 0, "1f1b": 1, "interleaved_1f1b": 2, "zb_h1": 3, "custom": 4}
-_SCHEDULES_MADE = {}  # group name -> schedules made over it (the same count on its every rank)
 
 
 def _split_batch(tensors, m, what):
@@ -83,8 +82,7 @@ class _PipelineSchedule:
         self._recv_cache = OrderedDict()  # input key -> {stage: input specs}
         self._send_cache = OrderedDict()  # input key -> {stage: output specs}
         self._steps = 0  # steps and evals begun, the same count on every rank: picks the tags
-        made = _SCHEDULES_MADE[self.group.group_name] = _SCHEDULES_MADE.get(self.group.group_name, 0) + 1
-        self._failure = StepFailure(self.group, made)
+        self._failure = StepFailure(self.group)  # its store keys are agreed at the first step
         self.last_stats = None   # step_time, busy, bubble (idle over step time), peak_live
         self.last_events = None  # (action, microbatch, stage, start, end) of the last step
 
@@ -110,7 +108,8 @@ class _PipelineSchedule:
         error is raised on every rank before a single activation moves."""
         key = _comm.key(first_mbs[0], train) if first_mbs else 0
         row = torch.tensor([self.num_stages, len(self.stages), _KIND_IDS[self.kind], self.n_microbatches,
-                            key, int(err is not None), int(train), self._schedule_id], dtype=torch.int64)
+                            key, int(err is not None), int(train), self._schedule_id, self._failure.nonce],
+                           dtype=torch.int64)
         rows = [torch.empty_like(row) for _ in range(self.p)]
         dist.all_gather(rows, row, group=self.group)
         rows = [r.tolist() for r in rows]
@@ -120,13 +119,14 @@ class _PipelineSchedule:
             dist.all_gather_object(msgs, err, group=self.group)
             problems += [f"pipeline rank {i}: {m}" for i, m in enumerate(msgs) if m]
         names = ["number of stages", "stages per rank", "schedule kind", "number of micro-batches", None, None,
-                 "step/eval", "schedule (checksum of the action lists)"]
+                 "step/eval", "schedule (checksum of the action lists)", None]
         for field, name in enumerate(names):
             if name and len({r[field] for r in rows}) > 1:
                 problems.append(f"pipeline ranks disagree on the {name}: " +
                                 ", ".join(f"rank {i} has {r[field]}" for i, r in enumerate(rows)))
         if problems:
             raise ValueError(f"{type(self).__name__}: " + "; ".join(problems))
+        self._failure.agree(rows[0][8])
         return rows[0][4]  # rank 0 holds stage 0
 
     def _run(self, actions, args, target, losses, trace, train):
@@ -170,7 +170,7 @@ class _PipelineSchedule:
                 executor = Executor(self, key, first_mbs, targets, train, ddp)
                 try:
                     out = executor.run(actions)
-                except Exception as e:
+                except BaseException as e:  # KeyboardInterrupt too: the peers must not wait for the timeout
                     failure = self._failure.fail(self, self._steps, e, executor.action, executor.waiting)
                     if failure is e:
                         raise
@@ -187,7 +187,7 @@ class _PipelineSchedule:
         if losses is not None:
             losses.extend(step_losses)
         if trace:
-            _write_trace(trace, events, self.rank, self.group)
+            _write_trace(trace, events, stats["start"], self.rank, self.group)
         return outputs
 
 
@@ -206,19 +206,23 @@ def _average_gradients(module):
         offset += g.numel()
 
 
-def _write_trace(path, events, rank, group):
-    """Chrome trace (chrome://tracing, ui.perfetto.dev) of every pipeline rank's actions."""
+def _write_trace(path, events, start, rank, group):
+    """Chrome trace (chrome://tracing, ui.perfetto.dev) of every pipeline rank's actions. Each
+    rank's events are placed by its own start on the host's monotonic clock, so that a message's
+    send and its receive line up (ranks on other hosts: as far as the clocks agree)."""
     base = time.time()
-    mine = [(name, mb, stage, t0, t1) for name, mb, stage, t0, t1 in events]
     everyone = [None] * dist.get_world_size(group)
-    dist.all_gather_object(everyone, mine, group=group)
+    dist.all_gather_object(everyone, (start, list(events)), group=group)
     if rank != 0:
         return
     out = []
-    for r, evs in enumerate(everyone):
+    first = min(s for s, _ in everyone)
+    for r, (start_r, evs) in enumerate(everyone):
+        shift = start_r - first
         for name, mb, stage, t0, t1 in evs:
             out.append({"name": f"{name}{mb}" if name != "wait" else "wait", "cat": name, "ph": "X", "pid": r,
-                        "tid": 0, "ts": t0 * 1e6, "dur": (t1 - t0) * 1e6, "args": {"microbatch": mb, "stage": stage}})
+                        "tid": 0, "ts": (t0 + shift) * 1e6, "dur": (t1 - t0) * 1e6,
+                        "args": {"microbatch": mb, "stage": stage}})
     with open(path, "w") as f:
         json.dump({"traceEvents": out, "otherData": {"written": base}}, f)
 
