@@ -516,6 +516,28 @@ TEST_P(Hosts, ReduceAndAllgatherMismatchesFailEveryRankAlike) {
   }
 }
 
+// float16 sums run flat and float16 maxima hierarchical (hier::reduces_flat): ranks that
+// disagree on the op take different algorithms, and still fail alike (both begin with the
+// same agreement), for all_reduce, reduce_scatter and reduce.
+TEST_P(Hosts, HalfOpMismatchAcrossTheFlatAndHierarchicalPathsFailsEveryRank) {
+  const int world = this->world();
+  run([&](int rank, Transport& t) {
+    const ReduceOp op = rank == 0 ? ReduceOp::kMax : ReduceOp::kSum;
+    std::vector<c10::Half> v(world * 8, c10::Half(1.0f)), piece(8);
+    std::vector<const void*> ins;
+    for (int q = 0; q < world; ++q) ins.push_back(v.data() + q * 8);
+    auto c = comm(t, 0, 20000);
+    EXPECT_THROW(collectives::allreduce(c, v.data(), v.size(), c10::ScalarType::Half, op), UsageError);
+    auto c2 = comm(t, 1, 20000);
+    EXPECT_THROW(collectives::reduce_scatter(c2, ins.data(), piece.data(), 8, c10::ScalarType::Half, op), UsageError);
+    auto c3 = comm(t, 2, 20000);
+    EXPECT_THROW(collectives::reduce(c3, v.data(), 8, c10::ScalarType::Half, op, world - 1), UsageError);
+    auto c4 = comm(t, 3, 20000);
+    collectives::allreduce(c4, v.data(), 8, c10::ScalarType::Half, ReduceOp::kSum);
+    EXPECT_EQ(static_cast<float>(v[0]), static_cast<float>(world));
+  });
+}
+
 // A rank that gives up fails every rank of every host rather than leaving them to their
 // timeout: its host's ranks through the segment, the others through its closed sockets,
 // each failing rank aborting in turn (as the backend does) to reach its own host.
