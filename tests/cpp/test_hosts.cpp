@@ -151,8 +151,9 @@ TEST_P(Hosts, FloatSumIsBitIdenticalOnEveryRankAndFollowsTheDocumentedOrder) {
 }
 
 // float16 sums go flat (review finding): a host's partial sum stored in float16 overflowed
-// where the flat algorithm, adding in float32 and rounding once, gives finite values. Ranks
-// hold +40000 and -40000 alternately by host, so host partials of two ranks pass 65504.
+// where the flat algorithm, adding in float32 and rounding once, gives finite values
+// (all_reduce, reduce_scatter and reduce). Ranks hold +40000 and -40000 alternately by host,
+// so host partials of two ranks pass 65504.
 TEST_P(Hosts, HalfSumsThatPassTheRangeOnOneHostStayFinite) {
   const std::vector<int>& hosts = this->hosts();
   run([&](int rank, Transport& t) {
@@ -170,10 +171,14 @@ TEST_P(Hosts, HalfSumsThatPassTheRangeOnOneHostStayFinite) {
     for (size_t q = 0; q < hosts.size(); ++q) ins.push_back(blocks.data() + q * 5);
     auto c3 = comm(t, 2, 20000);
     collectives::reduce_scatter(c3, ins.data(), piece.data(), 5, c10::ScalarType::Half, ReduceOp::kSum);
+    std::vector<c10::Half> r(5, c10::Half(sign * 40000.0f));
+    auto c4 = comm(t, 3, 20000);
+    collectives::reduce(c4, r.data(), r.size(), c10::ScalarType::Half, ReduceOp::kSum, 0);
     for (size_t i = 0; i < v.size(); ++i) {
       if (std::abs(expect_sum) <= 65504.0f) {
         EXPECT_EQ(static_cast<float>(v[i]), expect_sum) << rank;
         EXPECT_EQ(static_cast<float>(piece[i]), expect_sum) << rank;
+        EXPECT_EQ(static_cast<float>(r[i]), rank == 0 ? expect_sum : sign * 40000.0f) << rank;
       }
       EXPECT_EQ(static_cast<float>(a[i]), 40000.0f) << rank;
     }
