@@ -295,7 +295,8 @@ TEST_P(Hosts, ReduceScatterEqualsExactValues) {
 }
 
 // Random floats: reduce_scatter's piece has the bits of the same piece of an all_reduce of
-// the same inputs (the two add in the same order, hierarchical or flat), on every rank.
+// the same inputs (the two add in the same order, hierarchical or flat), on every rank; so
+// has reduce's result on every root.
 TEST_P(Hosts, ReduceScatterOfFloatsEqualsThatPieceOfAllreduce) {
   const int world = this->world();
   const size_t n = 9000;
@@ -314,6 +315,13 @@ TEST_P(Hosts, ReduceScatterOfFloatsEqualsThatPieceOfAllreduce) {
       auto c2 = comm(t, 2 * static_cast<int>(op) + 1, 20000);
       collectives::allreduce(c2, reduced.data(), reduced.size(), c10::ScalarType::Float, op);
       ASSERT_EQ(std::memcmp(piece.data(), reduced.data() + rank * n, n * sizeof(float)), 0) << collectives::name(op);
+      // reduce adds in the same order (hierarchical.h): the root gets all_reduce's bits.
+      for (int root = 0; root < world; ++root) {
+        std::vector<float> r = all;
+        auto c3 = comm(t, 100 + 2 * world * static_cast<int>(op) + root, 20000);
+        collectives::reduce(c3, r.data(), r.size(), c10::ScalarType::Float, op, root);
+        if (rank == root) ASSERT_EQ(std::memcmp(r.data(), reduced.data(), r.size() * sizeof(float)), 0) << root;
+      }
     }
   });
 }
