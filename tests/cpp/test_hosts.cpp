@@ -151,8 +151,9 @@ TEST_P(Hosts, FloatSumIsBitIdenticalOnEveryRankAndFollowsTheDocumentedOrder) {
 }
 
 // float16 sums go flat (review finding): a host's partial sum stored in float16 overflowed
-// where the flat algorithm, adding in float32 and rounding once, gives finite values. Ranks
-// hold +40000 and -40000 alternately by host, so host partials of two ranks pass 65504.
+// where the flat algorithm, adding in float32 and rounding once, gives finite values
+// (all_reduce, reduce_scatter and reduce). Ranks hold +40000 and -40000 alternately by host,
+// so host partials of two ranks pass 65504.
 TEST_P(Hosts, HalfSumsThatPassTheRangeOnOneHostStayFinite) {
   const std::vector<int>& hosts = this->hosts();
   run([&](int rank, Transport& t) {
@@ -170,10 +171,14 @@ TEST_P(Hosts, HalfSumsThatPassTheRangeOnOneHostStayFinite) {
     for (size_t q = 0; q < hosts.size(); ++q) ins.push_back(blocks.data() + q * 5);
     auto c3 = comm(t, 2, 20000);
     collectives::reduce_scatter(c3, ins.data(), piece.data(), 5, c10::ScalarType::Half, ReduceOp::kSum);
+    std::vector<c10::Half> r(5, c10::Half(sign * 40000.0f));
+    auto c4 = comm(t, 3, 20000);
+    collectives::reduce(c4, r.data(), r.size(), c10::ScalarType::Half, ReduceOp::kSum, 0);
     for (size_t i = 0; i < v.size(); ++i) {
       if (std::abs(expect_sum) <= 65504.0f) {
         EXPECT_EQ(static_cast<float>(v[i]), expect_sum) << rank;
         EXPECT_EQ(static_cast<float>(piece[i]), expect_sum) << rank;
+        EXPECT_EQ(static_cast<float>(r[i]), rank == 0 ? expect_sum : sign * 40000.0f) << rank;
       }
       EXPECT_EQ(static_cast<float>(a[i]), 40000.0f) << rank;
     }
@@ -290,7 +295,8 @@ TEST_P(Hosts, ReduceScatterEqualsExactValues) {
 }
 
 // Random floats: reduce_scatter's piece has the bits of the same piece of an all_reduce of
-// the same inputs (the two add in the same order, hierarchical or flat), on every rank.
+// the same inputs (the two add in the same order, hierarchical or flat), on every rank; so
+// has reduce's result on every root.
 TEST_P(Hosts, ReduceScatterOfFloatsEqualsThatPieceOfAllreduce) {
   const int world = this->world();
   const size_t n = 9000;
@@ -309,6 +315,13 @@ TEST_P(Hosts, ReduceScatterOfFloatsEqualsThatPieceOfAllreduce) {
       auto c2 = comm(t, 2 * static_cast<int>(op) + 1, 20000);
       collectives::allreduce(c2, reduced.data(), reduced.size(), c10::ScalarType::Float, op);
       ASSERT_EQ(std::memcmp(piece.data(), reduced.data() + rank * n, n * sizeof(float)), 0) << collectives::name(op);
+      // reduce adds in the same order (hierarchical.h): the root gets all_reduce's bits.
+      for (int root = 0; root < world; ++root) {
+        std::vector<float> r = all;
+        auto c3 = comm(t, 100 + 2 * world * static_cast<int>(op) + root, 20000);
+        collectives::reduce(c3, r.data(), r.size(), c10::ScalarType::Float, op, root);
+        if (rank == root) ASSERT_EQ(std::memcmp(r.data(), reduced.data(), r.size() * sizeof(float)), 0) << root;
+      }
     }
   });
 }
@@ -514,6 +527,28 @@ TEST_P(Hosts, ReduceAndAllgatherMismatchesFailEveryRankAlike) {
     EXPECT_EQ(roots[r], roots[0]) << r;
     EXPECT_EQ(dtypes[r], dtypes[0]) << r;
   }
+}
+
+// float16 sums run flat and float16 maxima hierarchical (hier::reduces_flat): ranks that
+// disagree on the op take different algorithms, and still fail alike (both begin with the
+// same agreement), for all_reduce, reduce_scatter and reduce.
+TEST_P(Hosts, HalfOpMismatchAcrossTheFlatAndHierarchicalPathsFailsEveryRank) {
+  const int world = this->world();
+  run([&](int rank, Transport& t) {
+    const ReduceOp op = rank == 0 ? ReduceOp::kMax : ReduceOp::kSum;
+    std::vector<c10::Half> v(world * 8, c10::Half(1.0f)), piece(8);
+    std::vector<const void*> ins;
+    for (int q = 0; q < world; ++q) ins.push_back(v.data() + q * 8);
+    auto c = comm(t, 0, 20000);
+    EXPECT_THROW(collectives::allreduce(c, v.data(), v.size(), c10::ScalarType::Half, op), UsageError);
+    auto c2 = comm(t, 1, 20000);
+    EXPECT_THROW(collectives::reduce_scatter(c2, ins.data(), piece.data(), 8, c10::ScalarType::Half, op), UsageError);
+    auto c3 = comm(t, 2, 20000);
+    EXPECT_THROW(collectives::reduce(c3, v.data(), 8, c10::ScalarType::Half, op, world - 1), UsageError);
+    auto c4 = comm(t, 3, 20000);
+    collectives::allreduce(c4, v.data(), 8, c10::ScalarType::Half, ReduceOp::kSum);
+    EXPECT_EQ(static_cast<float>(v[0]), static_cast<float>(world));
+  });
 }
 
 // A rank that gives up fails every rank of every host rather than leaving them to their
