@@ -691,15 +691,16 @@ class SkipNet(Net):
     with another's would go unnoticed by the backend (silently wrong before the engine followed
     skips; with blocks of different sizes it was a hang or a size-mismatch error)."""
 
-    def __init__(self, gated, **kwargs):
+    def __init__(self, gated, instead=(), **kwargs):
         super().__init__(depth=4, **kwargs)
         self.gated = gated
+        self.instead = instead  # blocks run only when the gated ones are not
 
     def forward(self, x):
         take = bool(x.sum() > 0)
         h = self.inp(x)
         for i, b in enumerate(self.blocks):
-            if take or i not in self.gated:
+            if (take or i not in self.gated) and not (take and i in self.instead):
                 h = b(h)
         return self.out(h)
 
@@ -712,9 +713,9 @@ def _skip_takes(step, world_size):
     return [step == 3] * world_size
 
 
-def _skip_grads_match(ctx, gated, reshard_after_forward, steps=4):
+def _skip_grads_match(ctx, gated, reshard_after_forward, steps=4, instead=()):
     _setup(ctx)
-    model = SkipNet(gated)
+    model = SkipNet(gated, instead)
     ref = copy.deepcopy(model)
     _shard_model(model, ctx.pg, reshard_after_forward=reshard_after_forward)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
@@ -764,6 +765,19 @@ def test_unit_run_on_some_ranks_only_equals_single_process(backend, world_size, 
         for step, events in enumerate(per_step):
             took = _skip_takes(step, world_size)[rank]
             assert {u for _, u in events} == (set() if took else units), (rank, step, events)
+
+
+@on_backends
+def test_units_skipped_on_different_ranks_equal_single_process(backend):
+    # Each rank skips a different block in the first step (block 0 on one rank, block 1 on the
+    # other: a per-rank branch between two experts). Raised in the first backward before: the
+    # agreed order was one rank's with the other rank's block appended after the last unit, so
+    # the ranks' backward slots did not line up.
+    skipped = _pool(backend, 2).run(_skip_grads_match, (0,), True, 4, (1,), timeout=60)
+    for rank, per_step in enumerate(skipped):
+        for step, events in enumerate(per_step):
+            took = _skip_takes(step, 2)[rank]
+            assert {u for _, u in events} == ({2} if took else {1}), (rank, step, events)
 
 
 class TwoBranchNet(Net):
