@@ -780,6 +780,28 @@ def test_units_skipped_on_different_ranks_equal_single_process(backend):
             assert {u for _, u in events} == ({2} if took else {1}), (rank, step, events)
 
 
+def _skip_trace(ctx):
+    _setup(ctx)
+    model = _shard_model(SkipNet((0, 1)), ctx.pg)
+    for step in range(2):  # rank 0 skips blocks 0 and 1 in the first step, rank 1 in the second
+        x, y = _batch(step, 2 * ctx.world_size)
+        take = _skip_takes(step, ctx.world_size)[ctx.rank]
+        model.zero_grad()
+        _loss(model(_part(x, ctx) + (3.0 if take else -3.0)), _part(y, ctx)).backward()
+    return model.fsdp_engine.trace()
+
+
+@on_backends
+def test_units_skipped_in_forward_are_freed_before_the_next_unit_runs(backend):
+    # Units 1 and 2 (blocks 0, 1), skipped by rank 1 in the second step, are gathered with the
+    # others' stream and must be freed as the others free them, not held to the end of forward
+    # (held before: every skipped unit gathered at once).
+    trace = _pool(backend, 2).run(_skip_trace, timeout=60)[1]
+    assert ("pre_forward", 1) not in trace and ("pre_forward", 3) in trace, trace
+    for u in (1, 2):
+        assert trace.index(("reshard", u)) < trace.index(("post_forward", 3)), trace
+
+
 class TwoBranchNet(Net):
     """Two blocks of one size summed, run in an order that depends on the data (and so on the
     rank): their backward passes, and reduce-scatters, come in different orders on different

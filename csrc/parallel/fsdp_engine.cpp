@@ -135,6 +135,15 @@ void FsdpEngine::pre_forward(int64_t unit, bool grad_enabled) {
     // ranks that run them gather them now.
     if (stream_pos_[unit] >= 0) {
       advance_stream_locked(static_cast<size_t>(stream_pos_[unit]) + 1);
+      // And the ones just before it that this rank skipped are freed now: the ranks that ran them
+      // have freed them by their post_forward, and holding every skipped unit until the end of
+      // forward could gather most of the model at once. Only once the order is agreed: in the
+      // first forward the stream is index order, and a unit before this one may still run.
+      if (order_recorded_ && step_forward_) {
+        for (int64_t at = stream_pos_[unit] - 1; at >= 0 && !units_[stream_[at]].ran; --at) {
+          if (units_[stream_[at]].flat->options().reshard_after_forward) reshard_locked(stream_[at]);
+        }
+      }
     }
   }
   unshard_locked(unit);
