@@ -802,6 +802,36 @@ def test_units_skipped_in_forward_are_freed_before_the_next_unit_runs(backend):
         assert trace.index(("reshard", u)) < trace.index(("post_forward", 3)), trace
 
 
+def _skip_eval_first_then_no_sync(ctx):
+    _setup(ctx)
+    model = SkipNet((1,))
+    ref = copy.deepcopy(model)
+    _shard_model(model, ctx.pg)
+    x, _ = _batch(9, 2 * ctx.world_size)
+    with torch.no_grad():  # the first forward (the order is agreed here) is an evaluation
+        model(_part(x, ctx) + (3.0 if ctx.rank == 0 else -3.0))
+    # Rank 1 runs the gated block only in the first micro-batch (without sync), rank 0 only in the
+    # last (synced); no rank in the middle one.
+    takes = [[r == 1 for r in range(ctx.world_size)], [False] * ctx.world_size,
+             [r == 0 for r in range(ctx.world_size)]]
+    for m, take in enumerate(takes):
+        x, y = _batch(m, 2 * ctx.world_size)
+        xs = [p + (3.0 if t else -3.0) for p, t in zip(x.chunk(ctx.world_size), take)]
+        ys = y.chunk(ctx.world_size)
+        model.set_requires_gradient_sync(m == len(takes) - 1)
+        _loss(model(xs[ctx.rank]), ys[ctx.rank]).backward()
+        for xr, yr in zip(xs, ys):
+            (_loss(ref(xr), yr) / ctx.world_size).backward()
+    _assert_shard_grads(model, ref, "accumulated")
+
+
+@on_backends
+def test_skipped_units_with_eval_first_and_accumulation_equal_single_process(backend):
+    # The order agreed in a no_grad forward; a unit run by one rank only in a micro-batch without
+    # sync and by the other only in the synced one: its gradients come from the accumulator.
+    _pool(backend, 2).run(_skip_eval_first_then_no_sync, timeout=60)
+
+
 class TwoBranchNet(Net):
     """Two blocks of one size summed, run in an order that depends on the data (and so on the
     rank): their backward passes, and reduce-scatters, come in different orders on different
