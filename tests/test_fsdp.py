@@ -691,15 +691,16 @@ class SkipNet(Net):
     with another's would go unnoticed by the backend (silently wrong before the engine followed
     skips; with blocks of different sizes it was a hang or a size-mismatch error)."""
 
-    def __init__(self, gated, **kwargs):
+    def __init__(self, gated, instead=(), **kwargs):
         super().__init__(depth=4, **kwargs)
         self.gated = gated
+        self.instead = instead  # blocks run only when the gated ones are not
 
     def forward(self, x):
         take = bool(x.sum() > 0)
         h = self.inp(x)
         for i, b in enumerate(self.blocks):
-            if take or i not in self.gated:
+            if (take or i not in self.gated) and not (take and i in self.instead):
                 h = b(h)
         return self.out(h)
 
@@ -712,11 +713,14 @@ def _skip_takes(step, world_size):
     return [step == 3] * world_size
 
 
-def _skip_grads_match(ctx, gated, reshard_after_forward, steps=4):
+def _skip_grads_match(ctx, gated, reshard_after_forward, steps=4, instead=(), reduce_dtype=None):
     _setup(ctx)
-    model = SkipNet(gated)
+    model = SkipNet(gated, instead)
     ref = copy.deepcopy(model)
-    _shard_model(model, ctx.pg, reshard_after_forward=reshard_after_forward)
+    mp = {} if reduce_dtype is None else {"mixed_precision": MixedPrecision(reduce_dtype=reduce_dtype)}
+    # A low-precision reduce rounds the summed gradients (and so the weights after SGD).
+    tol = dict(rtol=1e-5, atol=1e-6) if reduce_dtype is None else dict(rtol=2e-2, atol=1e-2)
+    _shard_model(model, ctx.pg, reshard_after_forward=reshard_after_forward, **mp)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
     skipped = []
@@ -743,10 +747,10 @@ def _skip_grads_match(ctx, gated, reshard_after_forward, steps=4):
                     continue
                 start, length = u.flat.shard_range(i)
                 torch.testing.assert_close(u.sharded[i].grad, ref_grad.reshape(-1)[start:start + length],
-                                           rtol=1e-5, atol=1e-6, msg=lambda m: f"step {step}, {name}: {m}")
+                                           **tol, msg=lambda m: f"step {step}, {name}: {m}")
         opt.step()
         ref_opt.step()
-        _assert_matches(model.state_dict(), ref, step)
+        _assert_matches(model.state_dict(), ref, step, **tol)
         skipped.append([e for e in model.fsdp_engine.trace() if e[0] == "skipped_backward"])
     return skipped
 
@@ -764,6 +768,80 @@ def test_unit_run_on_some_ranks_only_equals_single_process(backend, world_size, 
         for step, events in enumerate(per_step):
             took = _skip_takes(step, world_size)[rank]
             assert {u for _, u in events} == (set() if took else units), (rank, step, events)
+
+
+@on_backends
+def test_units_skipped_on_different_ranks_equal_single_process(backend):
+    # Each rank skips a different block in the first step (block 0 on one rank, block 1 on the
+    # other: a per-rank branch between two experts). Raised in the first backward before: the
+    # agreed order was one rank's with the other rank's block appended after the last unit, so
+    # the ranks' backward slots did not line up.
+    skipped = _pool(backend, 2).run(_skip_grads_match, (0,), True, 4, (1,), timeout=60)
+    for rank, per_step in enumerate(skipped):
+        for step, events in enumerate(per_step):
+            took = _skip_takes(step, 2)[rank]
+            assert {u for _, u in events} == ({2} if took else {1}), (rank, step, events)
+
+
+def _skip_trace(ctx):
+    _setup(ctx)
+    model = _shard_model(SkipNet((0, 1)), ctx.pg)
+    for step in range(2):  # rank 0 skips blocks 0 and 1 in the first step, rank 1 in the second
+        x, y = _batch(step, 2 * ctx.world_size)
+        take = _skip_takes(step, ctx.world_size)[ctx.rank]
+        model.zero_grad()
+        _loss(model(_part(x, ctx) + (3.0 if take else -3.0)), _part(y, ctx)).backward()
+    return model.fsdp_engine.trace()
+
+
+@on_backends
+def test_units_skipped_in_forward_are_freed_before_the_next_unit_runs(backend):
+    # Units 1 and 2 (blocks 0, 1), skipped by rank 1 in the second step, are gathered with the
+    # others' stream and must be freed as the others free them, not held to the end of forward
+    # (held before: every skipped unit gathered at once).
+    trace = _pool(backend, 2).run(_skip_trace, timeout=60)[1]
+    assert ("pre_forward", 1) not in trace and ("pre_forward", 3) in trace, trace
+    for u in (1, 2):
+        assert trace.index(("reshard", u)) < trace.index(("post_forward", 3)), trace
+
+
+def _skip_eval_first_then_no_sync(ctx):
+    _setup(ctx)
+    model = SkipNet((1,))
+    ref = copy.deepcopy(model)
+    _shard_model(model, ctx.pg)
+    x, _ = _batch(9, 2 * ctx.world_size)
+    with torch.no_grad():  # the first forward (the order is agreed here) is an evaluation
+        model(_part(x, ctx) + (3.0 if ctx.rank == 0 else -3.0))
+    # Rank 1 runs the gated block only in the first micro-batch (without sync), rank 0 only in the
+    # last (synced); no rank in the middle one.
+    takes = [[r == 1 for r in range(ctx.world_size)], [False] * ctx.world_size,
+             [r == 0 for r in range(ctx.world_size)]]
+    for m, take in enumerate(takes):
+        x, y = _batch(m, 2 * ctx.world_size)
+        xs = [p + (3.0 if t else -3.0) for p, t in zip(x.chunk(ctx.world_size), take)]
+        ys = y.chunk(ctx.world_size)
+        model.set_requires_gradient_sync(m == len(takes) - 1)
+        _loss(model(xs[ctx.rank]), ys[ctx.rank]).backward()
+        for xr, yr in zip(xs, ys):
+            (_loss(ref(xr), yr) / ctx.world_size).backward()
+    _assert_shard_grads(model, ref, "accumulated")
+
+
+@on_backends
+def test_skipped_units_with_eval_first_and_accumulation_equal_single_process(backend):
+    # The order agreed in a no_grad forward; a unit run by one rank only in a micro-batch without
+    # sync and by the other only in the synced one: its gradients come from the accumulator.
+    _pool(backend, 2).run(_skip_eval_first_then_no_sync, timeout=60)
+
+
+@on_backends
+@pytest.mark.parametrize("reduce_dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+def test_unit_run_on_some_ranks_only_with_low_precision_reduce(backend, reduce_dtype):
+    # The tags travel in the reduce dtype: they must come back exact (and the grads right). Two
+    # steps (rank 0 skips, then rank 1): further ones drift from the float32 reference by the
+    # reduce's rounding alone (a run without any skip drifts as much).
+    _pool(backend, 2).run(_skip_grads_match, (1, 2), True, 2, (), reduce_dtype, timeout=60)
 
 
 class TwoBranchNet(Net):

@@ -135,6 +135,15 @@ void FsdpEngine::pre_forward(int64_t unit, bool grad_enabled) {
     // ranks that run them gather them now.
     if (stream_pos_[unit] >= 0) {
       advance_stream_locked(static_cast<size_t>(stream_pos_[unit]) + 1);
+      // And the ones just before it that this rank skipped are freed now: the ranks that ran them
+      // have freed them by their post_forward, and holding every skipped unit until the end of
+      // forward could gather most of the model at once. Only once the order is agreed: in the
+      // first forward the stream is index order, and a unit before this one may still run.
+      if (order_recorded_ && step_forward_) {
+        for (int64_t at = stream_pos_[unit] - 1; at >= 0 && !units_[stream_[at]].ran; --at) {
+          if (units_[stream_[at]].flat->options().reshard_after_forward) reshard_locked(stream_[at]);
+        }
+      }
     }
   }
   unshard_locked(unit);
@@ -176,16 +185,40 @@ void FsdpEngine::agree_order_locked() {
     }
     orders.push_back(std::move(o));
   }
-  std::vector<int64_t> agreed = orders[longest];
-  std::vector<int64_t> pos(units_.size(), -1);
-  for (size_t i = 0; i < agreed.size(); ++i) pos[agreed[i]] = static_cast<int64_t>(i);
+  // Preference: the longest order, then the units only other ranks ran, as they come.
+  std::vector<int64_t> preferred = orders[longest];
+  std::vector<int64_t> rank_of(units_.size(), -1);
+  for (size_t i = 0; i < preferred.size(); ++i) rank_of[preferred[i]] = static_cast<int64_t>(i);
   for (const auto& o : orders) {
     for (int64_t u : o) {
-      if (pos[u] < 0) {
-        pos[u] = static_cast<int64_t>(agreed.size());
-        agreed.push_back(u);
+      if (rank_of[u] < 0) {
+        rank_of[u] = static_cast<int64_t>(preferred.size());
+        preferred.push_back(u);
       }
     }
+  }
+  // Every rank's order kept (a unit after each unit it follows on some rank), so that two ranks
+  // that each skipped a different unit both find their own order in the agreed one: repeatedly
+  // the most preferred unit whose predecessors are placed. Orders that contradict each other (data-
+  // dependent) have no such unit at some point: the most preferred one left goes next, and the
+  // reduce-scatter tags catch what then pairs wrongly.
+  std::vector<std::vector<int64_t>> after(units_.size());  // unit -> the units it follows somewhere
+  for (const auto& o : orders) {
+    for (size_t i = 1; i < o.size(); ++i) after[o[i]].push_back(o[i - 1]);
+  }
+  std::vector<int64_t> agreed, pos(units_.size(), -1);
+  while (agreed.size() < preferred.size()) {
+    int64_t pick = -1;
+    for (int64_t u : preferred) {
+      if (pos[u] >= 0) continue;
+      if (pick < 0) pick = u;  // the fallback
+      if (std::all_of(after[u].begin(), after[u].end(), [&](int64_t p) { return pos[p] >= 0; })) {
+        pick = u;
+        break;
+      }
+    }
+    pos[pick] = static_cast<int64_t>(agreed.size());
+    agreed.push_back(pick);
   }
   order_ = agreed;
   position_ = pos;

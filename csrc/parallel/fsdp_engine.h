@@ -34,10 +34,10 @@
 // a size mismatch, or, between units of equal size, silently wrong numbers).
 //   forward   all-gathers follow one stream, the same on every rank: the units in index order in
 //             the first forward, then the forward order agreed at its end (one all-gather of each
-//             rank's order; the longest wins, units only other ranks ran appended). pre_forward(u)
+//             rank's order, merged keeping every rank's order, ties to the longest). pre_forward(u)
 //             launches every unit of the stream up to u not launched yet (a unit this rank skips
-//             is gathered all the same, and freed at the end of forward), the root's post_forward
-//             the rest.
+//             is gathered all the same, and freed at u, or at the end of the first forward), the
+//             root's post_forward the rest.
 //   backward  a unit this rank's forward did not run takes its place in the backward of the
 //             others as if it had run, when the unit before it in backward order is done:
 //             gathered (if the others gather it), the next unit prefetched, freed, and zeros
