@@ -2,8 +2,11 @@
 ranks, torchpar's ``ParallelGPT`` beside the same model on PyTorch's own stack.
 
 In the same rank processes, per layout, two systems train their own copy of the same GPT
-(same sizes, AdamW, the same global batch of random tokens, ``2 x pp`` micro-batches; each
-step returns the global batch's mean loss on every rank, as a training loop logs it):
+(same sizes, the same global batch of random tokens, ``2 x pp`` micro-batches; each step
+returns the global batch's mean loss on every rank, as a training loop logs it). Both step
+``torch.optim.AdamW(lr=1e-4, weight_decay=0.01, fused=True)`` (``ADAMW``): ParallelGPT uses
+the fused AdamW by default, so torch's side gets the same implementation, and the comparison
+is stack against stack, not optimizer loop against fused kernel:
 
 - ``torchpar``  ``torchpar.models.ParallelGPT`` on the ``torchpar`` backend: torchpar's
   tensor-parallel layers and fused kernels, its pipeline schedule (1F1B), its DDP or
@@ -40,6 +43,8 @@ from torchpar.bench._spawn import run_ranks
 
 LAYOUTS = ["4x1x1", "2x2x1", "2x1x2", "1x2x2", "1x1x4", "fsdp-2x2x1"]
 SYSTEMS = ["torchpar", "torch"]
+# The optimizer of both systems (torch's default weight decay; ParallelGPT's default is 0).
+ADAMW = dict(lr=1e-4, weight_decay=0.01, fused=True)
 
 
 def parse_layout(name):
@@ -99,12 +104,12 @@ class _TorchStage(nn.Module):
         return self.lm_head(self.ln_f(x)) if self.last else x
 
 
-def _torch_system(cfg, dp, tp, pp, fsdp, microbatches, lr):
+def _torch_system(cfg, dp, tp, pp, fsdp, microbatches):
     """The GPT on PyTorch's stack at (dp, tp, pp, fsdp): (train_step(idx, target) on the global
     batch, the rank's modules, the optimizer)."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.pipelining import PipelineStage, Schedule1F1B
-    from torch.distributed.tensor import Replicate
+    from torch.distributed.tensor import DTensor, Replicate
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
     from torchpar.parallel.pipeline.split import split_boundaries
@@ -138,7 +143,13 @@ def _torch_system(cfg, dp, tp, pp, fsdp, microbatches, lr):
             from torch.distributed.tensor.parallel.ddp import _pre_dp_module_transform
             _pre_dp_module_transform(stage)
         module = DistributedDataParallel(stage, process_group=mesh["dp"].get_group())
-    opt = torch.optim.AdamW(stage.parameters(), lr=lr)
+    # The fused kernel takes one parameter group's tensors in one call, which must not mix
+    # DTensors (the tensor-parallel layers) and plain tensors (the rest, without DDP's transform):
+    # a group of each, with the same settings.
+    params = list(stage.parameters())
+    groups = [g for g in ([p for p in params if isinstance(p, DTensor)],
+                          [p for p in params if not isinstance(p, DTensor)]) if g]
+    opt = torch.optim.AdamW([{"params": g} for g in groups], **ADAMW)
 
     def loss_fn(logits, target):
         return F.cross_entropy(logits.flatten(0, 1), target.flatten())
@@ -146,7 +157,7 @@ def _torch_system(cfg, dp, tp, pp, fsdp, microbatches, lr):
     pipe = PipelineStage(module, pp_rank, pp, torch.device("cpu"), group=mesh["pp"].get_group())
     schedule = Schedule1F1B(pipe, microbatches, loss_fn=loss_fn)
 
-    pp_group, dp_group = mesh["pp"].get_group(), mesh["dp"].get_group()
+    world = dist.new_group(backend="gloo")
 
     def train_step(idx, target):
         idx, target = idx.chunk(dp)[dp_rank], target.chunk(dp)[dp_rank]
@@ -154,22 +165,24 @@ def _torch_system(cfg, dp, tp, pp, fsdp, microbatches, lr):
         args, losses = ((idx,) if stage.first else ()), []
         schedule.step(*args, target=target if stage.last else None, losses=losses)
         opt.step()
-        # The global batch's mean loss on every rank, as ParallelGPT.train_step returns it.
+        # The global batch's mean loss on every rank, as ParallelGPT.train_step returns it and
+        # with its one all-reduce over the job (the last stage's dp x tp ranks add mean / (dp x tp)).
         loss = torch.stack(losses).double().mean() if losses else torch.zeros((), dtype=torch.float64)
-        if pp > 1:
-            dist.all_reduce(loss, group=pp_group)
-        if dp > 1:
-            dist.all_reduce(loss, group=dp_group)
-        return loss.item() / dp
+        if pp > 1 or dp > 1:
+            loss /= dp * tp
+            dist.all_reduce(loss, group=world)
+        return loss.item()
 
     return train_step, nn.ModuleList([stage]), opt
 
 
-def _torchpar_system(cfg, dp, tp, pp, fsdp, microbatches, lr):
+def _torchpar_system(cfg, dp, tp, pp, fsdp, microbatches):
     """ParallelGPT at the layout, as ``_torch_system``."""
     from torchpar.models.parallel_gpt import Layout, ParallelGPT
-    # torch's AdamW default weight decay (0.01; ParallelGPT's default is 0), as the torch side has it.
-    trainer = ParallelGPT(cfg, Layout(dp, tp, pp, fsdp, microbatches=microbatches), lr=lr, weight_decay=0.01)
+    trainer = ParallelGPT(cfg, Layout(dp, tp, pp, fsdp, microbatches=microbatches), lr=ADAMW["lr"],
+                          weight_decay=ADAMW["weight_decay"])
+    # ParallelGPT builds its AdamW with fused=True itself (ADAMW gives torch's side the same);
+    # bench gpt_breakdown's +loop variant swaps it for the default loop on purpose.
     return trainer.train_step, nn.ModuleList(trainer.modules), trainer.optimizer
 
 
@@ -213,7 +226,7 @@ def _rank(rank, init_file, args, queue):
             for system in args.systems:
                 ok, error = True, None
                 try:
-                    made[system] = MAKERS[system](cfg, dp, tp, pp, fsdp, 2 * pp, 1e-4)
+                    made[system] = MAKERS[system](cfg, dp, tp, pp, fsdp, 2 * pp)
                     for _ in range(args.warmup):
                         made[system][0](*batch)
                 except Exception as e:  # noqa: BLE001 - recorded in the table

@@ -89,7 +89,7 @@ def _rank(rank, init_file, args, queue):
         for name in args.variants:
             system, *flags = name.split("+")
             with _variant(flags):
-                step, _, opt = bench.MAKERS[system](cfg, dp, tp, pp, fsdp, 2 * pp, 1e-4)
+                step, _, opt = bench.MAKERS[system](cfg, dp, tp, pp, fsdp, 2 * pp)
             if system == "torchpar" and "sched" in flags:
                 step.__self__.pipelined = True
             opt.step = timed("opt", opt.step)
