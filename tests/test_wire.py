@@ -269,3 +269,12 @@ def test_shared_memory_sizes_that_overflow_fail_set_up():
     env = {"TORCHPAR_SHM_RING_BYTES": "4000000000G"}
     assert spawn(_init_fails, 2, "TORCHPAR_SHM_RING_BYTES", timeout=60, env=env) == [True, True]
     assert torchpar_segments() == []
+
+
+@pytest.mark.parametrize("transport", ["shm", "tcp"])
+def test_a_bad_progress_slice_fails_set_up_naming_it(transport):
+    # Read by the P2P engine after the transport connected: still an error on every rank,
+    # naming the setting, and no shared-memory segment left behind.
+    env = transport_env(transport, {"TORCHPAR_PROGRESS_SLICE_US": "-5"})
+    assert spawn(_init_fails, 2, "TORCHPAR_PROGRESS_SLICE_US", "-5", timeout=60, env=env) == [True, True]
+    assert torchpar_segments() == []
