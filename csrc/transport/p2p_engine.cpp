@@ -28,8 +28,9 @@ size_t held_bytes(size_t payload) { return payload + kEarlyRecordBytes; }
 // on, issue 18), a woken thread waits until the computing one has had its slice (EEVDF's
 // run-to-parity: 0.75 ms x (1 + log2 cores)) unless its own slice is shorter: since Linux
 // 6.12 a SCHED_OTHER thread may ask for one (sched_attr.sched_runtime), and a shorter slice
-// preempts on wake-up. TORCHPAR_PROGRESS_SLICE_US (default 100, the kernel's least; 0 keeps
-// the default slice). Older kernels refuse or ignore it, and nothing depends on it.
+// preempts on wake-up. TORCHPAR_PROGRESS_SLICE_US asks for it (100 is the kernel's least); the
+// default, 0, keeps the kernel's slice: alternated on a quiet machine the 0.1 ms slice showed no
+// gain on the pipeline bench (docs/pipeline.md). Older kernels refuse or ignore it.
 void ask_for_a_short_slice(int64_t slice_us) {
 #if defined(__linux__) && defined(SYS_sched_getattr) && defined(SYS_sched_setattr)
   if (slice_us <= 0) return;
@@ -67,7 +68,7 @@ P2PEngine::P2PEngine(int rank, int size, Link& link, std::chrono::microseconds s
                      std::chrono::microseconds yield, size_t unexpected_max_bytes)
     : rank_(rank), size_(size), link_(link), spin_(spin), yield_(yield),
       unexpected_max_(unexpected_max_bytes), out_(size), in_(size), scratch_(1 << 16) {
-  const int64_t slice_us = env_int("TORCHPAR_PROGRESS_SLICE_US", 100);  // a bad value raises here
+  const int64_t slice_us = env_int("TORCHPAR_PROGRESS_SLICE_US", 0);  // a bad value raises here
   thread_ = std::thread([this, slice_us] {
     ::pthread_setname_np(::pthread_self(), "torchpar-p2p");  // for top -H, perf sched, gdb
     ask_for_a_short_slice(slice_us);
