@@ -84,7 +84,7 @@ def _clipped_run(ctx, layout, cfg):
 LAYOUTS = {
     "2x1x2": (Layout(dp=2, pp=2, microbatches=2), CFG),
     "1x2x2": (Layout(tp=2, pp=2, microbatches=2), CFG),
-    "2x2x1": (Layout(dp=2, tp=2), CFG),
+    "2x2x1": (Layout(dp=2, tp=2, microbatches=2), CFG),  # pp = 1: DDP syncs in the last micro-batch
     "fsdp-2x1x2": (Layout(dp=2, pp=2, fsdp=True, microbatches=2), CFG),
     "fsdp-2x2x1": (Layout(dp=2, tp=2, fsdp=True), CFG),
     "sp-1x2x2": (Layout(tp=2, pp=2, sequence_parallel=True, microbatches=2), CFG),
