@@ -79,14 +79,14 @@ LAYOUTS = {
     "2x1x2": Layout(dp=2, tp=1, pp=2, microbatches=2),
     "1x2x2": Layout(dp=1, tp=2, pp=2, microbatches=2),
     "2x2x1": Layout(dp=2, tp=2, pp=1, microbatches=2),
-    # pp = 1 without tensor parallelism: ParallelGPT runs the micro-batches itself (no
-    # schedule), DDP averaging in the last one's backward.
+    # pp = 1 (here and in the other x1 layouts with micro-batches): ParallelGPT runs the
+    # micro-batches itself (no schedule), DDP averaging in the last one's backward.
     "4x1x1": Layout(dp=4, microbatches=2),
     "fsdp-2x1x2": Layout(dp=2, pp=2, fsdp=True, microbatches=2),
     "fsdp-2x2x1": Layout(dp=2, tp=2, fsdp=True),
     "sp-1x2x2": Layout(tp=2, pp=2, sequence_parallel=True, microbatches=2),
     "sp-2x2x1": Layout(dp=2, tp=2, sequence_parallel=True),
-    "fsdp-sp-2x2x1": Layout(dp=2, tp=2, fsdp=True, sequence_parallel=True),
+    "fsdp-sp-2x2x1": Layout(dp=2, tp=2, fsdp=True, sequence_parallel=True, microbatches=2),
     "interleaved-1x2x2": Layout(tp=2, pp=2, schedule="interleaved", microbatches=2),
     "interleaved-2x1x2": Layout(dp=2, pp=2, schedule="interleaved", microbatches=2),
     "interleaved-1x1x4": Layout(pp=4, schedule="interleaved", virtual_stages=1, microbatches=4),
@@ -95,6 +95,7 @@ LAYOUTS = {
     "gpipe-1x1x4": Layout(pp=4, schedule="gpipe", microbatches=2),
     "selective-1x2x2": Layout(tp=2, pp=2, recompute="selective", microbatches=2),
     "full-2x1x2": Layout(dp=2, pp=2, recompute="full", microbatches=2),
+    "full-sp-2x2x1": Layout(dp=2, tp=2, sequence_parallel=True, recompute="full", microbatches=2),
 }
 
 
@@ -140,7 +141,7 @@ def test_bfloat16_o2_tracks_float32(fsdp):
     """O2: bfloat16 parameters and compute, float32 master weights and reductions; the losses
     follow the float32 run's to bfloat16's precision."""
     want = _reference_losses()
-    layout = Layout(dp=2, tp=2, fsdp=fsdp, dtype="bfloat16")
+    layout = Layout(dp=2, tp=2, fsdp=fsdp, dtype="bfloat16", microbatches=2)
     for rank, (losses, _) in enumerate(get_pool(4).run(_parallel_losses, layout)):
         torch.testing.assert_close(losses, want, rtol=2e-2, atol=2e-2, msg=lambda m: f"rank {rank}: {m}")
 
