@@ -584,6 +584,33 @@ def test_stage_output_shape_change_fails_on_both_sides(backend):
     spawn(_shape_changes, 2, backend, timeout=60)
 
 
+def _average_in_reduce_dtype(rank, world_size, init_file, backend):
+    import torchpar  # noqa: F401
+    from torchpar.parallel import DistributedDataParallel, MixedPrecision
+    from torchpar.parallel.pipeline.schedules import _average_gradients
+    dist.init_process_group(backend, init_method=f"file://{init_file}", rank=rank, world_size=world_size)
+    try:
+        ddp = DistributedDataParallel(nn.Linear(4, 1, bias=False),
+                                      mixed_precision=MixedPrecision(param_dtype=torch.bfloat16))
+        # bfloat16 keeps 8 significant bits: 1 + 2^-8 + 2^-8 + 1 summed in bfloat16 drops both
+        # halves of the last bit on the way; summed in float32 it is 2 + 2^-7, exact in bfloat16.
+        values = [1.0, 2 ** -8, 2 ** -8, 1.0]
+        ddp.module.weight.grad = torch.full((1, 4), values[rank], dtype=torch.bfloat16)
+        _average_gradients(ddp)
+        want = (torch.tensor(values, dtype=torch.float32).sum() / world_size).to(torch.bfloat16)
+        return ddp.module.weight.grad[0, 0].item() == want.item(), ddp.module.weight.grad[0, 0].item(), want.item()
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_ddp_stage_averaged_after_the_step_reduces_in_its_reduce_dtype(backend):
+    # O2 reduces bfloat16 gradients in float32; the schedules' after-step average summed them in
+    # bfloat16 (review of issue 20: the pp = 1 path of ParallelGPT reduced in float32, pp > 1 not).
+    results = spawn(_average_in_reduce_dtype, 4, backend, timeout=60)
+    assert all(ok for ok, _, _ in results), results
+
+
 # ---- a stage whose layers are tensor-parallel (collectives on another group) ----
 
 class _CopyToTP(torch.autograd.Function):

@@ -192,12 +192,15 @@ class _PipelineSchedule:
 
 
 def _average_gradients(module):
-    """Data-parallel average of a DDP-wrapped stage's gradients, once per step."""
+    """Data-parallel average of a DDP-wrapped stage's gradients, once per step, in the DDP's
+    reduce dtype where it has one (O2: bfloat16 gradients summed in float32, as its reducer
+    would; a bfloat16 sum of three or more ranks rounds at every step of the ring)."""
     group = module.process_group
     grads = [p.grad for p in module.parameters() if p.grad is not None]
     if not grads:
         return
-    flat = torch.cat([g.reshape(-1) for g in grads])
+    dtype = getattr(module, "grad_reduce_dtype", None)
+    flat = torch.cat([g.reshape(-1) if dtype is None else g.reshape(-1).to(dtype) for g in grads])
     dist.all_reduce(flat, group=group)
     flat /= dist.get_world_size(group)
     offset = 0
