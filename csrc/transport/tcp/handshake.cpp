@@ -13,6 +13,8 @@
 namespace torchpar::tcp {
 namespace {
 
+static_assert(kMacBytes == 32 && kSecretBytes == 32, "a MAC and a secret are each one SHA-256 output");
+
 template <size_t N>
 std::array<uint8_t, N> random_bytes() {
   std::array<uint8_t, N> out{};
@@ -25,6 +27,17 @@ void put_i32(std::vector<uint8_t>& out, int32_t v) {
   for (int i = 0; i < 4; ++i) out.push_back(static_cast<uint8_t>(u >> (8 * i)));
 }
 
+// HMAC-SHA256 of `text` under `key` (OpenSSL's libcrypto); throws if it fails.
+std::array<uint8_t, 32> hmac_sha256(const void* key, size_t key_len, const std::vector<uint8_t>& text) {
+  std::array<uint8_t, 32> out{};
+  unsigned int len = 0;
+  TP_CHECK(::HMAC(::EVP_sha256(), key, static_cast<int>(key_len), text.data(), text.size(), out.data(), &len) !=
+                   nullptr &&
+               len == out.size(),
+           "HMAC-SHA256 failed");
+  return out;
+}
+
 // The role label first, then fixed-width fields: no two transcripts encode alike.
 Mac mac_of(const Secret& secret, const char* role, int listener, int caller, int size, const Nonce& caller_nonce,
            const Nonce& listener_nonce) {
@@ -34,13 +47,7 @@ Mac mac_of(const Secret& secret, const char* role, int listener, int caller, int
   put_i32(text, size);
   text.insert(text.end(), caller_nonce.begin(), caller_nonce.end());
   text.insert(text.end(), listener_nonce.begin(), listener_nonce.end());
-  Mac mac{};
-  unsigned int len = 0;
-  TP_CHECK(::HMAC(::EVP_sha256(), secret.data(), static_cast<int>(secret.size()), text.data(), text.size(),
-                  mac.data(), &len) != nullptr &&
-               len == kMacBytes,
-           "HMAC-SHA256 failed");
-  return mac;
+  return hmac_sha256(secret.data(), secret.size(), text);
 }
 
 int hex_digit(char c) {
@@ -83,13 +90,7 @@ Secret group_secret(const Secret& published, const std::string& job_key) {
   static const char kLabel[] = "torchpar group secret";  // with its NUL: domain separation from the MACs
   std::vector<uint8_t> text(kLabel, kLabel + sizeof(kLabel));
   text.insert(text.end(), published.begin(), published.end());
-  Secret out{};
-  unsigned int len = 0;
-  TP_CHECK(::HMAC(::EVP_sha256(), job_key.data(), static_cast<int>(job_key.size()), text.data(), text.size(),
-                  out.data(), &len) != nullptr &&
-               len == kSecretBytes,
-           "HMAC-SHA256 failed");
-  return out;
+  return hmac_sha256(job_key.data(), job_key.size(), text);
 }
 
 Mac listener_mac(const Secret& secret, int listener, int caller, int size, const Nonce& caller_nonce,
