@@ -337,12 +337,16 @@ def _ddp_sends_before_its_reduction(ctx, backend):
     reduction, so the gradient it owed stage 0 waited for it. Here stage 1's reduction (a comm
     hook) completes only once stage 0 has run its own last backward, which needs that gradient:
     it finishes only if the gradient is sent first (else the hook gives up after 30 s and the
-    step fails)."""
+    step fails). The hook reduces on a group of its own: on the DDP's group, its thread's
+    all-reduce and the reducer's own collectives (the used-parameter bitmap) would be posted in
+    an order that differs between ranks."""
     import threading
     from datetime import timedelta
     from torchpar.parallel import DistributedDataParallel as DDP
     torch.set_num_threads(1)
     pp, dp = _pp_by_dp(ctx, backend)
+    kw = {"backend": "gloo"} if backend == "gloo" else {}
+    hook_dp = [dist.new_group([0, 2], **kw), dist.new_group([1, 3], **kw)][ctx.rank % 2]
     dp_rank, stage_index, m = ctx.rank // 2, ctx.rank % 2, 4
     store = dist.distributed_c10d._get_default_store()
     run = [store.add("test_pipeline/sends-before-reduction", 1) if ctx.rank == 0 else None]
@@ -361,7 +365,7 @@ def _ddp_sends_before_its_reduction(ctx, backend):
             def reduce():
                 try:
                     store.wait([key], timedelta(seconds=30))
-                    dist.all_reduce(buf, group=dp)
+                    dist.all_reduce(buf, group=hook_dp)
                     fut.set_result(buf.div_(2))
                 except Exception as e:  # noqa: BLE001 - the step raises it
                     fut.set_exception(e)
@@ -375,8 +379,6 @@ def _ddp_sends_before_its_reduction(ctx, backend):
         torch.testing.assert_close(p.grad, q.grad, rtol=1e-5, atol=1e-6, msg=lambda msg: f"{name}: {msg}")
 
 
-@pytest.mark.skip(reason="flaky: a rank process dies in about half the runs on both backends "
-                         "(seen 2026-11-26 18:28-18:31, 7 of 18 cases); under investigation (issue 18)")
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_ddp_stage_sends_its_input_gradient_before_its_reduction_finishes(backend):
     _pool(backend, 4).run(_ddp_sends_before_its_reduction, backend)
