@@ -245,6 +245,41 @@ def test_the_reason_reaches_ranks_that_made_different_numbers_of_schedules():
     assert "pipeline stage 1 (pipeline rank 1) failed in the forward of micro-batch 2" in results[0][2], results
 
 
+def _agreement_fails_after_a_peer_ran_ahead(rank, world_size, init_file):
+    _init(rank, world_size, init_file, "torchpar")
+    try:
+        sched = Schedule1F1B(PipelineStage(nn.Linear(8, 8), rank, world_size), 2, loss_fn=_mse)
+        x, y = torch.randn(4, 8), torch.randn(4, 8)
+        sched.step(*((x,) if rank == 0 else ()), target=y if rank == 1 else None)
+        store = dist.distributed_c10d._get_default_store()
+        if rank == 0:  # as in the second step: agreed, ran ahead, failed, published
+            sched._failure._publish(2, "pipeline stage 0 (pipeline rank 0) failed in the forward: boom")
+            store.set("published", "1")
+            return None
+        store.wait(["published"])
+
+        def aborted(*_):  # the agreement this rank was still completing when rank 0 aborted
+            raise RuntimeError("torchpar all_gather failed: the group was aborted by rank 0")
+        sched._agree = aborted
+        try:
+            sched.step(target=y)
+        except RuntimeError as e:
+            return str(e)
+        return "no error"
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.timeout(BOUND)
+def test_a_rank_still_in_the_agreement_raises_the_reason_of_a_peer_that_ran_ahead():
+    """Seen in a full test run: the first stage agreed, ran ahead, failed and aborted the group
+    while the next one still completed the step's agreement; that one looked for the reason
+    under the previous step's key only and raised the bare abort."""
+    msg = spawn(_agreement_fails_after_a_peer_ran_ahead, 2, timeout=BOUND)[1]
+    assert "pipeline rank 1 stopped waiting for its peers because pipeline stage 0 (pipeline rank 0) " \
+           "failed in the forward: boom" in msg, msg
+
+
 _RAISE = {"on": False}  # per process
 
 

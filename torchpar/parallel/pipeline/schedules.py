@@ -149,7 +149,14 @@ class _PipelineSchedule:
             err = str(e)
         try:
             key = self._agree(first_mbs, err, train)
-        except RuntimeError as e:  # the group failed; in the last step, on another rank?
+        except RuntimeError as e:  # the group failed: on another rank, in this step or the last?
+            # A rank whose agreement has completed may run ahead, fail and abort the group
+            # while this one still completes the agreement (seen in a full test run): its
+            # reason is under this step's number.
+            reason = self._failure.published(self._steps + 1)
+            if reason is not None:
+                raise RuntimeError(f"{type(self).__name__}: pipeline rank {self.rank} stopped waiting for its "
+                                   f"peers because {reason}") from e
             reason = self._failure.published(self._steps)
             if reason is None:
                 raise
