@@ -181,6 +181,9 @@ def test_host_whose_link_goes_down_fails_the_others_within_the_timeout(can_make_
             f"host 0's ranks (exit statuses {codes}) did not all raise:\n{text[-6000:]}"
         for rank, (at, message) in raised.items():
             assert at - down_at < timeout + 5, f"rank {rank} raised {at - down_at:.1f} s after the link went down"
+            # Every survivor names the host that went silent (its leader, rank 2, is the TCP
+            # peer host 0 waits on), not only the host-local rank it was waiting for.
+            assert "rank 2" in message, f"rank {rank}'s error does not name host 1's leader: {raised}"
         # Host 1's ranks are cut off from the store and from host 0: they must end too.
         codes, text = _wait(procs[2:], timeout=timeout + 30)
         assert None not in codes, f"host 1's ranks still running (exit statuses {codes}):\n{text[-6000:]}"

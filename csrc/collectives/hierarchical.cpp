@@ -1,5 +1,7 @@
 #include "collectives/hierarchical.h"
 
+#include <algorithm>
+#include <chrono>
 #include <cstring>
 #include <vector>
 
@@ -22,22 +24,30 @@ Comm host_comm(const Comm& c) {
 // sends. Without it a leader done with its host early sent its chunks to leaders still
 // reducing theirs, as early arrivals: extra copies, and a group failed past
 // TORCHPAR_UNEXPECTED_MAX_BYTES (review finding).
+//
+// The ranks among hosts give up a little before their hosts' other ranks (1/16 of the time
+// left, at most 2 s): a leader whose peer on another host went silent (its link down: no FIN,
+// no RST) then times out first, naming that peer, and aborts its host's arena with that
+// reason, so its host's other ranks, which only waited for their leader, report the silent
+// host's rank too rather than their own leader (issue 21).
 Comm hosts_comm(const Comm& c, const std::vector<int>& ranks) {
   const Hierarchy& h = *c.hierarchy;
-  Comm hosts{nullptr, c.p2p, c.config, c.deadline, c.seq, c.busy_wait, c.scratch};
+  const auto left = c.deadline - Clock::now();
+  const auto early = std::min<Clock::duration>(std::max<Clock::duration>(left / 16, Clock::duration::zero()),
+                                               std::chrono::seconds(2));
+  Comm hosts{nullptr, c.p2p, c.config, c.deadline - early, c.seq, c.busy_wait, c.scratch};
   hosts.members = &ranks;
   hosts.member_rank = h.host();
   return hosts;
 }
+
+Comm leaders_comm(const Comm& c) { return hosts_comm(c, c.hierarchy->map.leaders); }
 
 bool reduces_flat(c10::ScalarType dtype, ReduceOp op) {
   return dtype == c10::kHalf && (op == ReduceOp::kSum || op == ReduceOp::kAvg || op == ReduceOp::kProduct);
 }
 
 namespace {
-
-// One rank per host (its leader); rank g is host g's leader.
-Comm leaders_comm(const Comm& c) { return hosts_comm(c, c.hierarchy->map.leaders); }
 
 // Within this host, from local rank `root` to the others (a no-op for a rank alone).
 void host_broadcast(Comm& c, const Segments& data, size_t count, c10::ScalarType dtype, int root) {

@@ -66,5 +66,7 @@ void reduce(Comm& c, void* data, size_t count, c10::ScalarType dtype, ReduceOp o
 // root on the root's host).
 Comm host_comm(const Comm& c);
 Comm hosts_comm(const Comm& c, const std::vector<int>& ranks);
+// hosts_comm over the hosts' leaders (member g is host g's leader).
+Comm leaders_comm(const Comm& c);
 
 }  // namespace torchpar::collectives::hier

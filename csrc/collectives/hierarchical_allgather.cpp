@@ -31,7 +31,7 @@ void allgather(Comm& c, const void* in, void* const* outs, size_t count, c10::Sc
 
   // Leader to leader: one message per block (a rank's output blocks need not be adjacent).
   if (h.leader()) {
-    Comm leaders = hosts_comm(c, map.leaders);
+    Comm leaders = leaders_comm(c);
     p2p::Exchange ex(leaders);
     for (int g = 0; g < map.hosts(); ++g) {
       if (g == h.host()) continue;

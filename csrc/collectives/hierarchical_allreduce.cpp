@@ -39,7 +39,7 @@ void in_stages(Comm& c, const Segments& data, size_t count, c10::ScalarType dtyp
     reduce_in_chunks(host, data, count, dtype, partial, /*root=*/0);
   }
   if (h.leader()) {
-    Comm leaders = hosts_comm(c, h.map.leaders);
+    Comm leaders = leaders_comm(c);
     p2p::allreduce(leaders, data, count, dtype, partial);
     if (op == ReduceOp::kAvg) data.for_each(0, count * es, [&](char* at, size_t, size_t n) { divide(c, dtype, at, n / es); });
   }
@@ -54,7 +54,7 @@ void pipelined(Comm& c, const Segments& data, size_t count, size_t chunk, c10::S
   const int hosts = h.map.hosts(), me = h.host();
   auto span = [&](size_t k) { return Piece{k * chunk, std::min(count, (k + 1) * chunk)}; };
   Comm host = host_comm(c);
-  Comm leaders = hosts_comm(c, h.map.leaders);
+  Comm leaders = leaders_comm(c);
 
   // The leader's buffer: the data itself, or (several tensors) a packed copy in staging, since
   // sockets take bytes from one place. Then the other leaders' contributions to its pieces:

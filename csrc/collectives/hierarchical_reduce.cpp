@@ -72,7 +72,7 @@ void reduce_scatter(Comm& c, const void* const* ins, void* out, size_t count, c1
 
   if (h.leader()) {
     // Each host's partials of host g's blocks go to g's leader.
-    Comm leaders = hosts_comm(c, map.leaders);
+    Comm leaders = leaders_comm(c);
     p2p::Exchange ex(leaders);
     for (int g = 0; g < hosts; ++g) {
       if (g == me) continue;
