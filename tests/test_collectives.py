@@ -241,7 +241,35 @@ def _barrier_and_order(ctx):
     return True
 
 
+def _inputs_released_by_wait(ctx):
+    # Once wait() returns, the backend holds none of the caller's tensors: dropping the input frees
+    # it then, on the caller's thread (the worker used to let go of it only after waking the
+    # waiter, which kept FSDP's packed gradients allocated into the optimizer step; issue 19).
+    import weakref
+    w, n = ctx.world_size, 1 << 12
+    for _ in range(20):
+        inp, out = torch.ones(n * w), torch.empty(n)
+        ref = weakref.ref(inp)
+        work = dist.reduce_scatter_tensor(out, inp, group=ctx.pg, async_op=True)
+        work.wait()
+        del inp
+        assert ref() is None, "reduce_scatter_tensor's input still referenced after wait()"
+        assert torch.equal(out, torch.full((n,), float(w)))
+        inp = torch.ones(n)
+        ref = weakref.ref(inp)
+        work = dist.all_gather_into_tensor(torch.empty(n * w), inp, group=ctx.pg, async_op=True)
+        work.wait()
+        del inp
+        assert ref() is None, "all_gather_into_tensor's input still referenced after wait()"
+    return True
+
+
 # ----------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("world_size", [2])
+def test_async_inputs_released_by_wait(world_size, transport):
+    pool(world_size, transport).run(_inputs_released_by_wait)
+
 
 @pytest.mark.parametrize("world_size", WORLD_SIZES)
 @pytest.mark.parametrize("dtype", DTYPES, ids=ids(DTYPES))

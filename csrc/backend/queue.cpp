@@ -130,6 +130,12 @@ void CollectiveQueue::execute(Queued& item, bool caller_blocks) {
 void CollectiveQueue::finish(Queued& item, std::exception_ptr error) {
   // Completing runs the future's callbacks; nothing they throw may leave the worker thread
   // (std::terminate), and the operation itself is over either way.
+  // The task's closure holds the caller's tensors (the inputs above all): drop them before the
+  // waiter wakes, so that the caller's own reference is the last one and the memory is freed on
+  // the caller's thread when it lets go, not later on this worker (a buffer freed here stayed
+  // allocated past wait() by however long this thread took, e.g. an FSDP reduce-scatter's packed
+  // gradients into the optimizer step; issue 19).
+  item.task = nullptr;
   try {
     item.work->complete(error);
   } catch (const std::exception& e) {
