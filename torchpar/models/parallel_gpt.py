@@ -365,11 +365,19 @@ class ParallelGPT:
         module, m = self.modules[0], self.layout.microbatches
         ddp = train and isinstance(module, DistributedDataParallel)
         for i, (x, y) in enumerate(zip(idx.chunk(m), target.chunk(m))):
-            with module.no_sync() if ddp and i < m - 1 else contextlib.nullcontext():
-                loss = self._loss(module(x), y)
-                losses.append(loss.detach())
-                if train:
-                    (loss * (1.0 / m)).backward()
+            armed = ddp and i == m - 1
+            with contextlib.nullcontext() if armed or not ddp else module.no_sync():
+                try:
+                    loss = self._loss(module(x), y)
+                    losses.append(loss.detach())
+                    if train:
+                        (loss * (1.0 / m)).backward()
+                except BaseException:
+                    # Left armed, the reducer would make the next step's first (no_sync)
+                    # backward reduce, and fail (as the pipeline's executor disarms it).
+                    if armed:
+                        module.reducer.cancel_backward()
+                    raise
 
     def _mean_loss(self, losses):
         # The last pipeline stage's ranks hold the micro-batch losses (its tp ranks the same
