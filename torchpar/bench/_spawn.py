@@ -1,22 +1,27 @@
-"""Shared by the benchmark suites whose ranks run in processes of their own: start them, take
-rank 0's result from a queue, and never wait past a timeout for a rank that hung or died."""
+"""Shared by the benchmark suites whose ranks run in processes of their own: start them, each
+in the default group of a fresh rendezvous, take rank 0's result, and never wait past a timeout
+for a rank that hung or died."""
 import faulthandler
 import os
 import signal
 import tempfile
+from datetime import timedelta
 
+import torch.distributed as dist
 import torch.multiprocessing as mp
 
 
-def run_ranks(target, world_size, before, after, timeout, label):
-    """Spawn ``world_size`` processes running ``target(rank, *before, init_file, *after, queue)``
-    (``init_file`` a fresh ``file://`` rendezvous path) and return the value rank 0 put on the
-    queue as ``("ok", value)``; raise naming ``label`` on ``("err", why)`` or after ``timeout``."""
+def run_ranks(measure, world_size, backend, args=(), *, timeout, label, env=None, pg_timeout=None):
+    """Spawn ``world_size`` processes; each sets ``env``, joins a default group over ``backend``
+    (a fresh ``file://`` rendezvous; ``pg_timeout`` seconds: the group's timeout), runs
+    ``measure(rank, *args)`` and leaves the group. Returns what rank 0's ``measure`` returned;
+    raises naming ``label`` when a rank raised, died, or rank 0 gave nothing within ``timeout``."""
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
     with tempfile.TemporaryDirectory(prefix="torchpar-bench-") as tmp:
         init_file = os.path.join(tmp, "init")
-        procs = [ctx.Process(target=_rank_main, args=(target, r, *before, init_file, *after, queue))
+        procs = [ctx.Process(target=_rank_main,
+                             args=(measure, r, world_size, backend, init_file, args, env, pg_timeout, queue))
                  for r in range(world_size)]
         for p in procs:
             p.start()
@@ -34,11 +39,24 @@ def run_ranks(target, world_size, before, after, timeout, label):
     return value
 
 
-def _rank_main(target, *args):
+def _rank_main(measure, rank, world_size, backend, init_file, args, env, pg_timeout, queue):
     # A rank that dies in native code leaves no Python traceback; with faulthandler it prints
     # where each thread was, and _exits names the signal.
     faulthandler.enable()
-    target(*args)
+    os.environ.update(env or {})
+    import torchpar  # noqa: F401  (registers the torchpar backend)
+    timeout = {} if pg_timeout is None else {"timeout": timedelta(seconds=pg_timeout)}
+    dist.init_process_group(backend, init_method=f"file://{init_file}", rank=rank, world_size=world_size,
+                            **timeout)
+    try:
+        value = measure(rank, *args)
+        if rank == 0:
+            queue.put(("ok", value))
+    except BaseException as e:  # noqa: BLE001 - the parent prints it
+        queue.put(("err", f"rank {rank}: {e!r}"))
+        raise
+    finally:
+        dist.destroy_process_group()
 
 
 def _exits(procs):

@@ -23,15 +23,14 @@ import argparse
 import os
 import statistics
 import sys
-import tempfile
 import time
 from datetime import timedelta
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from torchpar.bench._report import human_bytes, parse_bytes, print_table, pyplot, write_json
+from torchpar.bench._spawn import run_ranks
 
 OPS = ["all_reduce", "all_gather_into_tensor", "reduce_scatter_tensor", "broadcast", "all_to_all_single"]
 # Newer torch renamed the tensor forms (the old names warn); same operations.
@@ -178,28 +177,14 @@ def run_rank(args):
     return results if rank == 0 else None
 
 
-def _spawned_rank(rank, world, init_file, args, queue):
-    import torchpar  # noqa: F401
-    dist.init_process_group("torchpar", init_method=f"file://{init_file}", rank=rank, world_size=world,
-                            timeout=timedelta(seconds=600))
-    results = run_rank(args)
-    if rank == 0:
-        queue.put(results)
-    dist.destroy_process_group()
+def _measure(rank, args):
+    return run_rank(args)
 
 
 def spawn_world(world, args):
-    ctx = mp.get_context("spawn")
-    queue = ctx.Queue()
-    with tempfile.TemporaryDirectory() as tmp:
-        procs = [ctx.Process(target=_spawned_rank, args=(r, world, os.path.join(tmp, "init"), args, queue))
-                 for r in range(world)]
-        for p in procs:
-            p.start()
-        results = queue.get()
-        for p in procs:
-            p.join()
-    return results
+    # A bound on the whole run, so that a rank that hung or died fails it instead of hanging it.
+    return run_ranks(_measure, world, "torchpar", (args,), timeout=3600, label=f"collectives ws={world}",
+                     pg_timeout=600)
 
 
 def report(results, args):

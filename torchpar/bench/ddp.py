@@ -83,43 +83,31 @@ def _steps(model, pg, args):
 VARIANTS = {"torchpar-tcp": ("torchpar", {"TORCHPAR_TRANSPORT": "tcp"})}
 
 
-def _rank(rank, backend, init_file, args, queue):
+def _measure(rank, args):
     torch.set_num_threads(args.threads)
-    backend, env = VARIANTS.get(backend, (backend, {}))
-    os.environ.update(env)
-    import torchpar  # noqa: F401  (registers the torchpar backend)
-
-    dist.init_process_group(backend, init_method=f"file://{init_file}", rank=rank,
-                            world_size=args.world_size)
-    try:
-        torch.manual_seed(0)
-        model = _mlp(args.width, args.depth)
-        steps = _steps(model, dist.group.WORLD, args)
-        samples = {m: [] for m in MODES}
-        for round_ in range(args.rounds):
-            # Rotate the order so that no mode always follows the same one.
-            for mode in MODES[round_ % len(MODES):] + MODES[:round_ % len(MODES)]:
-                for _ in range(args.warmup):
-                    steps[mode]()
-                dist.barrier()
-                for _ in range(args.steps):
-                    t0 = time.perf_counter()
-                    steps[mode]()
-                    samples[mode].append(time.perf_counter() - t0)
-        if rank == 0:
-            if args.dump_samples:
-                print(json.dumps({m: [round(t * 1e3, 1) for t in s] for m, s in samples.items()}), flush=True)
-            queue.put(("ok", {stat: {m: fn(s) * 1e3 for m, s in samples.items()}
-                              for stat, fn in (("median", statistics.median), ("min", min))}))
-    except BaseException as e:  # noqa: BLE001 - the parent prints it
-        queue.put(("err", f"rank {rank}: {e!r}"))
-        raise
-    finally:
-        dist.destroy_process_group()
+    torch.manual_seed(0)
+    model = _mlp(args.width, args.depth)
+    steps = _steps(model, dist.group.WORLD, args)
+    samples = {m: [] for m in MODES}
+    for round_ in range(args.rounds):
+        # Rotate the order so that no mode always follows the same one.
+        for mode in MODES[round_ % len(MODES):] + MODES[:round_ % len(MODES)]:
+            for _ in range(args.warmup):
+                steps[mode]()
+            dist.barrier()
+            for _ in range(args.steps):
+                t0 = time.perf_counter()
+                steps[mode]()
+                samples[mode].append(time.perf_counter() - t0)
+    if rank == 0 and args.dump_samples:
+        print(json.dumps({m: [round(t * 1e3, 1) for t in s] for m, s in samples.items()}), flush=True)
+    return {stat: {m: fn(s) * 1e3 for m, s in samples.items()}
+            for stat, fn in (("median", statistics.median), ("min", min))}
 
 
 def _run_backend(backend, args):
-    return run_ranks(_rank, args.world_size, (backend,), (args,), args.timeout, backend)
+    name, env = VARIANTS.get(backend, (backend, {}))
+    return run_ranks(_measure, args.world_size, name, (args,), timeout=args.timeout, label=backend, env=env)
 
 
 def _available(backend):

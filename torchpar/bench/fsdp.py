@@ -143,64 +143,54 @@ def _peak_step_bytes(step, model, opt):
     return start + peak
 
 
-def _rank(rank, backend, init_file, args, queue):
+def _measure(rank, args):
     torch.set_num_threads(args.threads)
-    import torchpar  # noqa: F401  (registers the torchpar backend)
+    group = dist.group.WORLD
+    torch.manual_seed(0)
+    base = GPT(args.vocab, args.dim, args.layers, args.heads, args.seq)
+    g = torch.Generator().manual_seed(100 + rank)
+    tokens = torch.randint(args.vocab, (args.batch, args.seq + 1), generator=g)
+    x, y = tokens[:, :-1], tokens[:, 1:]
+    made = {name: make(copy.deepcopy(base), group, 1e-4)
+            for name, make in systems().items() if name in args.systems}
+    del base
 
-    dist.init_process_group(backend, init_method=f"file://{init_file}", rank=rank, world_size=args.world_size)
-    try:
-        group = dist.group.WORLD
-        torch.manual_seed(0)
-        base = GPT(args.vocab, args.dim, args.layers, args.heads, args.seq)
-        g = torch.Generator().manual_seed(100 + rank)
-        tokens = torch.randint(args.vocab, (args.batch, args.seq + 1), generator=g)
-        x, y = tokens[:, :-1], tokens[:, 1:]
-        made = {name: make(copy.deepcopy(base), group, 1e-4)
-                for name, make in systems().items() if name in args.systems}
-        del base
+    def stepper(model, opt, with_step=True):
+        def step():
+            opt.zero_grad(set_to_none=True)
+            F.cross_entropy(model(x).flatten(0, 1), y.flatten()).backward()
+            if with_step:
+                opt.step()
+        return step
 
-        def stepper(model, opt, with_step=True):
-            def step():
-                opt.zero_grad(set_to_none=True)
-                F.cross_entropy(model(x).flatten(0, 1), y.flatten()).backward()
-                if with_step:
-                    opt.step()
-            return step
-
-        steps = {name: stepper(*mo) for name, mo in made.items()}
-        names = list(steps)
-        for name in names:  # warm up (optimizer state created) and measure memory
-            for _ in range(args.warmup):
-                steps[name]()
-        peaks, fwd_bwd = {}, {}
-        for name in names:
+    steps = {name: stepper(*mo) for name, mo in made.items()}
+    names = list(steps)
+    for name in names:  # warm up (optimizer state created) and measure memory
+        for _ in range(args.warmup):
+            steps[name]()
+    peaks, fwd_bwd = {}, {}
+    for name in names:
+        dist.barrier()
+        peaks[name] = _peak_step_bytes(steps[name], *made[name])
+        # Forward and backward alone: the working set the sharding strategy shapes (the
+        # optimizer step's peak is the same for systems with the same shard sizes).
+        fwd_bwd[name] = _peak_step_bytes(stepper(*made[name], with_step=False), *made[name])
+        made[name][1].zero_grad(set_to_none=True)
+    samples = {n: [] for n in names}
+    for round_ in range(args.rounds):
+        k = round_ % len(names)
+        for name in names[k:] + names[:k]:
             dist.barrier()
-            peaks[name] = _peak_step_bytes(steps[name], *made[name])
-            # Forward and backward alone: the working set the sharding strategy shapes (the
-            # optimizer step's peak is the same for systems with the same shard sizes).
-            fwd_bwd[name] = _peak_step_bytes(stepper(*made[name], with_step=False), *made[name])
-            made[name][1].zero_grad(set_to_none=True)
-        samples = {n: [] for n in names}
-        for round_ in range(args.rounds):
-            k = round_ % len(names)
-            for name in names[k:] + names[:k]:
-                dist.barrier()
-                t0 = time.perf_counter()
-                steps[name]()
-                samples[name].append(time.perf_counter() - t0)
-        if rank == 0:
-            queue.put(("ok", {n: {"median_ms": statistics.median(s) * 1e3, "min_ms": min(s) * 1e3,
-                                  "peak_bytes": peaks[n], "fwd_bwd_peak_bytes": fwd_bwd[n]}
-                              for n, s in samples.items()}))
-    except BaseException as e:  # noqa: BLE001 - the parent prints it
-        queue.put(("err", f"rank {rank}: {e!r}"))
-        raise
-    finally:
-        dist.destroy_process_group()
+            t0 = time.perf_counter()
+            steps[name]()
+            samples[name].append(time.perf_counter() - t0)
+    return {n: {"median_ms": statistics.median(s) * 1e3, "min_ms": min(s) * 1e3,
+                "peak_bytes": peaks[n], "fwd_bwd_peak_bytes": fwd_bwd[n]}
+            for n, s in samples.items()}
 
 
 def _run_backend(backend, args):
-    return run_ranks(_rank, args.world_size, (backend,), (args,), args.timeout, backend)
+    return run_ranks(_measure, args.world_size, backend, (args,), timeout=args.timeout, label=backend)
 
 
 def _params(args):

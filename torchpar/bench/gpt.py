@@ -31,7 +31,7 @@ import sys
 import time
 import traceback
 import warnings
-from datetime import datetime, timedelta, timezone
+from datetime import datetime, timezone
 
 import torch
 import torch.distributed as dist
@@ -203,73 +203,63 @@ def _agree(ok, error):
     return next((e for okr, e in out if not okr), None)
 
 
-def _rank(rank, init_file, args, queue):
+def _measure(rank, args):
     torch.set_num_threads(args.threads)
     # FSDP2 warns at each forward that the stage returns a view (harmless here: nothing
     # writes into the logits in place).
     warnings.filterwarnings("ignore", message="FSDP2-wrapped module")
-    import torchpar  # noqa: F401  (registers the torchpar backend)
     from torchpar.bench.fsdp import _peak_step_bytes
     from torchpar.models import GPTConfig
 
-    dist.init_process_group("torchpar", init_method=f"file://{init_file}", rank=rank, world_size=args.world_size,
-                            timeout=timedelta(seconds=args.pg_timeout))
-    try:
-        cfg = GPTConfig(seq_len=args.seq, hidden=args.hidden, heads=args.heads, layers=args.layers)
-        g = torch.Generator().manual_seed(0)
-        data = torch.randint(cfg.vocab_size, (args.batch, args.seq + 1), generator=g)
-        batch = (data[:, :-1], data[:, 1:])
-        results = {}
-        for name in args.layouts:
-            dp, tp, pp, fsdp = parse_layout(name)
-            row, made = {}, {}
-            for system in args.systems:
-                ok, error = True, None
-                try:
-                    made[system] = MAKERS[system](cfg, dp, tp, pp, fsdp, 2 * pp)
-                    for _ in range(args.warmup):
-                        made[system][0](*batch)
-                except Exception as e:  # noqa: BLE001 - recorded in the table
-                    ok, error = False, _error_text(e)
-                    if rank == 0 and args.verbose:
-                        traceback.print_exc()
-                error = _agree(ok, error)
-                if error is not None:
-                    row[system] = {"error": error}
-                    made.pop(system, None)
-            for system, (step, modules, opt) in made.items():
-                dist.barrier()
-                peak = torch.tensor([float(_peak_step_bytes(lambda: step(*batch), modules, opt))])
-                peaks = [torch.zeros(1) for _ in range(args.world_size)]
-                dist.all_gather(peaks, peak)
-                row[system] = {"peak_bytes_per_rank": [int(p.item()) for p in peaks]}
-            times = {s: [] for s in made}
-            order = list(made)
-            for round_ in range(args.steps):
-                for system in (order if round_ % 2 == 0 else order[::-1]):
-                    dist.barrier()
-                    t0 = time.perf_counter()
+    cfg = GPTConfig(seq_len=args.seq, hidden=args.hidden, heads=args.heads, layers=args.layers)
+    g = torch.Generator().manual_seed(0)
+    data = torch.randint(cfg.vocab_size, (args.batch, args.seq + 1), generator=g)
+    batch = (data[:, :-1], data[:, 1:])
+    results = {}
+    for name in args.layouts:
+        dp, tp, pp, fsdp = parse_layout(name)
+        row, made = {}, {}
+        for system in args.systems:
+            ok, error = True, None
+            try:
+                made[system] = MAKERS[system](cfg, dp, tp, pp, fsdp, 2 * pp)
+                for _ in range(args.warmup):
                     made[system][0](*batch)
-                    times[system].append(time.perf_counter() - t0)
-            for system, ts in times.items():
-                slowest = torch.tensor(ts, dtype=torch.float64)
-                dist.all_reduce(slowest, op=dist.ReduceOp.MAX)  # a step ends when its last rank does
-                median = statistics.median(slowest.tolist())
-                row[system].update(step_ms=median * 1e3, min_ms=min(slowest.tolist()) * 1e3,
-                                   tokens_per_s=args.batch * args.seq / median)
-            results[name] = row
-            del made
-            if rank == 0:
-                print(f"  {name}: " + ", ".join(f"{s} " + (f"{r['tokens_per_s']:,.0f} tok/s" if "error" not in r
-                                                         else r["error"][:60]) for s, r in row.items()),
-                      file=sys.stderr, flush=True)
+            except Exception as e:  # noqa: BLE001 - recorded in the table
+                ok, error = False, _error_text(e)
+                if rank == 0 and args.verbose:
+                    traceback.print_exc()
+            error = _agree(ok, error)
+            if error is not None:
+                row[system] = {"error": error}
+                made.pop(system, None)
+        for system, (step, modules, opt) in made.items():
+            dist.barrier()
+            peak = torch.tensor([float(_peak_step_bytes(lambda: step(*batch), modules, opt))])
+            peaks = [torch.zeros(1) for _ in range(args.world_size)]
+            dist.all_gather(peaks, peak)
+            row[system] = {"peak_bytes_per_rank": [int(p.item()) for p in peaks]}
+        times = {s: [] for s in made}
+        order = list(made)
+        for round_ in range(args.steps):
+            for system in (order if round_ % 2 == 0 else order[::-1]):
+                dist.barrier()
+                t0 = time.perf_counter()
+                made[system][0](*batch)
+                times[system].append(time.perf_counter() - t0)
+        for system, ts in times.items():
+            slowest = torch.tensor(ts, dtype=torch.float64)
+            dist.all_reduce(slowest, op=dist.ReduceOp.MAX)  # a step ends when its last rank does
+            median = statistics.median(slowest.tolist())
+            row[system].update(step_ms=median * 1e3, min_ms=min(slowest.tolist()) * 1e3,
+                               tokens_per_s=args.batch * args.seq / median)
+        results[name] = row
+        del made
         if rank == 0:
-            queue.put(("ok", results))
-    except BaseException as e:  # noqa: BLE001 - the parent prints it
-        queue.put(("err", f"rank {rank}: {e!r}"))
-        raise
-    finally:
-        dist.destroy_process_group()
+            print(f"  {name}: " + ", ".join(f"{s} " + (f"{r['tokens_per_s']:,.0f} tok/s" if "error" not in r
+                                                     else r["error"][:60]) for s, r in row.items()),
+                  file=sys.stderr, flush=True)
+    return results
 
 
 # ---- report ----
@@ -395,7 +385,8 @@ def main(argv=None):
     meta["load_before"] = os.getloadavg()[0]
     print(f"running {len(args.layouts)} layouts x {args.systems} on {args.world_size} ranks ...", file=sys.stderr,
           flush=True)
-    results = run_ranks(_rank, args.world_size, (), (args,), args.timeout, "gpt bench")
+    results = run_ranks(_measure, args.world_size, "torchpar", (args,), timeout=args.timeout, label="gpt bench",
+                        pg_timeout=args.pg_timeout)
     meta["load_after"] = os.getloadavg()[0]
 
     print_table(f"GPT {args.layers}x{args.hidden} (heads {args.heads}, vocab 256), global batch {args.batch}x"

@@ -21,7 +21,6 @@ import resource
 import statistics
 import sys
 import time
-from datetime import timedelta
 
 import torch
 import torch.distributed as dist
@@ -59,61 +58,51 @@ def _variant(flags):
         torch.optim.AdamW, pgpt.DistributedDataParallel = real_adamw, real_ddp
 
 
-def _rank(rank, init_file, args, queue):
+def _measure(rank, args):
     torch.set_num_threads(1)
-    import torchpar  # noqa: F401  (registers the torchpar backend)
     import torchpar.parallel.pipeline.schedules as schedules
     from torchpar.bench import gpt as bench
     from torchpar.models import GPTConfig
 
-    dist.init_process_group("torchpar", init_method=f"file://{init_file}", rank=rank, world_size=args.world_size,
-                            timeout=timedelta(seconds=120))
-    try:
-        cfg = GPTConfig(seq_len=args.seq, hidden=args.hidden, heads=args.heads, layers=args.layers)
-        data = torch.randint(cfg.vocab_size, (args.batch, args.seq + 1), generator=torch.Generator().manual_seed(0))
-        batch = (data[:, :-1], data[:, 1:])
-        dp, tp, pp, fsdp = bench.parse_layout(args.layout)
-        phases = {}
+    cfg = GPTConfig(seq_len=args.seq, hidden=args.hidden, heads=args.heads, layers=args.layers)
+    data = torch.randint(cfg.vocab_size, (args.batch, args.seq + 1), generator=torch.Generator().manual_seed(0))
+    batch = (data[:, :-1], data[:, 1:])
+    dp, tp, pp, fsdp = bench.parse_layout(args.layout)
+    phases = {}
 
-        def timed(name, fn):
-            def wrapper(*a, **k):
-                t0 = time.perf_counter()
-                try:
-                    return fn(*a, **k)
-                finally:
-                    phases[name] = phases.get(name, 0.0) + time.perf_counter() - t0
-            return wrapper
+    def timed(name, fn):
+        def wrapper(*a, **k):
+            t0 = time.perf_counter()
+            try:
+                return fn(*a, **k)
+            finally:
+                phases[name] = phases.get(name, 0.0) + time.perf_counter() - t0
+        return wrapper
 
-        schedules._average_gradients = timed("avg", schedules._average_gradients)
-        made = {}
-        for name in args.variants:
-            system, *flags = name.split("+")
-            with _variant(flags):
-                step, _, opt = bench.MAKERS[system](cfg, dp, tp, pp, fsdp, 2 * pp)
-            if system == "torchpar" and "sched" in flags:
-                step.__self__.pipelined = True
-            opt.step = timed("opt", opt.step)
-            for _ in range(args.warmup):
-                step(*batch)
-            made[name] = step
-        res = {v: [] for v in made}
-        order = list(made)
-        for round_ in range(args.steps):
-            for v in (order if round_ % 2 == 0 else order[::-1]):
-                dist.barrier()
-                phases.clear()
-                c0, t0 = _cpu_seconds(), time.perf_counter()
-                made[v](*batch)
-                res[v].append((time.perf_counter() - t0, _cpu_seconds() - c0, dict(phases)))
-        everyone = [None] * args.world_size
-        dist.all_gather_object(everyone, res)
-        if rank == 0:
-            queue.put(("ok", everyone))
-    except BaseException as e:  # noqa: BLE001 - the parent prints it
-        queue.put(("err", f"rank {rank}: {e!r}"))
-        raise
-    finally:
-        dist.destroy_process_group()
+    schedules._average_gradients = timed("avg", schedules._average_gradients)
+    made = {}
+    for name in args.variants:
+        system, *flags = name.split("+")
+        with _variant(flags):
+            step, _, opt = bench.MAKERS[system](cfg, dp, tp, pp, fsdp, 2 * pp)
+        if system == "torchpar" and "sched" in flags:
+            step.__self__.pipelined = True
+        opt.step = timed("opt", opt.step)
+        for _ in range(args.warmup):
+            step(*batch)
+        made[name] = step
+    res = {v: [] for v in made}
+    order = list(made)
+    for round_ in range(args.steps):
+        for v in (order if round_ % 2 == 0 else order[::-1]):
+            dist.barrier()
+            phases.clear()
+            c0, t0 = _cpu_seconds(), time.perf_counter()
+            made[v](*batch)
+            res[v].append((time.perf_counter() - t0, _cpu_seconds() - c0, dict(phases)))
+    everyone = [None] * args.world_size
+    dist.all_gather_object(everyone, res)
+    return everyone
 
 
 def main(argv=None):
@@ -132,7 +121,8 @@ def main(argv=None):
     args = ap.parse_args(argv)
     args.variants = [v.strip() for v in args.variants.split(",") if v.strip()]
     load = os.getloadavg()[0]
-    everyone = run_ranks(_rank, args.world_size, (), (args,), 1800, "gpt breakdown")
+    everyone = run_ranks(_measure, args.world_size, "torchpar", (args,), timeout=1800, label="gpt breakdown",
+                         pg_timeout=120)
     tokens = args.batch * args.seq
     print(f"{args.layout}, {args.steps} rounds, load {load:.1f} before, {os.getloadavg()[0]:.1f} after "
           f"({os.cpu_count()} cores); per rank: CPU ms per step | optimizer wall ms | DDP average after the step")

@@ -171,49 +171,39 @@ def _steps(args, rank, p):
     return out
 
 
-def _rank(rank, backend, init_file, args, queue):
+def _measure(rank, args):
     torch.set_num_threads(args.threads)
-    import torchpar  # noqa: F401
-
-    dist.init_process_group(backend, init_method=f"file://{init_file}", rank=rank, world_size=args.world_size)
-    try:
-        steps = _steps(args, rank, args.world_size)
-        modes = list(steps)
-        times = {k: [] for k in modes}
-        bubbles = {k: [] for k in modes}
-        peaks = {k: 0 for k in modes}
-        for r in range(args.rounds):
-            for mode in modes[r % len(modes):] + modes[:r % len(modes)]:
-                for _ in range(args.warmup if r == 0 else 0):
-                    steps[mode]()
-                dist.barrier()
-                for _ in range(args.steps):
-                    t0 = time.perf_counter()
-                    bubble, peak = steps[mode]()
-                    times[mode].append(time.perf_counter() - t0)
-                    bubbles[mode].append(bubble)
-                    peaks[mode] = max(peaks[mode], peak)
-        timeline = {}
-        for mode in OURS:  # one more step of each of ours, for the plot
+    steps = _steps(args, rank, args.world_size)
+    modes = list(steps)
+    times = {k: [] for k in modes}
+    bubbles = {k: [] for k in modes}
+    peaks = {k: 0 for k in modes}
+    for r in range(args.rounds):
+        for mode in modes[r % len(modes):] + modes[:r % len(modes)]:
+            for _ in range(args.warmup if r == 0 else 0):
+                steps[mode]()
             dist.barrier()
-            steps[mode]()
-            timeline[mode] = steps[mode].sched.last_events
-        result = {"time_ms": {k: statistics.median(v) * 1e3 for k, v in times.items()},
-                  "bubble": {k: statistics.median(v) for k, v in bubbles.items()},
-                  "peak_bytes": peaks, "timeline": timeline}
-        everyone = [None] * args.world_size
-        dist.all_gather_object(everyone, result)
-        if rank == 0:
-            queue.put(("ok", everyone))
-    except BaseException as e:  # noqa: BLE001 - the parent prints it
-        queue.put(("err", f"rank {rank}: {e!r}"))
-        raise
-    finally:
-        dist.destroy_process_group()
+            for _ in range(args.steps):
+                t0 = time.perf_counter()
+                bubble, peak = steps[mode]()
+                times[mode].append(time.perf_counter() - t0)
+                bubbles[mode].append(bubble)
+                peaks[mode] = max(peaks[mode], peak)
+    timeline = {}
+    for mode in OURS:  # one more step of each of ours, for the plot
+        dist.barrier()
+        steps[mode]()
+        timeline[mode] = steps[mode].sched.last_events
+    result = {"time_ms": {k: statistics.median(v) * 1e3 for k, v in times.items()},
+              "bubble": {k: statistics.median(v) for k, v in bubbles.items()},
+              "peak_bytes": peaks, "timeline": timeline}
+    everyone = [None] * args.world_size
+    dist.all_gather_object(everyone, result)
+    return everyone
 
 
 def _run(backend, args):
-    return run_ranks(_rank, args.world_size, (backend,), (args,), args.timeout, backend)
+    return run_ranks(_measure, args.world_size, backend, (args,), timeout=args.timeout, label=backend)
 
 
 def _theory(mode, p, m):

@@ -127,58 +127,50 @@ def analytic_bytes(s, b, h, tp, sp, elem=4):
     return 4 * act * (tp - 1) / tp + 6 * (act / tp) * (tp - 1) + 6 * h * elem * 2 * (tp - 1) / tp
 
 
-def _rank(rank, world, backend, init_file, args, modes, queue):
+def _measure(rank, world, args, modes):
     torch.set_num_threads(args.threads)
-    import torchpar  # noqa: F401  (registers the torchpar backend)
     from torchpar import _C
-    dist.init_process_group(backend, init_method=f"file://{init_file}", rank=rank, world_size=world)
-    try:
-        group = dist.group.WORLD
-        torch.manual_seed(0)
-        dense = Block(args.width, args.heads)
-        x = torch.randn(args.seq, args.batch, args.width)
-        shard = x.chunk(world, 0)[rank].contiguous()
-        runs = {}
-        for mode in modes:
-            impl, sp = mode.split("/")[0], mode.endswith("/sp")
-            model = OurBlock(dense, group, sp) if impl == "ours" else _dtensor_block(dense, world, sp)
-            inp = (shard if sp else x).clone().requires_grad_(True)
+    group = dist.group.WORLD
+    torch.manual_seed(0)
+    dense = Block(args.width, args.heads)
+    x = torch.randn(args.seq, args.batch, args.width)
+    shard = x.chunk(world, 0)[rank].contiguous()
+    runs = {}
+    for mode in modes:
+        impl, sp = mode.split("/")[0], mode.endswith("/sp")
+        model = OurBlock(dense, group, sp) if impl == "ours" else _dtensor_block(dense, world, sp)
+        inp = (shard if sp else x).clone().requires_grad_(True)
 
-            def step(model=model, inp=inp):
-                model.zero_grad(set_to_none=True)
-                inp.grad = None
-                model(inp).sum().backward()
-            runs[mode] = step
-        samples = {m: [] for m in modes}
-        cpu = {m: [] for m in modes}  # this process's CPU seconds (all its threads): load-independent work
-        bytes_per_step = {}
-        for round_ in range(args.rounds):
-            order = modes[round_ % len(modes):] + modes[:round_ % len(modes)]
-            for mode in order:
-                for _ in range(args.warmup if round_ == 0 else 0):
-                    runs[mode]()
-                dist.barrier(group)
-                for _ in range(args.steps):
-                    _C.tp_reset_bytes_communicated()
-                    t0, c0 = time.perf_counter(), time.process_time()
-                    runs[mode]()
-                    samples[mode].append(time.perf_counter() - t0)
-                    cpu[mode].append(time.process_time() - c0)
-                    bytes_per_step[mode] = _C.tp_bytes_communicated()
-        if rank == 0:
-            queue.put(("ok", {m: {"median_ms": statistics.median(s) * 1e3, "min_ms": min(s) * 1e3,
-                                  "cpu_ms": statistics.median(cpu[m]) * 1e3,
-                                  "bytes": bytes_per_step[m] if m.startswith("ours") else None}
-                              for m, s in samples.items()}))
-    except BaseException as e:  # noqa: BLE001 - the parent prints it
-        queue.put(("err", f"rank {rank}: {e!r}"))
-        raise
-    finally:
-        dist.destroy_process_group()
+        def step(model=model, inp=inp):
+            model.zero_grad(set_to_none=True)
+            inp.grad = None
+            model(inp).sum().backward()
+        runs[mode] = step
+    samples = {m: [] for m in modes}
+    cpu = {m: [] for m in modes}  # this process's CPU seconds (all its threads): load-independent work
+    bytes_per_step = {}
+    for round_ in range(args.rounds):
+        order = modes[round_ % len(modes):] + modes[:round_ % len(modes)]
+        for mode in order:
+            for _ in range(args.warmup if round_ == 0 else 0):
+                runs[mode]()
+            dist.barrier(group)
+            for _ in range(args.steps):
+                _C.tp_reset_bytes_communicated()
+                t0, c0 = time.perf_counter(), time.process_time()
+                runs[mode]()
+                samples[mode].append(time.perf_counter() - t0)
+                cpu[mode].append(time.process_time() - c0)
+                bytes_per_step[mode] = _C.tp_bytes_communicated()
+    return {m: {"median_ms": statistics.median(s) * 1e3, "min_ms": min(s) * 1e3,
+                "cpu_ms": statistics.median(cpu[m]) * 1e3,
+                "bytes": bytes_per_step[m] if m.startswith("ours") else None}
+            for m, s in samples.items()}
 
 
 def _run(backend, world, args, modes):
-    return run_ranks(_rank, world, (world, backend), (args, modes), args.timeout, f"{backend} tp={world}")
+    return run_ranks(_measure, world, backend, (world, args, modes), timeout=args.timeout,
+                     label=f"{backend} tp={world}")
 
 
 def _modes(tp):

@@ -39,55 +39,44 @@ def gpt_mlp(d, depth):
     return nn.Sequential(*[Block(d) for _ in range(depth)], nn.LayerNorm(d))
 
 
-def _rank(rank, backend, init_file, args, queue):
+def _measure(rank, args):
     torch.set_num_threads(args.threads)
-    import torchpar  # noqa: F401  (registers the torchpar backend)
     from torchpar.bench._zero_systems import SYSTEMS, optimizer_state_bytes
 
-    dist.init_process_group(backend, init_method=f"file://{init_file}", rank=rank,
-                            world_size=args.world_size)
-    try:
-        torch.manual_seed(0)
-        model = gpt_mlp(args.width, args.depth)
-        x = torch.randn(args.batch, args.seq, args.width)
-        systems = {name: SYSTEMS[name](copy.deepcopy(model), dist.group.WORLD, 1e-4) for name in args.systems}
-        grads = {}
+    torch.manual_seed(0)
+    model = gpt_mlp(args.width, args.depth)
+    x = torch.randn(args.batch, args.seq, args.width)
+    systems = {name: SYSTEMS[name](copy.deepcopy(model), dist.group.WORLD, 1e-4) for name in args.systems}
+    grads = {}
 
-        def step(name):
-            net, opt = systems[name]
-            opt.zero_grad()
-            net(x).float().pow(2).mean().backward()
-            grads[name] = sum(p.grad.nbytes for p in net.parameters() if p.grad is not None)
-            opt.step()
+    def step(name):
+        net, opt = systems[name]
+        opt.zero_grad()
+        net(x).float().pow(2).mean().backward()
+        grads[name] = sum(p.grad.nbytes for p in net.parameters() if p.grad is not None)
+        opt.step()
 
-        samples = {name: [] for name in systems}
-        names = list(systems)
-        for round_ in range(args.rounds):
-            for name in names[round_ % len(names):] + names[:round_ % len(names)]:
-                step(name)  # warm-up: the first step also allocates the optimizer state
-                dist.barrier()
-                for _ in range(args.steps):
-                    t0 = time.perf_counter()
-                    step(name)
-                    samples[name].append(time.perf_counter() - t0)
-        state = {name: optimizer_state_bytes(opt) for name, (_, opt) in systems.items()}
-        # Per rank: the largest over ranks (ZeRO shards differ by at most a parameter).
-        t = torch.tensor([[state[n], grads[n]] for n in names], dtype=torch.float64)
-        dist.all_reduce(t, op=dist.ReduceOp.MAX)
-        if rank == 0:
-            queue.put(("ok", {name: {"step_ms": statistics.median(samples[name]) * 1e3,
-                                     "min_ms": min(samples[name]) * 1e3,
-                                     "state_bytes": int(t[i, 0]), "grad_bytes": int(t[i, 1])}
-                              for i, name in enumerate(names)}))
-    except BaseException as e:  # noqa: BLE001 - the parent prints it
-        queue.put(("err", f"rank {rank}: {e!r}"))
-        raise
-    finally:
-        dist.destroy_process_group()
+    samples = {name: [] for name in systems}
+    names = list(systems)
+    for round_ in range(args.rounds):
+        for name in names[round_ % len(names):] + names[:round_ % len(names)]:
+            step(name)  # warm-up: the first step also allocates the optimizer state
+            dist.barrier()
+            for _ in range(args.steps):
+                t0 = time.perf_counter()
+                step(name)
+                samples[name].append(time.perf_counter() - t0)
+    state = {name: optimizer_state_bytes(opt) for name, (_, opt) in systems.items()}
+    # Per rank: the largest over ranks (ZeRO shards differ by at most a parameter).
+    t = torch.tensor([[state[n], grads[n]] for n in names], dtype=torch.float64)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return {name: {"step_ms": statistics.median(samples[name]) * 1e3, "min_ms": min(samples[name]) * 1e3,
+                   "state_bytes": int(t[i, 0]), "grad_bytes": int(t[i, 1])}
+            for i, name in enumerate(names)}
 
 
 def _run_backend(backend, args):
-    return run_ranks(_rank, args.world_size, (backend,), (args,), args.timeout, backend)
+    return run_ranks(_measure, args.world_size, backend, (args,), timeout=args.timeout, label=backend)
 
 
 def _plot(results, path):
