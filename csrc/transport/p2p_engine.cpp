@@ -505,12 +505,10 @@ void P2PEngine::check_deadlines_and_peers() {
       link_.check_peer(peer);
     } catch (const Error&) {
       // Shared memory outlives its writer: a peer that wrote what this rank waits for and then
-      // exited (its last message, at the end of a job) has not failed it. Read what it left
-      // and fail only if something still needs it. (A TCP peer is lost only once its bytes
-      // are read: EOF comes after them.)
-      while (pump_in(peer)) {
-      }
-      if (!waits_on(peer)) continue;
+      // exited (its last message, at the end of a job) has not failed it. Read what it left;
+      // if that was anything, the next check decides on what is then still pending (a TCP
+      // peer is lost only once its bytes are read: EOF comes after them).
+      if (pump_in(peer)) continue;
       fail(std::current_exception());
       return;
     } catch (const std::exception& e) {  // a transport's own failure must not end the thread
@@ -519,19 +517,6 @@ void P2PEngine::check_deadlines_and_peers() {
       return;
     }
   }
-}
-
-bool P2PEngine::waits_on(int peer) {
-  if (in_[peer].recv) return true;
-  std::lock_guard<std::mutex> lock(mu_);
-  if (!out_[peer].queue.empty()) return true;
-  for (const auto& r : posted_) {
-    if (r->peer == peer || r->peer < 0) return true;
-  }
-  for (const auto& u : unexpected_) {
-    if (u->source == peer && u->claimed && !u->complete) return true;
-  }
-  return false;
 }
 
 }  // namespace torchpar

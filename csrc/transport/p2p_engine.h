@@ -105,9 +105,6 @@ class P2PEngine {
   void on_header(int peer, Inbox& in);
   void on_payload_done(int peer, Inbox& in);
   void check_deadlines_and_peers();
-  // Whether a request of this rank still needs `peer`: a send to it, a receive from it (or
-  // from any rank), an early arrival from it that a receive claimed and that is still coming.
-  bool waits_on(int peer);
   // The progress thread cannot go on (a bad frame, an exception): fail every request here
   // and the group everywhere, with `why`.
   void fail_group(const std::string& why);

@@ -46,12 +46,16 @@ void Arena::wait_peer(int peer, uint32_t target, Clock::time_point deadline, boo
     auto now = Clock::now();
     monitor_->check_aborted();
     if (now - last_check >= kLivenessPeriod) {
-      // `seen` was read before the peer's pid: a peer that reached the step and then exited
-      // (it finished the collective and left, as every rank does at the end of a job) did
-      // not fail it. Seen once in a full test run: rank 0's broadcast failed naming a rank
-      // that had completed it.
-      if (!process_alive(blocks_[peer].pid) && reached(flag.load(), target)) return;
-      monitor_->check(peer);
+      try {
+        monitor_->check(peer);
+      } catch (const Error&) {
+        // `seen` was read before the peer's pid: a peer that reached the step and then exited
+        // (it finished the collective and left, as every rank does at the end of a job) did
+        // not fail it. Seen once in a full test run: rank 0's broadcast failed naming a rank
+        // that had completed it.
+        if (reached(flag.load(), target)) return;
+        throw;
+      }
       last_check = now;
     }
     if (now >= deadline) {
