@@ -366,7 +366,7 @@ class ParallelGPT:
         ddp = train and isinstance(module, DistributedDataParallel)
         for i, (x, y) in enumerate(zip(idx.chunk(m), target.chunk(m))):
             armed = ddp and i == m - 1
-            with contextlib.nullcontext() if armed or not ddp else module.no_sync():
+            with module.no_sync() if ddp and not armed else contextlib.nullcontext():
                 try:
                     loss = self._loss(module(x), y)
                     losses.append(loss.detach())

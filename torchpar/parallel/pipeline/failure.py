@@ -74,7 +74,22 @@ class StepFailure:
                 pass
         if reason is None or own:
             return exc
-        return RuntimeError(f"{type(sched).__name__}: {me} stopped waiting for its peers because {reason}")
+        return _stopped_waiting(sched, me, reason)
+
+    def failed_start(self, sched, step):
+        """The error for a rank whose agreement to start step number ``step`` failed, naming
+        the reason a peer published, or None when none did. A peer whose agreement had
+        completed may have run ahead, failed and aborted the group while this rank still
+        completed it (seen in a full test run): its reason is under ``step``; one that failed
+        at the end of the previous step left it under ``step - 1``."""
+        reason = self.published(step)
+        if reason is not None:
+            return _stopped_waiting(sched, f"pipeline rank {sched.rank}", reason)
+        reason = self.published(step - 1)
+        if reason is not None:
+            return RuntimeError(f"{type(sched).__name__}: pipeline rank {sched.rank} cannot start a step: in the "
+                                f"previous one, {reason}")
+        return None
 
     def published(self, step):
         """The reason the first rank to fail in step ``step`` published, or None. A rank that
@@ -106,3 +121,7 @@ class StepFailure:
 
     def _store(self):
         return dist.distributed_c10d._get_process_group_store(self.group)
+
+
+def _stopped_waiting(sched, me, reason):
+    return RuntimeError(f"{type(sched).__name__}: {me} stopped waiting for its peers because {reason}")

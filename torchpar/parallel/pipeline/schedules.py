@@ -150,18 +150,10 @@ class _PipelineSchedule:
         try:
             key = self._agree(first_mbs, err, train)
         except RuntimeError as e:  # the group failed: on another rank, in this step or the last?
-            # A rank whose agreement has completed may run ahead, fail and abort the group
-            # while this one still completes the agreement (seen in a full test run): its
-            # reason is under this step's number.
-            reason = self._failure.published(self._steps + 1)
-            if reason is not None:
-                raise RuntimeError(f"{type(self).__name__}: pipeline rank {self.rank} stopped waiting for its "
-                                   f"peers because {reason}") from e
-            reason = self._failure.published(self._steps)
-            if reason is None:
+            failure = self._failure.failed_start(self, self._steps + 1)
+            if failure is None:
                 raise
-            raise RuntimeError(f"{type(self).__name__}: pipeline rank {self.rank} cannot start a step: in the "
-                               f"previous one, {reason}") from e
+            raise failure from e
         self._steps += 1
         for s in self.stages:
             s.reset()
