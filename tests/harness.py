@@ -9,8 +9,12 @@ A test function is a module-level function ``fn(ctx, *args)``; ``ctx`` has ``ran
 per-rank results or raises with the failing rank's traceback. A call that does not finish
 within its timeout tears the pool down (the next call starts a fresh one).
 """
+import faulthandler
 import multiprocessing as mp
 import os
+import shutil
+import signal
+import subprocess
 import tempfile
 import time
 import traceback
@@ -48,8 +52,64 @@ def transport_env(transport, env=None):
     return {**(env or {}), "TORCHPAR_TRANSPORT": transport}
 
 
+def _stack_file(init_file, rank):
+    return f"{init_file}.stack-{rank}"
+
+
+def _dump_stacks_on_request(stack_file):
+    """A rank that does not answer in time is asked (SIGUSR1) for every thread's Python stack,
+    so a rare hang in CI says where it hung (a failure that said only "no answer within 60s"
+    could not be told from a slow machine). Crashes print their traceback too."""
+    faulthandler.enable()
+    faulthandler.register(signal.SIGUSR1, file=open(stack_file, "w"), all_threads=True)
+
+
+def _native_stack(pid):
+    """One line per thread of ``pid``: its innermost native frames (a hang inside C++ shows no
+    Python frame beyond the call that entered it), where gdb is installed. Kept short, since CI
+    shows only the tail of a failed run."""
+    if shutil.which("gdb") is None:
+        return "(no gdb on this machine: native stacks not taken)"
+    try:
+        out = subprocess.run(["gdb", "-p", str(pid), "-batch", "-nx", "-ex", "thread apply all bt 12"],
+                             capture_output=True, text=True, timeout=60).stdout
+    except subprocess.TimeoutExpired:
+        return "(gdb did not finish within 60 s)"
+    threads = []
+    for line in out.splitlines():
+        if line.startswith("Thread "):
+            threads.append([line.split('"')[1] if '"' in line else line.split()[1]])
+        elif line.startswith("#") and threads:
+            words = line.split()
+            name = words[3] if len(words) > 3 and words[2] == "in" else words[1]
+            if not name.startswith(("_Py", "Py", "cfunction", "method_vectorcall", "__")):
+                threads[-1].append(name)
+    return "\n".join(f"  {t[0]}: " + " < ".join(t[1:9]) for t in threads)
+
+
+def stacks_of(procs, ranks, init_file):
+    """The Python and native stacks of ``ranks`` (still running), for a timeout's message."""
+    for rank in ranks:
+        try:
+            os.kill(procs[rank].pid, signal.SIGUSR1)
+        except ProcessLookupError:
+            pass
+    time.sleep(2)
+    parts = []
+    for rank in ranks:
+        try:
+            with open(_stack_file(init_file, rank)) as f:
+                py = f.read() or "(no Python stack written)"
+        except OSError:
+            py = "(no Python stack file)"
+        parts.append(f"--- rank {rank} (pid {procs[rank].pid}): Python stacks ---\n{py}"
+                     f"--- rank {rank}: native stacks ---\n{_native_stack(procs[rank].pid)}")
+    return "\n".join(parts)
+
+
 def _worker(rank, world_size, init_file, backend, conn, pg_timeout, env):
     os.environ.update(env or {})
+    _dump_stacks_on_request(_stack_file(init_file, rank))
     import torch.distributed as dist
     import torchpar  # noqa: F401
 
@@ -87,7 +147,7 @@ class RankPool:
 
     def _start(self):
         ctx = mp.get_context("spawn")
-        init_file = os.path.join(self._tmp.name, f"init-{os.getpid()}-{id(self)}")
+        init_file = self.init_file = os.path.join(self._tmp.name, f"init-{os.getpid()}-{id(self)}")
         for rank in range(self.world_size):
             parent, child = ctx.Pipe()
             p = ctx.Process(target=_worker, args=(rank, self.world_size, init_file, self.backend,
@@ -102,8 +162,10 @@ class RankPool:
         results, errors = [None] * self.world_size, []
         for rank, conn in enumerate(self.conns):
             if not conn.poll(timeout):
+                late = [r for r in range(rank, self.world_size) if not self.conns[r].poll(0)]
+                stacks = stacks_of(self.procs, late, self.init_file)
                 self.close(kill=True)
-                raise TimeoutError(f"rank {rank} did not finish {what} within {timeout:.0f}s")
+                raise TimeoutError(f"rank {rank} did not finish {what} within {timeout:.0f}s\n{stacks}")
             try:
                 status, value = conn.recv()
             except EOFError:
@@ -190,9 +252,11 @@ def spawn(fn, world_size, *args, timeout=DEFAULT_TIMEOUT, env=None):
             child.close()
             procs.append(p)
             conns.append(parent)
-        results, errors = [None] * world_size, []
+        results, errors, late = [None] * world_size, [], []
+        deadline = time.monotonic() + timeout
         for rank, conn in enumerate(conns):
-            if not conn.poll(timeout):
+            if not conn.poll(max(0.0, deadline - time.monotonic())):
+                late.append(rank)
                 errors.append(f"--- rank {rank} --- no answer within {timeout:.0f}s")
                 continue
             try:
@@ -204,6 +268,8 @@ def spawn(fn, world_size, *args, timeout=DEFAULT_TIMEOUT, env=None):
                 results[rank] = value
             else:
                 errors.append(f"--- rank {rank} ---\n{value}")
+        if late:
+            errors.append(stacks_of(procs, late, init_file))
         for p in procs:
             p.join(timeout=5)
             if p.is_alive():
@@ -216,6 +282,7 @@ def spawn(fn, world_size, *args, timeout=DEFAULT_TIMEOUT, env=None):
 
 def _spawned(fn, rank, world_size, init_file, args, conn, env):
     os.environ.update(env or {})
+    _dump_stacks_on_request(_stack_file(init_file, rank))
     try:
         conn.send(("ok", fn(rank, world_size, init_file, *args)))
     except BaseException:  # noqa: BLE001
