@@ -64,27 +64,35 @@ def _dump_stacks_on_request(stack_file):
     faulthandler.register(signal.SIGUSR1, file=open(stack_file, "w"), all_threads=True)
 
 
-def _native_stack(pid):
-    """One line per thread of ``pid``: its innermost native frames (a hang inside C++ shows no
-    Python frame beyond the call that entered it), where gdb is installed. Kept short, since CI
-    shows only the tail of a failed run."""
+def _native_stacks(pids):
+    """Per pid, one line per thread: its innermost native frames (a hang inside C++ shows no
+    Python frame beyond the call that entered it), where gdb is installed; gdb attaches to all
+    of them at once, within 30 s. Kept short, since CI shows only the tail of a failed run."""
     if shutil.which("gdb") is None:
-        return "(no gdb on this machine: native stacks not taken)"
-    try:
-        out = subprocess.run(["gdb", "-p", str(pid), "-batch", "-nx", "-ex", "thread apply all bt 12"],
-                             capture_output=True, text=True, timeout=60).stdout
-    except subprocess.TimeoutExpired:
-        return "(gdb did not finish within 60 s)"
-    threads = []
-    for line in out.splitlines():
-        if line.startswith("Thread "):
-            threads.append([line.split('"')[1] if '"' in line else line.split()[1]])
-        elif line.startswith("#") and threads:
-            words = line.split()
-            name = words[3] if len(words) > 3 and words[2] == "in" else words[1]
-            if not name.startswith(("_Py", "Py", "cfunction", "method_vectorcall", "__")):
-                threads[-1].append(name)
-    return "\n".join(f"  {t[0]}: " + " < ".join(t[1:9]) for t in threads)
+        return {pid: "  (no gdb on this machine: native stacks not taken)" for pid in pids}
+    gdbs = {pid: subprocess.Popen(["gdb", "-p", str(pid), "-batch", "-nx", "-ex", "thread apply all bt 12"],
+                                  stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+            for pid in pids}
+    deadline, out = time.monotonic() + 30, {}
+    for pid, gdb in gdbs.items():
+        try:
+            text = gdb.communicate(timeout=max(0.1, deadline - time.monotonic()))[0]
+        except subprocess.TimeoutExpired:
+            gdb.kill()
+            gdb.communicate()
+            out[pid] = "  (gdb did not finish within 30 s)"
+            continue
+        threads = []
+        for line in text.splitlines():
+            if line.startswith("Thread "):
+                threads.append([line.split('"')[1] if '"' in line else line.split()[1]])
+            elif line.startswith("#") and threads:
+                words = line.split()
+                name = words[3] if len(words) > 3 and words[2] == "in" else words[1]
+                if not name.startswith(("_Py", "Py", "cfunction", "method_vectorcall", "__")):
+                    threads[-1].append(name)
+        out[pid] = "\n".join(f"  {t[0]}: " + " < ".join(t[1:9]) for t in threads)
+    return out
 
 
 def stacks_of(procs, ranks, init_file):
@@ -95,6 +103,7 @@ def stacks_of(procs, ranks, init_file):
         except ProcessLookupError:
             pass
     time.sleep(2)
+    native = _native_stacks([procs[rank].pid for rank in ranks])
     parts = []
     for rank in ranks:
         try:
@@ -103,7 +112,7 @@ def stacks_of(procs, ranks, init_file):
         except OSError:
             py = "(no Python stack file)"
         parts.append(f"--- rank {rank} (pid {procs[rank].pid}): Python stacks ---\n{py}"
-                     f"--- rank {rank}: native stacks ---\n{_native_stack(procs[rank].pid)}")
+                     f"--- rank {rank}: native stacks ---\n{native[procs[rank].pid]}")
     return "\n".join(parts)
 
 

@@ -3,6 +3,7 @@
 #include "parallel/fsdp_engine.h"
 #include "parallel/fsdp_flat_param.h"
 #include "python/bindings.h"
+#include "python/released_without_gil.h"
 
 #include <torch/csrc/utils/pybind.h>
 
@@ -55,7 +56,8 @@ TORCHPAR_PYBIND(fsdp) {
              options.reshard_after_forward = reshard_after_forward;
              options.param_dtype = param_dtype;
              options.reduce_dtype = reduce_dtype;
-             return std::make_shared<FlatParam>(params, std::move(names), std::move(group), options);
+             return torchpar::python::make_shared_released_without_gil<FlatParam>(params, std::move(names),
+                                                                                  std::move(group), options);
            }),
            py::arg("params"), py::arg("names"), py::arg("process_group"), py::arg("reshard_after_forward") = true,
            py::arg("param_dtype") = py::none(), py::arg("reduce_dtype") = py::none(),
@@ -81,7 +83,10 @@ TORCHPAR_PYBIND(fsdp) {
       .def("load_full_param", &FlatParam::load_full_param, py::call_guard<py::gil_scoped_release>());
 
   py::class_<FsdpEngine, std::shared_ptr<FsdpEngine>>(m, "FsdpEngine")
-      .def(py::init<std::vector<std::shared_ptr<FlatParam>>, int64_t>(), py::arg("units"), py::arg("root"))
+      .def(py::init([](std::vector<std::shared_ptr<FlatParam>> units, int64_t root) {
+             return torchpar::python::make_shared_released_without_gil<FsdpEngine>(std::move(units), root);
+           }),
+           py::arg("units"), py::arg("root"))
       .def("pre_forward", &FsdpEngine::pre_forward, py::call_guard<py::gil_scoped_release>())
       .def("post_forward", &FsdpEngine::post_forward, py::call_guard<py::gil_scoped_release>())
       .def("register_post_backward", &FsdpEngine::register_post_backward)

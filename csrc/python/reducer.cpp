@@ -3,6 +3,7 @@
 #include "parallel/bucket_assignment.h"
 #include "parallel/reducer.h"
 #include "python/bindings.h"
+#include "python/released_without_gil.h"
 
 #include <torch/csrc/distributed/c10d/python_comm_hook.h>
 #include <torch/csrc/utils/pybind.h>
@@ -52,8 +53,8 @@ TORCHPAR_PYBIND(reducer) {
              options.static_graph = static_graph;
              options.reduce_grads_in_place = reduce_grads_in_place;
              options.shard_gradients = shard_gradients;
-             return std::make_shared<Reducer>(std::move(params), std::move(names), std::move(buckets),
-                                              std::move(group), options);
+             return torchpar::python::make_shared_released_without_gil<Reducer>(
+                 std::move(params), std::move(names), std::move(buckets), std::move(group), options);
            }),
            py::arg("params"), py::arg("names"), py::arg("buckets"), py::arg("process_group"),
            py::arg("gradient_as_bucket_view") = false, py::arg("find_unused_parameters") = false,
