@@ -162,18 +162,18 @@ def test_socket_interface_names_the_addresses_ranks_publish():
     assert spawn(_transport_in_use, 2, env=env) == [("tcp", "tcp")] * 2
 
 
-def _drop_a_ddp_after_destroy(rank, world_size, init_file, kind):
+def _drop_a_ddp_after_destroy(rank, world_size, init_file, backend, kind):
     import time
 
     import torch.nn as nn
 
     import torchpar  # noqa: F401
     from torchpar.parallel import DistributedDataParallel, fully_shard
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world_size)
+    dist.init_process_group(backend, init_method=f"file://{init_file}", rank=rank, world_size=world_size)
     model = nn.Linear(4, 4)
     holder = DistributedDataParallel(model) if kind == "ddp" else fully_shard(model)
-    # Rank 0's work is still running on gloo's thread when the group's last owner goes: that
-    # thread then needs the GIL to release the tensor's Python object, while the group's
+    # Rank 0's work is still running on the group's thread when the group's last owner goes:
+    # that thread then needs the GIL to release the tensor's Python object, while the group's
     # destructor, run by the garbage collection of `holder`, joins it.
     if rank == 1:
         time.sleep(1)
@@ -185,11 +185,11 @@ def _drop_a_ddp_after_destroy(rank, world_size, init_file, kind):
     return True
 
 
-@pytest.mark.parametrize("kind", ["ddp", "fsdp"])
-def test_a_module_that_outlives_destroy_process_group_is_dropped_without_a_hang(kind):
+@pytest.mark.parametrize("backend,kind", [("gloo", "ddp"), ("gloo", "fsdp"), ("torchpar", "ddp")])
+def test_a_module_that_outlives_destroy_process_group_is_dropped_without_a_hang(backend, kind):
     # CI hung a rank this way: our Reducer held the last reference to a gloo group and destroyed
-    # it with the GIL held, while gloo's thread waited for the GIL.
-    assert spawn(_drop_a_ddp_after_destroy, 2, kind, timeout=45) == [True, True]
+    # it with the GIL held, while gloo's thread waited for the GIL (gloo, ddp hung before).
+    assert spawn(_drop_a_ddp_after_destroy, 2, backend, kind, timeout=45) == [True, True]
 
 
 def _world_of_one(rank, world_size, init_file):
