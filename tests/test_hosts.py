@@ -102,6 +102,8 @@ def _run_suite(nprocs, tmp_path, timeout):
         codes, text = _wait(_torchrun(hosts, nprocs, "suite", tmp_path), timeout)
     assert codes == [0] * len(nprocs), f"torchrun exit statuses {codes}:\n{text[-6000:]}"
     assert sorted(int(w[2]) for w in _lines(text, "suite-ok")) == list(range(sum(nprocs))), text[-6000:]
+    # all_gather_into_tensor and reduce_scatter_tensor, in stages and pipelined, every dtype.
+    assert sorted(int(w[2]) for w in _lines(text, "gather-scatter-ok")) == list(range(sum(nprocs))), text[-6000:]
     refused = sorted(int(w[2]) for w in _lines(text, "shm-refused"))
     assert refused == [0, sum(nprocs) - 1], text[-6000:]
     # Every rank checked that its host's peers use shared memory inside the world group.
