@@ -40,7 +40,7 @@ void allgather(Comm& c, const void* in, void* const* outs, size_t count, c10::Sc
   // Chunk k of block i of host g arrives as message k x (g's ranks) + i: a rank's output
   // blocks need not be adjacent, so each block's chunk is a message of its own.
   std::vector<std::vector<p2p::Exchange::Handle>> arrived(chunks);
-  if (h.leader()) {
+  auto post_receives = [&] {  // every chunk's, before any leader sends (hosts_comm)
     for (size_t k = 0; k < chunks; ++k) {
       const Piece s = chunk_span(k, chunk, count);
       for (int g = 0; g < hosts; ++g) {
@@ -51,8 +51,8 @@ void allgather(Comm& c, const void* in, void* const* outs, size_t count, c10::Sc
         }
       }
     }
-    p2p::agree(leaders, desc, &ex);  // every leader's receives are posted (hosts_comm)
-  }
+    p2p::agree(leaders, desc, &ex);
+  };
   if (!shared && count && outs[c.rank()] != in) std::memmove(outs[c.rank()], in, count * es);
 
   std::vector<void*> host_outs(mine.size());
@@ -63,6 +63,7 @@ void allgather(Comm& c, const void* in, void* const* outs, size_t count, c10::Sc
         for (size_t i = 0; i < mine.size(); ++i) host_outs[i] = at(mine[i], s);
         collectives::allgather(host, static_cast<const char*>(in) + s.begin * es, host_outs.data(), s.size(), dtype);
       }
+      if (h.leader() && k == 0) post_receives();
       for (int g = 0; h.leader() && g < hosts; ++g) {
         for (size_t i = 0; g != me && i < mine.size(); ++i) {
           ex.send(g, p2p::Phase::kGather, static_cast<uint32_t>(k * mine.size() + i), at(mine[i], s), s.size() * es);

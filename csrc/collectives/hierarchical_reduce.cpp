@@ -75,7 +75,7 @@ void reduce_scatter(Comm& c, const void* const* ins, void* out, size_t count, c1
   p2p::Exchange ex(leaders);
   // Chunk k of every host's partial of this host's block i arrives as message k x local + i.
   std::vector<std::vector<p2p::Exchange::Handle>> arrived(chunks);
-  if (h.leader()) {
+  auto post_receives = [&] {  // every chunk's, before any leader sends (hosts_comm)
     for (size_t k = 0; k < chunks; ++k) {
       const Piece s = chunk_span(k, chunk, count);
       for (int g = 0; g < hosts; ++g) {
@@ -85,8 +85,8 @@ void reduce_scatter(Comm& c, const void* const* ins, void* out, size_t count, c1
         }
       }
     }
-    p2p::agree(leaders, desc, &ex);  // every leader's receives are posted (hosts_comm)
-  }
+    p2p::agree(leaders, desc, &ex);
+  };
 
   std::vector<const void*> srcs(hosts);
   std::vector<const void*> pieces(local, nullptr);
@@ -107,6 +107,7 @@ void reduce_scatter(Comm& c, const void* const* ins, void* out, size_t count, c1
         host.begin(op_desc(OpKind::kReduce, dtype, static_cast<uint64_t>(w) * s.size(), 0, static_cast<int>(partial)));
         reduce_in_chunks(host, data, static_cast<size_t>(w) * s.size(), dtype, partial, /*root=*/0);
       }
+      if (h.leader() && k == 0) post_receives();
       // This host's partials of host g's blocks go to g's leader.
       for (int g = 0; h.leader() && g < hosts; ++g) {
         const size_t n_g = map.ranks_of[g].size();
