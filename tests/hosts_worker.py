@@ -137,6 +137,59 @@ def collectives(W, r, n):
     dist.barrier()
 
 
+def gather_scatter(W, r):
+    """all_gather_into_tensor and reduce_scatter_tensor against exact values, in stages and
+    pipelined (csrc/collectives/hierarchical_pipeline.h), for every dtype class at odd counts:
+    on groups with 64 KiB arena slots (pipelined beyond 128 KiB in all) of every rank and of
+    ranks 1 ... W-1 (2 hosts x 2: a host of 1 rank and one of 2, host 0's leader not rank 0;
+    3 hosts: 1 rank on each), and on the world group (4 MiB slots) beyond 8 MiB."""
+    os.environ["TORCHPAR_SHM_SLOT_BYTES"] = "64K"  # read when the group is made
+    try:
+        groups = [(list(range(W)), dist.new_group(list(range(W)))),
+                  (list(range(1, W)), dist.new_group(list(range(1, W))))]
+    finally:
+        del os.environ["TORCHPAR_SHM_SLOT_BYTES"]
+    dtypes = (torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int8, torch.uint8,
+              torch.int32, torch.int64, torch.bool)
+    cases = [(ranks, g, dtype, n) for ranks, g in groups for dtype in dtypes
+             for n in (1, 4099, (3 << 16) // dtype.itemsize + 7)]
+    cases.append((list(range(W)), None, torch.float32, (9 << 20) // (4 * W) + 3))
+    for ranks, g, dtype, n in cases:
+        if r not in ranks:
+            continue
+        size, me = len(ranks), ranks.index(r)
+        what = f"on ranks {ranks}, {dtype}, {n} per rank"
+
+        def values(q, length, offset=0):  # small integers: exact in every dtype, every sum order
+            v = (torch.arange(offset, offset + length) + 3 * q) % 5
+            return v % 2 == 1 if dtype == torch.bool else v.to(dtype)
+
+        out = torch.empty(size * n, dtype=dtype)
+        dist.all_gather_into_tensor(out, values(me, n), group=g)
+        equal(out, torch.cat([values(q, n) for q in range(size)]), f"all_gather_into_tensor {what}")
+        inplace = torch.zeros(size * n, dtype=dtype)  # this rank's input is its block of the output
+        inplace[me * n:(me + 1) * n] = values(me, n)
+        dist.all_gather_into_tensor(inplace, inplace[me * n:(me + 1) * n], group=g)
+        equal(inplace, out, f"all_gather_into_tensor in place {what}")
+        if dtype == torch.bool:
+            continue
+        # float16 sums run flat (hierarchical.h, reduces_flat); its MAX runs hierarchically.
+        # AVG where one division rounds alike in float64 and in the dtype (float32, float64).
+        exact_avg = dtype in (torch.float32, torch.float64)
+        ops = [dist.ReduceOp.SUM, dist.ReduceOp.MAX] + ([dist.ReduceOp.AVG] if exact_avg else [])
+        for op in ops:
+            got = torch.empty(n, dtype=dtype)
+            dist.reduce_scatter_tensor(got, values(me, size * n), op=op, group=g)
+            parts = torch.stack([values(q, n, me * n).double() for q in range(size)])
+            want = {dist.ReduceOp.SUM: parts.sum(0), dist.ReduceOp.MAX: parts.max(0).values,
+                    dist.ReduceOp.AVG: parts.sum(0) / size}[op].to(dtype)
+            equal(got, want, f"reduce_scatter_tensor {op} {what}")
+    for ranks, g in groups:
+        if r in ranks:
+            dist.destroy_process_group(g)
+    say("gather-scatter-ok", r)
+
+
 def subgroups(W, r, host_of, n):
     """A group spanning hosts partly (ranks 1 ... W-2: part of host 0 and the next host), and
     one group per host; ranks of one host must share memory, ranks of two talk TCP."""
@@ -256,6 +309,7 @@ def suite():
     mixed_world(W, r, host_of, int(os.environ["MASTER_PORT"]))
     for n in (1, 1000, 70_000):  # 70k doubles cross every internal chunk and one-shot limit
         collectives(W, r, n)
+    gather_scatter(W, r)
     same_results_other_ways(W, r, 70_000)
     # Ranks on different hosts talk TCP: the union over the ranks of (own host, peer host)
     # pairs must join every two hosts of the job (the TCP-only group above is gone by now).

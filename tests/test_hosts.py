@@ -102,6 +102,8 @@ def _run_suite(nprocs, tmp_path, timeout):
         codes, text = _wait(_torchrun(hosts, nprocs, "suite", tmp_path), timeout)
     assert codes == [0] * len(nprocs), f"torchrun exit statuses {codes}:\n{text[-6000:]}"
     assert sorted(int(w[2]) for w in _lines(text, "suite-ok")) == list(range(sum(nprocs))), text[-6000:]
+    # all_gather_into_tensor and reduce_scatter_tensor, in stages and pipelined, every dtype.
+    assert sorted(int(w[2]) for w in _lines(text, "gather-scatter-ok")) == list(range(sum(nprocs))), text[-6000:]
     refused = sorted(int(w[2]) for w in _lines(text, "shm-refused"))
     assert refused == [0, sum(nprocs) - 1], text[-6000:]
     # Every rank checked that its host's peers use shared memory inside the world group.
@@ -130,7 +132,8 @@ def test_torchrun_three_hosts_uneven_ranks(can_make_hosts, tmp_path):
 @pytest.mark.timeout(180)
 def test_rank_killed_mid_collective_fails_every_host(can_make_hosts, tmp_path):
     """SIGKILL of rank 3 (host 1) inside an all-reduce: ranks 0 and 1 (host 0) and rank 2
-    (host 1) raise within the group timeout naming rank 3, and /dev/shm keeps nothing."""
+    (host 1) raise within the group timeout naming rank 3 (host 0's ranks: and its host),
+    and /dev/shm keeps nothing."""
     timeout = 20
     with Hosts(2) as hosts:
         procs = _start_ranks(hosts, [2, 2], "loop", tmp_path, HOSTS_TIMEOUT=timeout, KILL_RANK=3,
@@ -145,6 +148,9 @@ def test_rank_killed_mid_collective_fails_every_host(can_make_hosts, tmp_path):
     for rank, (at, message) in raised.items():
         assert at - killed_at < timeout, f"rank {rank} raised {at - killed_at:.1f} s after the kill"
         assert re.search(r"\brank 3\b", message), f"rank {rank}'s error does not name rank 3: {message}"
+        if rank in (0, 1):  # host 0: the dead rank's host is named too
+            assert re.search(r"\branks? [0-9, ]*\b3\b[0-9, ]* on host 1 \(ranks 2, 3\)", message), \
+                f"rank {rank}'s error does not say rank 3 is on host 1: {message}"
     assert len(pids) == 4 and _leftover_segments(pids) == []
 
 
@@ -184,6 +190,7 @@ def test_host_whose_link_goes_down_fails_the_others_within_the_timeout(can_make_
             # Every survivor names the host that went silent (its leader, rank 2, is the TCP
             # peer host 0 waits on), not only the host-local rank it was waiting for.
             assert "rank 2" in message, f"rank {rank}'s error does not name host 1's leader: {raised}"
+            assert "rank 2 on host 1 (ranks 2, 3)" in message, f"rank {rank}'s error does not name host 1: {raised}"
         # Host 1's ranks are cut off from the store and from host 0: they must end too.
         codes, text = _wait(procs[2:], timeout=timeout + 30)
         assert None not in codes, f"host 1's ranks still running (exit statuses {codes}):\n{text[-6000:]}"

@@ -3,15 +3,42 @@
 #include <c10/util/Exception.h>
 #include <pthread.h>
 
+#include <map>
+#include <regex>
+#include <set>
 #include <utility>
 
 #include "backend/errors.h"
+#include "transport/hosts.h"
 
 namespace torchpar {
 namespace {
 // The queue whose operation this thread is running now (its worker, or a caller running one
 // inline), if any: a future callback that issues an operation re-enters submit() here.
 thread_local const CollectiveQueue* running_here = nullptr;
+
+// A failure of a group spanning hosts names ranks ("rank 3 (pid 860) has exited", relayed
+// from the rank that saw it; "recv from rank 2 ... timed out"), and a rank number alone does
+// not say which machine to look at. For each rank of another host that `message` names, this
+// says which host (the hierarchy's host map: "host 1 (ranks 2, 3)"), once per host (issue 21).
+// The message is scanned rather than each place that names a peer being taught the map,
+// because the names also arrive as text: the abort reason another rank published.
+std::string hosts_named(const std::string& message, const HostMap& map, int rank) {
+  static const std::regex kRank(R"(\brank (\d{1,9})\b)");
+  std::map<int, std::set<int>> named;  // host -> its ranks the message names
+  for (std::sregex_iterator it(message.begin(), message.end(), kRank), end; it != end; ++it) {
+    const int r = std::stoi((*it)[1].str());
+    if (r < static_cast<int>(map.host_of.size()) && !map.same_host(r, rank)) named[map.host_of[r]].insert(r);
+  }
+  std::string note;
+  for (const auto& [host, ranks] : named) {
+    std::string who;
+    for (int r : ranks) who += (who.empty() ? "" : ", ") + std::to_string(r);
+    note += std::string(note.empty() ? "" : "; ") + (ranks.size() > 1 ? "ranks " : "rank ") + who + " on " +
+            map.describe(host);
+  }
+  return note.empty() ? "" : " [" + note + "]";
+}
 }  // namespace
 
 CollectiveQueue::CollectiveQueue(Transport& transport, const Config& config, int rank, int size,
@@ -118,6 +145,17 @@ void CollectiveQueue::execute(Queued& item, bool caller_blocks) {
     bool fatal = false;
     error = describe_failure({item.name, rank_, size_, group_name_, seq, item.timeout}, std::current_exception(),
                              &fatal, [this] { return transport_.abort_reason(); });
+    // Only failures: a mismatch (UsageError) must read the same on every rank.
+    if (const Hierarchy* h = transport_.hierarchy(); h != nullptr && fatal) {
+      std::string msg = message_of(error);
+      const std::string note = hosts_named(msg, h->map, rank_);
+      if (!note.empty() && msg.find(note) == std::string::npos) {
+        // Before describe_failure's closing " [the group is no longer usable]", beside what it explains.
+        const std::string closing = " [the group is no longer usable]";
+        const bool closed = msg.size() >= closing.size() && msg.compare(msg.size() - closing.size(), closing.size(), closing) == 0;
+        error = dist_backend_error(closed ? msg.insert(msg.size() - closing.size(), note) : msg + note);
+      }
+    }
     if (fatal) {
       transport_.abort(message_of(error));
       std::lock_guard<std::mutex> lock(mu_);

@@ -6,6 +6,7 @@
 #include <vector>
 
 #include "collectives/collectives.h"
+#include "collectives/hierarchical_pipeline.h"
 #include "collectives/p2p/exchange.h"
 #include "common/error.h"
 
@@ -42,6 +43,22 @@ Comm hosts_comm(const Comm& c, const std::vector<int>& ranks) {
 }
 
 Comm leaders_comm(const Comm& c) { return hosts_comm(c, c.hierarchy->map.leaders); }
+
+size_t pipeline_chunk(const Comm& c, c10::ScalarType dtype, size_t count, size_t blocks) {
+  const size_t es = element_size(dtype);
+  const size_t slot = std::max<size_t>(16, static_cast<size_t>(c.config.slot_bytes) / es / 16 * 16);
+  const size_t total = count * blocks;
+  if (blocks == 0 || total <= 2 * slot) return 0;
+  // All blocks' share of a chunk: more than total / kPipelineChunks, and a slot at least.
+  const size_t all = std::max(slot, (total + kPipelineChunks - 1) / kPipelineChunks / 16 * 16 + 16);
+  return ((all + blocks - 1) / blocks + 15) / 16 * 16;
+}
+
+Segments slice(const Segments& s, size_t begin, size_t bytes) {
+  Segments out;
+  s.for_each(begin, bytes, [&](char* p, size_t, size_t n) { out.add(p, n); });
+  return out;
+}
 
 bool reduces_flat(c10::ScalarType dtype, ReduceOp op) {
   return dtype == c10::kHalf && (op == ReduceOp::kSum || op == ReduceOp::kAvg || op == ReduceOp::kProduct);

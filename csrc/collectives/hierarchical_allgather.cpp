@@ -1,10 +1,18 @@
 // all_gather across hosts (issue 21; hierarchical.h): within each host through its arena,
 // then the hosts' leaders exchange their hosts' blocks, then each leader broadcasts the other
 // hosts' blocks within its host.
+//
+// Beyond two arena slots the three stages run as a pipeline over chunks of the blocks
+// (hierarchical_pipeline.h: chunk k is elements [k x chunk, (k + 1) x chunk) of every rank's
+// block): while the leaders' link carries chunk k, the host gathers chunk k + 1 and
+// broadcasts chunk k - 1. One after the other, the stages inside the hosts left a 64 MiB
+// all_gather at 63 % of a 1 Gbit/s link (docs/hosts.md).
+#include <algorithm>
 #include <cstring>
 #include <vector>
 
 #include "collectives/collectives.h"
+#include "collectives/hierarchical_pipeline.h"
 #include "collectives/p2p/exchange.h"
 #include "common/error.h"
 
@@ -17,47 +25,66 @@ void allgather(Comm& c, const void* in, void* const* outs, size_t count, c10::Sc
   const auto desc = op_desc(OpKind::kAllgather, dtype, count);
   std::string message = agree(c, desc);
   if (!message.empty()) throw UsageError(message);
-  const size_t bytes = count * element_size(dtype);
+  const size_t es = element_size(dtype);
+  const int hosts = map.hosts(), me = h.host();
+  const bool shared = h.arena != nullptr;
+  // The stages in one go (chunk = count) up to two slots; else in chunks of every block.
+  size_t chunk = pipeline_chunk(c, dtype, count, static_cast<size_t>(c.size()));
+  if (chunk == 0) chunk = std::max<size_t>(count, 1);
+  const size_t chunks = p2p::chunks_of(count, chunk);
+  auto at = [&](int r, const Piece& s) { return static_cast<char*>(outs[r]) + s.begin * es; };
 
-  // This host's blocks, on every rank of it.
-  if (h.arena != nullptr) {
-    Comm host = host_comm(c);
-    std::vector<void*> host_outs(mine.size());
-    for (size_t i = 0; i < mine.size(); ++i) host_outs[i] = outs[mine[i]];
-    collectives::allgather(host, in, host_outs.data(), count, dtype);
-  } else if (bytes && outs[c.rank()] != in) {
-    std::memmove(outs[c.rank()], in, bytes);
-  }
-
-  // Leader to leader: one message per block (a rank's output blocks need not be adjacent).
-  if (h.leader()) {
-    Comm leaders = leaders_comm(c);
-    p2p::Exchange ex(leaders);
-    for (int g = 0; g < map.hosts(); ++g) {
-      if (g == h.host()) continue;
-      for (size_t i = 0; i < map.ranks_of[g].size(); ++i) {
-        ex.recv(g, p2p::Phase::kHosts, static_cast<uint32_t>(i), outs[map.ranks_of[g][i]], bytes);
+  Comm host = host_comm(c);
+  Comm leaders = leaders_comm(c);
+  p2p::Exchange ex(leaders);
+  // Chunk k of block i of host g arrives as message k x (g's ranks) + i: a rank's output
+  // blocks need not be adjacent, so each block's chunk is a message of its own.
+  std::vector<std::vector<p2p::Exchange::Handle>> arrived(chunks);
+  auto post_receives = [&] {  // every chunk's, before any leader sends (hosts_comm)
+    for (size_t k = 0; k < chunks; ++k) {
+      const Piece s = chunk_span(k, chunk, count);
+      for (int g = 0; g < hosts; ++g) {
+        const size_t n = map.ranks_of[g].size();
+        for (size_t i = 0; g != me && i < n; ++i) {
+          arrived[k].push_back(ex.recv(g, p2p::Phase::kGather, static_cast<uint32_t>(k * n + i),
+                                       at(map.ranks_of[g][i], s), s.size() * es));
+        }
       }
     }
-    p2p::agree(leaders, desc, &ex);  // every leader's receives are posted (hosts_comm)
-    for (int g = 0; g < map.hosts(); ++g) {
-      if (g == h.host()) continue;
-      for (size_t i = 0; i < mine.size(); ++i) {
-        ex.send(g, p2p::Phase::kHosts, static_cast<uint32_t>(i), outs[mine[i]], bytes);
+    p2p::agree(leaders, desc, &ex);
+  };
+  if (!shared && count && outs[c.rank()] != in) std::memmove(outs[c.rank()], in, count * es);
+
+  std::vector<void*> host_outs(mine.size());
+  for (size_t k = 0; k < chunks + 1; ++k) {
+    if (k < chunks) {  // chunk k of this host's blocks, on every rank of it, then to the others
+      const Piece s = chunk_span(k, chunk, count);
+      if (shared) {
+        for (size_t i = 0; i < mine.size(); ++i) host_outs[i] = at(mine[i], s);
+        collectives::allgather(host, static_cast<const char*>(in) + s.begin * es, host_outs.data(), s.size(), dtype);
+      }
+      if (h.leader() && k == 0) post_receives();
+      for (int g = 0; h.leader() && g < hosts; ++g) {
+        for (size_t i = 0; g != me && i < mine.size(); ++i) {
+          ex.send(g, p2p::Phase::kGather, static_cast<uint32_t>(k * mine.size() + i), at(mine[i], s), s.size() * es);
+        }
       }
     }
-    ex.wait_all();
-  }
-
-  // The other hosts' blocks, from the leader to the rest of its host.
-  if (h.arena != nullptr) {
-    Segments theirs;
-    for (int r = 0; r < c.size(); ++r) {
-      if (!map.same_host(r, c.rank())) theirs.add(outs[r], bytes);
+    if (k >= 1) {  // chunk k-1 of the other hosts' blocks, from the leader to the rest of its host
+      const Piece s = chunk_span(k - 1, chunk, count);
+      if (h.leader()) {
+        for (auto& handle : arrived[k - 1]) ex.wait(handle);
+      }
+      if (shared) {
+        Segments theirs;
+        for (int r = 0; r < c.size(); ++r) {
+          if (!map.same_host(r, c.rank())) theirs.add(at(r, s), s.size() * es);
+        }
+        collectives::broadcast(host, theirs, (c.size() - mine.size()) * s.size(), dtype, /*root=*/0);
+      }
     }
-    Comm host = host_comm(c);
-    collectives::broadcast(host, theirs, (c.size() - mine.size()) * count, dtype, /*root=*/0);
   }
+  ex.wait_all();
 }
 
 }  // namespace torchpar::collectives::hier

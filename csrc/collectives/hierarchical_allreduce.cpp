@@ -12,18 +12,12 @@
 #include <vector>
 
 #include "collectives/collectives.h"
+#include "collectives/hierarchical_pipeline.h"
 #include "collectives/p2p/exchange.h"
 #include "common/error.h"
 
 namespace torchpar::collectives::hier {
 namespace {
-
-// Bytes [begin, begin + bytes) of `s`, as a Segments of its own.
-Segments slice(const Segments& s, size_t begin, size_t bytes) {
-  Segments out;
-  s.for_each(begin, bytes, [&](char* p, size_t, size_t n) { out.add(p, n); });
-  return out;
-}
 
 void divide(const Comm& c, c10::ScalarType dtype, char* at, size_t count) {
   const void* src = at;
@@ -52,7 +46,7 @@ void pipelined(Comm& c, const Segments& data, size_t count, size_t chunk, c10::S
   const size_t es = element_size(dtype), bytes = count * es;
   const size_t chunks = p2p::chunks_of(count, chunk);
   const int hosts = h.map.hosts(), me = h.host();
-  auto span = [&](size_t k) { return Piece{k * chunk, std::min(count, (k + 1) * chunk)}; };
+  auto span = [&](size_t k) { return chunk_span(k, chunk, count); };
   Comm host = host_comm(c);
   Comm leaders = leaders_comm(c);
 
@@ -135,23 +129,14 @@ void pipelined(Comm& c, const Segments& data, size_t count, size_t chunk, c10::S
 }  // namespace
 
 void allreduce(Comm& c, const Segments& data, size_t count, c10::ScalarType dtype, ReduceOp op) {
-  const size_t es = element_size(dtype);
   const auto desc = op_desc(OpKind::kAllreduce, dtype, count, 0, static_cast<int>(op));
   std::string message = agree(c, desc);
   if (!message.empty()) throw UsageError(message);
   // AVG: sums all the way, then one division by the group's size (on the leaders).
   const ReduceOp partial = op == ReduceOp::kAvg ? ReduceOp::kSum : op;
-  // Pipelined beyond two slots, in kPipelineChunks chunks of at least a slot each: each
-  // chunk's stages synchronise the host's ranks and the leaders anew, which costs where the
-  // cores, not the link, are the bottleneck (on the loaded test machine, 16 chunks of a
-  // 64 MiB all_reduce over the plain veth took 1.6x as long as the stages one after the
-  // other); 8 leave a quarter of the host stages' time exposed on a slow link. Every rank
-  // decides alike (count and the slot size are the same on all). chunk > count / 8, so there
-  // are at most 8 chunks (the pipeline's tags are chunk numbers).
-  constexpr size_t kPipelineChunks = 8;
-  const size_t slot = std::max<size_t>(16, static_cast<size_t>(c.config.slot_bytes) / es / 16 * 16);
-  const size_t chunk = std::max(slot, (count + kPipelineChunks - 1) / kPipelineChunks / 16 * 16 + 16);
-  if (count <= 2 * slot) {
+  // Pipelined beyond two slots (hierarchical_pipeline.h).
+  const size_t chunk = pipeline_chunk(c, dtype, count);
+  if (chunk == 0) {
     in_stages(c, data, count, dtype, op, partial);
   } else {
     pipelined(c, data, count, chunk, dtype, op, partial);

@@ -354,7 +354,8 @@ TEST_P(Hosts, ReduceToEveryRootEqualsExactValues) {
 // 64 Ki int8, 32 Ki bfloat16, 8 Ki double) and odd counts: a last chunk of one element, pieces
 // of a chunk that the hosts do not divide evenly, counts smaller than a piece. Small integers,
 // so every order of summation gives the same exact values; reduce_scatter in place (the
-// output is this rank's input block, as reduce_scatter_tensor over a view), reduce to every root.
+// output is this rank's input block, as reduce_scatter_tensor over a view), all_gather in
+// place, both pipelined too (hierarchical_pipeline.h), reduce to every root.
 template <typename T>
 void odd_counts_of(int rank, int world, Transport& t, c10::ScalarType dtype, size_t slot, uint64_t& seq) {
   const auto value = [](int r, size_t i) { return static_cast<float>((i + 3 * r) % 5); };
@@ -378,7 +379,20 @@ void odd_counts_of(int rank, int world, Transport& t, c10::ScalarType dtype, siz
       ASSERT_EQ(static_cast<float>(mx[i]), want) << "all_reduce max n=" << n << " i=" << i;
     }
   }
-  for (size_t n : {size_t{1}, size_t{17}, size_t{4099}}) {
+  // slot + 7 per block: more than two slots in all (every layout), so reduce_scatter and
+  // all_gather run pipelined in chunks of every block, the last chunk 7 elements long.
+  for (size_t n : {size_t{1}, size_t{17}, size_t{4099}, slot + 7}) {
+    std::vector<T> gathered(world * n);
+    for (size_t i = 0; i < n; ++i) gathered[rank * n + i] = static_cast<T>(value(rank, i));
+    std::vector<void*> blocks;
+    for (int q = 0; q < world; ++q) blocks.push_back(gathered.data() + q * n);
+    auto c0 = comm(t, seq++, 20000);
+    collectives::allgather(c0, blocks[rank], blocks.data(), n, dtype);  // in place
+    for (int q = 0; q < world; ++q) {
+      for (size_t i = 0; i < n; ++i) {
+        ASSERT_EQ(static_cast<float>(gathered[q * n + i]), value(q, i)) << "all_gather n=" << n << " q=" << q << " i=" << i;
+      }
+    }
     std::vector<T> all(world * n);
     std::vector<const void*> ins;
     for (int q = 0; q < world; ++q) {

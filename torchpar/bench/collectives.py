@@ -114,7 +114,12 @@ def sizes_up_to(max_bytes):
 # The systems compared: the default group (torchpar as the environment makes it), torchpar
 # groups made with one setting changed, gloo.
 SYSTEMS = {"torchpar": None, "torchpar_flat": ("TORCHPAR_HIERARCHICAL", "0"),
-           "torchpar_tcp": ("TORCHPAR_TRANSPORT", "tcp"), "gloo": None}
+           "torchpar_tcp": ("TORCHPAR_TRANSPORT", "tcp"), "gloo": None,
+           # 64 MiB arena slots: the hierarchical all_reduce, all_gather and reduce_scatter of
+           # up to 128 MiB run their stages one after the other, not pipelined (docs/hosts.md).
+           # For an A/B of the pipeline in one job; not run unless named.
+           "torchpar_staged": ("TORCHPAR_SHM_SLOT_BYTES", "64M")}
+DEFAULT_SYSTEMS = ["torchpar", "torchpar_flat", "torchpar_tcp", "gloo"]
 
 
 def make_groups(systems):
@@ -296,7 +301,8 @@ def main(argv=None):
     hosts.add_argument("--links", default="unshaped,shaped", type=lambda s: s.split(","),
                        help="unshaped (the plain veth), shaped (tc tbf at --rate on both ends), or both")
     hosts.add_argument("--systems", type=lambda s: s.split(","), default=None,
-                       help=f"compared with --hosts (default all of {','.join(SYSTEMS)})")
+                       help=f"compared with --hosts (default {','.join(DEFAULT_SYSTEMS)}; "
+                            f"any of {','.join(SYSTEMS)})")
     hosts.add_argument("--worker-results", help=argparse.SUPPRESS)  # a rank of a --hosts run: rank 0 writes here
     args = p.parse_args(argv)
     across_hosts = bool(args.hosts or args.worker_results)
@@ -305,7 +311,7 @@ def main(argv=None):
         if op not in OPS:
             p.error(f"unknown op {op}; choose from {', '.join(OPS)}")
     if across_hosts:
-        args.systems = args.systems or list(SYSTEMS)
+        args.systems = args.systems or list(DEFAULT_SYSTEMS)
         args.rounds = args.rounds or 3
     else:
         args.systems, args.rounds = ["torchpar", "gloo"], args.rounds or 1
