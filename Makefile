@@ -84,6 +84,15 @@ build/cpp-tests: $(VENV)/.deps $(CPP_SOURCES) $(wildcard csrc/*/*.h csrc/*/*/*.h
 	  -Icsrc -I$(TORCH_DIR)/include $(CPP_SOURCES) $(CPP_TESTS) \
 	  -L$(TORCH_DIR)/lib -Wl,-rpath,$(abspath $(TORCH_DIR))/lib -lc10 -lgtest -lgtest_main -lcrypto -lpthread -lrt -o $@
 
+# The same tests under ThreadSanitizer (the point-to-point engine's threads: progress thread,
+# callers of isend writing the send fast path, waiters). Slower to build; run by hand:
+# make build/cpp-tests-tsan && build/cpp-tests-tsan --gtest_brief=1 --gtest_filter='P2P.*'
+build/cpp-tests-tsan: $(VENV)/.deps $(CPP_SOURCES) $(wildcard csrc/*/*.h csrc/*/*/*.h) $(CPP_TESTS) $(wildcard tests/cpp/*.h) | $(OPENSSL_DEV)
+	@mkdir -p build
+	c++ -O1 -g -fsanitize=thread -std=c++20 -mavx2 -mfma -mf16c -DCPU_CAPABILITY_AVX2 -DCPU_CAPABILITY=AVX2 \
+	  -Wno-unknown-pragmas -Icsrc -I$(TORCH_DIR)/include $(CPP_SOURCES) $(CPP_TESTS) \
+	  -L$(TORCH_DIR)/lib -Wl,-rpath,$(abspath $(TORCH_DIR))/lib -lc10 -lgtest -lgtest_main -lcrypto -lpthread -lrt -o $@
+
 test-cpp:
 	@test -f /usr/include/gtest/gtest.h || (apt-get install -y -q libgtest-dev >/dev/null 2>&1 || \
 	  (apt-get update -q >/dev/null 2>&1 && apt-get install -y -q libgtest-dev >/dev/null 2>&1)) || true

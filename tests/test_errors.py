@@ -203,6 +203,24 @@ def _peer_dies_during_recv(rank, world_size, init_file):
     return True
 
 
+def _send_to_an_exited_peer(rank, world_size, init_file):
+    """A send that fits the pipe completes (its bytes are in the pipe, whoever reads them); one
+    that cannot leave fails naming the peer, written by the caller (fast path) or queued."""
+    _init(rank, world_size, init_file, 60)
+    dist.barrier()
+    if rank == 1:
+        os._exit(3)
+    time.sleep(0.5)  # rank 1 is gone before anything is sent
+    start = time.monotonic()
+    big = torch.ones(1 << 20)  # 4 MiB: more than the ring (16 KiB) or a socket's buffers hold
+    msg = expect_error(lambda: [dist.send(big, dst=1, tag=t) for t in range(4)], "rank 1")
+    assert "exited" in msg or "lost" in msg or "closed" in msg, msg
+    assert time.monotonic() - start < 15, "a dead peer must be noticed long before the 60 s timeout"
+    # The group has failed: a later send fails at once, however small.
+    expect_error(lambda: dist.send(torch.ones(1), dst=1), "rank 1")
+    return True
+
+
 def _p2p_timeout(rank, world_size, init_file):
     _init(rank, world_size, init_file, 2)
     if rank == 0:
@@ -282,6 +300,13 @@ def test_dead_peer_fails_the_collective_quickly(transport):
 def test_dead_peer_fails_a_pending_recv(transport):
     results = spawn(_peer_dies_during_recv, 2, timeout=60, env=transport_env(transport))
     assert results[0] is True
+
+
+@pytest.mark.parametrize("send_path", ["fast", "queued"])
+def test_send_to_an_exited_peer_fails_naming_it(transport, send_path):
+    env = transport_env(transport, {**SMALL_BUFFERS, "TORCHPAR_P2P_FAST_SEND": "1" if send_path == "fast" else "0"})
+    results = spawn(_send_to_an_exited_peer, 2, timeout=60, env=env)
+    assert results[0] is True and results[1] == "died"
 
 
 def test_recv_without_a_sender_times_out(transport):

@@ -272,3 +272,108 @@ def test_object_collectives(world_size, transport):
 
 def test_failed_async_work_reports_its_exception(transport):
     pool(2, transport).run(_failed_async_work_reports_its_exception)
+
+
+# ------------------------------------------------------- the send fast path (issue 18)
+# A send with nothing queued before it to a shared-memory peer is written into the ring by the
+# caller of isend (as far as the ring has room), not by the progress thread. Each case runs with
+# the fast path (default) and without it (TORCHPAR_P2P_FAST_SEND=0: every send queued).
+
+SEND_PATHS = {"fast": {}, "queued": {"TORCHPAR_P2P_FAST_SEND": "0"}}
+RING = 16 * 1024  # SMALL_BUFFERS' TORCHPAR_SHM_RING_BYTES
+HEADER = 16  # the engine's frame header: tag and length
+# Element counts (float32) around the ring's capacity and the collectives' 8 KiB chunk: empty,
+# tiny, a frame that fills the ring exactly, one byte more than fits, and many rings long.
+MIXED_SIZES = [0, 1, 2047, 2048, (RING - HEADER) // 4, (RING - HEADER) // 4 + 1, RING // 4 + 1, 7, BIG, 3,
+               3 * RING // 4 + 5, 0, 1]
+
+
+def path_pool(world_size, transport, send_path):
+    return get_pool(world_size, env=transport_env(transport, {**SMALL_BUFFERS, **SEND_PATHS[send_path]}))
+
+
+def _small_send_after_queued_large_ones(ctx):
+    """Large sends queue behind the first (larger than the ring); a small send posted after them,
+    which would fit the ring by itself, must not overtake them, with the same tag or another."""
+    if ctx.rank == 0:
+        works = [dist.isend(torch.full((BIG,), float(i)), dst=1, group=ctx.pg) for i in range(3)]
+        works.append(dist.isend(torch.full((5,), 3.0), dst=1, group=ctx.pg))          # same tag, after
+        works.append(dist.isend(torch.full((5,), 4.0), dst=1, tag=7, group=ctx.pg))   # other tag
+        works.append(dist.isend(torch.full((BIG,), 5.0), dst=1, group=ctx.pg))
+        for q in works:
+            q.wait()
+    elif ctx.rank == 1:
+        time.sleep(0.2)  # the sends queue up before anything is received
+        other = torch.empty(5)
+        early = dist.irecv(other, src=0, tag=7, group=ctx.pg)  # posted first, matched by tag
+        outs = [torch.empty(BIG) for _ in range(3)] + [torch.empty(5), torch.empty(BIG)]
+        works = [dist.irecv(o, src=0, group=ctx.pg) for o in outs]
+        for q in works + [early]:
+            q.wait()
+        for i, o in zip([0, 1, 2, 3, 5], outs):
+            assert (o == i).all(), f"message {i} out of order"
+        assert (other == 4).all()
+    return True
+
+
+def _mixed_sizes_and_tags_both_ways(ctx, rounds):
+    """Every rank sends every other rank messages of sizes around the ring's and chunk's, on many
+    tags, from one loop that also posts its receives (tags in another order): what the caller
+    writes and what the progress thread writes interleave on one ring, both directions busy."""
+    w, r = ctx.world_size, ctx.rank
+    tags = list(range(6))
+    plan = [(MIXED_SIZES[(k * 5 + i) % len(MIXED_SIZES)], tags[(k + i) % len(tags)])
+            for i in range(rounds) for k in range(len(MIXED_SIZES))]
+    sends, recvs = [], []
+    for peer in range(w):
+        if peer == r:
+            continue
+        for k, (n, tag) in enumerate(plan):
+            sends.append(dist.isend(payload(r, peer, n, tag) + 100000 * k, dst=peer, tag=tag, group=ctx.pg))
+        # Receives per tag in plan order (so each one's size and content are known), tags reversed.
+        for tag in reversed(tags):
+            for k, (n, t) in enumerate(plan):
+                if t == tag:
+                    out = torch.empty(n)
+                    recvs.append((dist.irecv(out, src=peer, tag=tag, group=ctx.pg), out,
+                                  payload(peer, r, n, tag) + 100000 * k))
+    for q in sends:
+        q.wait()
+    for q, out, want in recvs:
+        q.wait()
+        assert torch.equal(out, want)
+    return len(recvs)
+
+
+def _small_send_leaves_before_isend_returns(ctx):
+    """With nothing queued and room in the ring, the send is done when isend returns: its
+    caller wrote it (the progress thread had no part in it)."""
+    dist.barrier(group=ctx.pg)
+    done = None
+    if ctx.rank == 0:
+        work = dist.isend(payload(0, 1, 20), dst=1, tag=11, group=ctx.pg)
+        done = work.is_completed()
+        work.wait()
+    elif ctx.rank == 1:
+        out = torch.empty(20)
+        dist.recv(out, src=0, tag=11, group=ctx.pg)
+        assert torch.equal(out, payload(0, 1, 20))
+    return done
+
+
+@pytest.mark.parametrize("send_path", SEND_PATHS)
+def test_a_send_that_could_go_at_once_waits_for_those_queued_before_it(transport, send_path):
+    path_pool(2, transport, send_path).run(_small_send_after_queued_large_ones)
+
+
+@pytest.mark.parametrize("send_path", SEND_PATHS)
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_mixed_sizes_and_tags_in_both_directions_arrive_in_order(world_size, transport, send_path):
+    counts = path_pool(world_size, transport, send_path).run(_mixed_sizes_and_tags_both_ways, 3)
+    assert counts == [(world_size - 1) * 3 * len(MIXED_SIZES)] * world_size
+
+
+def test_a_small_send_to_a_shared_memory_peer_is_written_by_its_caller(transport):
+    done = path_pool(2, transport, "fast").run(_small_send_leaves_before_isend_returns)
+    if transport == "shm":
+        assert done[0] is True

@@ -67,7 +67,8 @@ std::string describe(const Request& r) {
 P2PEngine::P2PEngine(int rank, int size, Link& link, std::chrono::microseconds spin,
                      std::chrono::microseconds yield, size_t unexpected_max_bytes)
     : rank_(rank), size_(size), link_(link), spin_(spin), yield_(yield),
-      unexpected_max_(unexpected_max_bytes), out_(size), in_(size), scratch_(1 << 16) {
+      unexpected_max_(unexpected_max_bytes), fast_send_(env_int("TORCHPAR_P2P_FAST_SEND", 1) != 0),
+      out_(size), in_(size), scratch_(1 << 16) {
   const int64_t slice_us = env_int("TORCHPAR_PROGRESS_SLICE_US", 0);  // a bad value raises here
   thread_ = std::thread([this, slice_us] {
     ::pthread_setname_np(::pthread_self(), "torchpar-p2p");  // for top -H, perf sched, gdb
@@ -102,16 +103,92 @@ std::shared_ptr<Request> P2PEngine::isend(int peer, uint64_t tag, const void* da
            " for a group of size ", size_, " (this is rank ", rank_, ")");
   auto req = std::make_shared<Request>(Request::Kind::kSend, peer, tag, const_cast<void*>(data),
                                        bytes, deadline);
+  bool from_caller = false;
   {
     std::lock_guard<std::mutex> lock(mu_);
     if (failure_) {
       req->fail(failure_);
       return req;
     }
-    out_[peer].queue.push_back(req);
+    Outbox& box = out_[peer];
+    // Only a send with nothing before it to this peer may go now: anything queued or being
+    // written must reach the pipe first (messages from one rank arrive in the order sent).
+    from_caller = fast_send_ && box.queue.empty() && link_.writable_from_any_thread(peer);
+    if (from_caller) {
+      box.streaming = true;
+      box.caller_writing = true;
+    }
+    box.queue.push_back(req);
   }
-  link_.notify(rank_);
+  if (from_caller) {
+    send_from_caller(peer, req);
+  } else {
+    link_.notify(rank_);
+  }
   return req;
+}
+
+// The progress thread wakes only when it gets a core, which the callers' computation holds
+// on a busy host: a pipeline stage that posts an activation and computes on would otherwise
+// send it a scheduler slice later (docs/pipeline.md). The caller writes while it owns the
+// queue's front (caller_writing), so the pipe still has one writer at a time: the progress
+// thread, fail() and the deadline check leave that request alone until the caller hands it
+// back under mu_.
+void P2PEngine::send_from_caller(int peer, const std::shared_ptr<Request>& req) {
+  Outbox& box = out_[peer];
+  box.header = WireHeader{req->tag, req->bytes};
+  box.sent = 0;
+  const size_t total = sizeof(WireHeader) + req->bytes;
+  std::string broken;
+  try {
+    while (box.sent < total) {
+      size_t n;
+      if (box.sent < sizeof(WireHeader)) {
+        n = link_.write_some(peer, reinterpret_cast<char*>(&box.header) + box.sent,
+                             sizeof(WireHeader) - box.sent);
+      } else {
+        size_t off = box.sent - sizeof(WireHeader);
+        n = link_.write_some(peer, static_cast<char*>(req->data) + off, req->bytes - off);
+      }
+      if (n == 0) break;  // the pipe is full: the progress thread writes the rest
+      box.sent += n;
+    }
+    if (box.sent > 0) link_.notify(peer);
+  } catch (const std::exception& e) {  // a corrupt ring: as if the progress thread had met it
+    broken = detail::message(__FILE__, __LINE__, "rank ", rank_, "'s ", describe(*req), " failed: ",
+                             e.what(), " [the group cannot continue]");
+  }
+  // fail() leaves a request being written to its writer; a group failed now has failure_ set
+  // before this lock is taken, so this caller fails its own request below.
+  if (!broken.empty()) fail_group(broken);
+  enum { kDone, kFailed, kHandedOver } outcome;
+  std::exception_ptr failed;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    box.caller_writing = false;
+    if (box.sent == total) {
+      outcome = kDone;
+    } else if (failure_) {
+      // The progress thread may be gone (stop()) or have failed its requests already: the
+      // rest of this message will never be written, so it fails here.
+      outcome = kFailed;
+      failed = failure_;
+    } else {
+      outcome = kHandedOver;  // box.sent and box.header tell the progress thread where it is
+    }
+    if (outcome != kHandedOver) {
+      box.queue.pop_front();
+      box.streaming = false;
+      box.sent = 0;
+    }
+  }
+  if (outcome == kDone) {
+    req->complete(peer);
+  } else if (outcome == kFailed) {
+    req->fail(failed);
+  } else {
+    link_.notify(rank_);  // the peer may have drained the pipe while the front was ours
+  }
 }
 
 std::shared_ptr<Request> P2PEngine::irecv(int peer, uint64_t tag, void* data, size_t bytes,
@@ -201,8 +278,11 @@ void P2PEngine::fail_in_flight(std::exception_ptr error) {
   {
     std::lock_guard<std::mutex> lock(mu_);
     for (auto& box : out_) {
-      victims.insert(victims.end(), box.queue.begin(), box.queue.end());
-      box.queue.clear();
+      auto first = box.queue.begin();
+      if (box.caller_writing) ++first;  // its caller completes or fails it (send_from_caller)
+      victims.insert(victims.end(), first, box.queue.end());
+      box.queue.erase(first, box.queue.end());
+      if (box.caller_writing) continue;
       box.streaming = false;
       box.sent = 0;
     }
@@ -286,7 +366,7 @@ bool P2PEngine::pump_out(int peer) {
     std::shared_ptr<Request> req;
     {
       std::lock_guard<std::mutex> lock(mu_);
-      if (box.queue.empty()) break;
+      if (box.queue.empty() || box.caller_writing) break;
       req = box.queue.front();
       box.streaming = true;  // from here the front request belongs to this thread
     }
@@ -441,6 +521,11 @@ void P2PEngine::check_deadlines_and_peers() {
       auto& q = out_[peer].queue;
       for (auto it = q.begin(); it != q.end();) {
         bool front = it == q.begin();
+        if (front && out_[peer].caller_writing) {  // its caller's, and it never blocks
+          watch[peer] = true;
+          ++it;
+          continue;
+        }
         bool started = front && out_[peer].sent > 0;
         if ((*it)->deadline <= now && !started) {
           expired.push_back(*it);

@@ -7,7 +7,11 @@
 // rank posts all its sends and receives before waiting completes. A send completes once
 // its bytes are in the pipe; a message may be far larger than the pipe.
 //
-// One progress thread drives all pipes; callers only post and wait.
+// One progress thread drives all pipes; callers post and wait. A send that finds nothing
+// before it to its peer is written by its caller, as far as the pipe has room, when the
+// pipe allows that (Link::writable_from_any_thread: shared memory): it then leaves at once,
+// not when the progress thread next gets a core (issue 18). TORCHPAR_P2P_FAST_SEND=0 queues
+// every send for the progress thread instead.
 //
 // What comes out of a pipe is untrusted: a header's length never sizes an allocation beyond
 // `unexpected_max_bytes` of early arrivals in all, and anything the progress thread throws
@@ -83,9 +87,15 @@ class P2PEngine {
   };
   struct Outbox {
     std::deque<std::shared_ptr<Request>> queue;  // guarded by mu_
-    bool streaming = false;  // guarded by mu_: the progress thread owns queue.front()
+    bool streaming = false;  // guarded by mu_: queue.front() is being written, by its writer
+    // Guarded by mu_: the front's writer is the caller of isend (send_from_caller), not the
+    // progress thread; implies `streaming`. Nothing else touches that request, `header` or
+    // `sent` until the caller clears it.
+    bool caller_writing = false;
+    // The front's writer only (the progress thread, or the caller while caller_writing; the
+    // one hands over to the other under mu_):
     WireHeader header{};
-    size_t sent = 0;  // progress thread only: bytes of queue.front() written so far
+    size_t sent = 0;  // bytes of queue.front() written so far
   };
   struct Inbox {
     WireHeader header{};
@@ -97,6 +107,10 @@ class P2PEngine {
     std::shared_ptr<Unexpected> unexpected;
   };
 
+  // isend's fast path: writes `req`, which isend made the front of `peer`'s queue with
+  // caller_writing set, as far as the pipe takes it, then completes it or hands the rest to
+  // the progress thread.
+  void send_from_caller(int peer, const std::shared_ptr<Request>& req);
   void run();
   // One pass of the progress loop (run() catches what it throws).
   void step(Clock::time_point& idle_since, Clock::time_point& last_check);
@@ -119,6 +133,7 @@ class P2PEngine {
   const std::chrono::microseconds spin_;
   const std::chrono::microseconds yield_;
   const size_t unexpected_max_;
+  const bool fast_send_;  // TORCHPAR_P2P_FAST_SEND
 
   mutable std::mutex mu_;
   std::vector<Outbox> out_;

@@ -47,6 +47,7 @@ class ShmTransport final : public Transport {
   uint32_t activity() const override;
   void sleep_until_activity(uint32_t seen, std::chrono::microseconds max_sleep) override;
   void check_peer(int peer) override;
+  bool writable_from_any_thread(int) const override { return true; }
 
  private:
   void map_segment(Rendezvous& rendezvous, const Config& config, std::chrono::milliseconds timeout,
