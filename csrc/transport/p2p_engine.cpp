@@ -62,6 +62,26 @@ std::string describe(const Request& r) {
          std::to_string(r.bytes) + " bytes)";
 }
 
+// Writes the rest of a message, its header then `req`'s bytes, into the pipe to `peer` as far
+// as the pipe takes it. `sent` counts what is written of header and payload together; whoever
+// writes the front request (the progress thread, or isend's caller) resumes from it. Returns
+// the bytes written by this call.
+size_t write_message(Link& link, int peer, const char* header, size_t header_bytes, const Request& req,
+                     size_t& sent) {
+  const size_t before = sent;
+  while (sent < header_bytes + req.bytes) {
+    size_t n;
+    if (sent < header_bytes) {
+      n = link.write_some(peer, header + sent, header_bytes - sent);
+    } else {
+      size_t off = sent - header_bytes;
+      n = link.write_some(peer, static_cast<const char*>(req.data) + off, req.bytes - off);
+    }
+    if (n == 0) break;  // the pipe is full
+    sent += n;
+  }
+  return sent - before;
+}
 }  // namespace
 
 P2PEngine::P2PEngine(int rank, int size, Link& link, std::chrono::microseconds spin,
@@ -141,18 +161,8 @@ void P2PEngine::send_from_caller(int peer, const std::shared_ptr<Request>& req) 
   const size_t total = sizeof(WireHeader) + req->bytes;
   std::string broken;
   try {
-    while (box.sent < total) {
-      size_t n;
-      if (box.sent < sizeof(WireHeader)) {
-        n = link_.write_some(peer, reinterpret_cast<char*>(&box.header) + box.sent,
-                             sizeof(WireHeader) - box.sent);
-      } else {
-        size_t off = box.sent - sizeof(WireHeader);
-        n = link_.write_some(peer, static_cast<char*>(req->data) + off, req->bytes - off);
-      }
-      if (n == 0) break;  // the pipe is full: the progress thread writes the rest
-      box.sent += n;
-    }
+    // What the pipe does not take now, the progress thread writes (kHandedOver below).
+    write_message(link_, peer, reinterpret_cast<const char*>(&box.header), sizeof(WireHeader), *req, box.sent);
     if (box.sent > 0) link_.notify(peer);
   } catch (const std::exception& e) {  // a corrupt ring: as if the progress thread had met it
     broken = detail::message(__FILE__, __LINE__, "rank ", rank_, "'s ", describe(*req), " failed: ",
@@ -371,18 +381,9 @@ bool P2PEngine::pump_out(int peer) {
       box.streaming = true;  // from here the front request belongs to this thread
     }
     if (box.sent == 0) box.header = WireHeader{req->tag, req->bytes};
-    size_t total = sizeof(WireHeader) + req->bytes;
-    while (box.sent < total) {
-      size_t n;
-      if (box.sent < sizeof(WireHeader)) {
-        n = link_.write_some(peer, reinterpret_cast<char*>(&box.header) + box.sent,
-                             sizeof(WireHeader) - box.sent);
-      } else {
-        size_t off = box.sent - sizeof(WireHeader);
-        n = link_.write_some(peer, static_cast<char*>(req->data) + off, req->bytes - off);
-      }
-      if (n == 0) break;
-      box.sent += n;
+    const size_t total = sizeof(WireHeader) + req->bytes;
+    if (write_message(link_, peer, reinterpret_cast<const char*>(&box.header), sizeof(WireHeader), *req,
+                      box.sent) > 0) {
       progressed = true;
     }
     if (progressed) link_.notify(peer);
