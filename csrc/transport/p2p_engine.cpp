@@ -167,12 +167,16 @@ void P2PEngine::send_from_caller(int peer, const std::shared_ptr<Request>& req) 
   } catch (const std::exception& e) {  // a corrupt ring: as if the progress thread had met it
     broken = detail::message(__FILE__, __LINE__, "rank ", rank_, "'s ", describe(*req), " failed: ",
                              e.what(), " [the group cannot continue]");
+  } catch (...) {  // whatever it was, caller_writing must be cleared below, or the peer's sends stall
+    broken = detail::message(__FILE__, __LINE__, "rank ", rank_, "'s ", describe(*req),
+                             " failed with an unknown error [the group cannot continue]");
   }
   // fail() leaves a request being written to its writer; a group failed now has failure_ set
   // before this lock is taken, so this caller fails its own request below.
   if (!broken.empty()) fail_group(broken);
   enum { kDone, kFailed, kHandedOver } outcome;
   std::exception_ptr failed;
+  bool queued_behind = false;
   {
     std::lock_guard<std::mutex> lock(mu_);
     box.caller_writing = false;
@@ -190,15 +194,18 @@ void P2PEngine::send_from_caller(int peer, const std::shared_ptr<Request>& req) 
       box.queue.pop_front();
       box.streaming = false;
       box.sent = 0;
+      // A send queued behind this one while it was ours found the front busy; the progress
+      // thread, woken for it, may have gone back to sleep when pump_out saw caller_writing.
+      queued_behind = !box.queue.empty();
     }
   }
   if (outcome == kDone) {
     req->complete(peer);
   } else if (outcome == kFailed) {
     req->fail(failed);
-  } else {
-    link_.notify(rank_);  // the peer may have drained the pipe while the front was ours
   }
+  // Handed over: the peer may have drained the pipe while the front was ours.
+  if (outcome == kHandedOver || queued_behind) link_.notify(rank_);
 }
 
 std::shared_ptr<Request> P2PEngine::irecv(int peer, uint64_t tag, void* data, size_t bytes,
