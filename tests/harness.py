@@ -96,7 +96,17 @@ def _native_stacks(pids):
 
 
 def stacks_of(procs, ranks, init_file):
-    """The Python and native stacks of ``ranks`` (still running), for a timeout's message."""
+    """The Python and native stacks of ``ranks`` (still running), for a timeout's message.
+
+    Never raises: its callers kill the late ranks after it, and a failure to take stacks must
+    not leave them running."""
+    try:
+        return _stacks_of(procs, ranks, init_file)
+    except Exception as e:  # noqa: BLE001
+        return f"(stacks not taken: {e!r})"
+
+
+def _stacks_of(procs, ranks, init_file):
     for rank in ranks:
         try:
             os.kill(procs[rank].pid, signal.SIGUSR1)
