@@ -1,13 +1,27 @@
-// reduce_scatter and reduce across hosts (issue 21; hierarchical.h): reduce within each host
-// through its arena, send each host's partial sums to the rank (the host's leader, or the
-// root) that needs them, add the hosts' partials in host order there, and (reduce_scatter)
-// scatter the results within each host. AVG sums all the way and divides once at the end.
+// reduce_scatter and reduce across hosts (issue 21; hierarchical.h). AVG sums all the way
+// and divides once at the end.
 //
-// reduce_scatter beyond two arena slots runs its stages as a pipeline over chunks of the
-// blocks (hierarchical_pipeline.h; chunk k is elements [k x chunk, (k + 1) x chunk) of every
-// rank's block), as all_reduce does: while the leaders' link carries chunk k, the host
-// reduces chunk k + 1 and scatters chunk k - 1. One after the other, a 64 MiB reduce_scatter
-// kept a 1 Gbit/s link 67 % busy (docs/hosts.md).
+// reduce: within each host through its arena to one rank (the root, or its host's leader),
+// the hosts' partials to the root, added there in host order.
+//
+// reduce_scatter, when every host has the same number of ranks L (two or more), by rails:
+// local rank l of every host forms rail l. A reduce-scatter inside each host leaves local
+// rank l with its host's partial of the blocks of rail l (one per host); it sends each to
+// that block's owner, its peer on the same rail, and adds the hosts' partials of its own
+// block in host order. Every rank of every host reduces, sends and receives a 1/L share:
+// through one leader per host (below), the leader copied every rank's input and reduced and
+// scattered the whole host's share itself, and on a link that is not the bottleneck that was
+// 0.63-0.80x of the flat algorithm's speed (docs/hosts.md).
+//
+// Otherwise (hosts of unequal sizes) through the leaders: reduce every rank's block into the
+// host's leader, send each host's partials to that host's leader, add the hosts' partials in
+// host order there, and scatter the results within each host.
+//
+// Both run beyond two arena slots as a pipeline over chunks of the blocks
+// (hierarchical_pipeline.h; chunk k is elements [k x chunk, (k + 1) x chunk) of every rank's
+// block), as all_reduce does: while the link carries chunk k, the host reduces chunk k + 1
+// (and adds, or scatters, chunk k - 1). The hosts' ranks are summed in rank order inside the
+// host, the hosts' partials in host order: the bits of all_reduce either way.
 #include <algorithm>
 #include <cstring>
 #include <vector>
@@ -32,18 +46,81 @@ void add_hosts(Comm& c, c10::ScalarType dtype, ReduceOp op, char* dst, const std
   }
 }
 
-}  // namespace
+// Whether every host has the same number of ranks, two or more (reduce_scatter by rails).
+bool even_hosts(const HostMap& map) {
+  for (const auto& ranks : map.ranks_of) {
+    if (ranks.size() < 2 || ranks.size() != map.ranks_of[0].size()) return false;
+  }
+  return true;
+}
 
-void reduce_scatter(Comm& c, const void* const* ins, void* out, size_t count, c10::ScalarType dtype,
-                    ReduceOp op) {
+void reduce_scatter_by_rails(Comm& c, const void* const* ins, void* out, size_t count, c10::ScalarType dtype,
+                             ReduceOp op, const shm::OpDesc& desc) {
+  const Hierarchy& h = *c.hierarchy;
+  const HostMap& map = h.map;
+  const int hosts = map.hosts(), me = h.host(), lane = h.local_rank();
+  const size_t local = h.local_ranks().size(), es = element_size(dtype), bytes = count * es;
+  const ReduceOp partial = op == ReduceOp::kAvg ? ReduceOp::kSum : op;
+  size_t chunk = pipeline_chunk(c, dtype, count, static_cast<size_t>(c.size()));
+  if (chunk == 0) chunk = std::max<size_t>(count, 1);
+  const size_t chunks = p2p::chunks_of(count, chunk);
+
+  // This rank's staging, taken once (staging() may move it when it grows): its host's
+  // partials of rail `lane`'s blocks ([host]), then the other hosts' partials of its own.
+  char* partials = c.staging(static_cast<size_t>(2 * hosts - 1) * bytes);
+  char* incoming = partials + static_cast<size_t>(hosts) * bytes;
+  auto from = [&](int g) { return incoming + (g - (g > me)) * bytes; };
+
+  std::vector<int> rail(hosts);  // member g: this rank's peer on host g
+  for (int g = 0; g < hosts; ++g) rail[g] = map.ranks_of[g][lane];
+  Comm host = host_comm(c);
+  Comm peers = hosts_comm(c, rail);
+  p2p::Exchange ex(peers);
+  std::vector<std::vector<p2p::Exchange::Handle>> arrived(chunks);
+  std::vector<const void*> ins_of_host(local), srcs(hosts);
+  for (size_t k = 0; k < chunks + 1; ++k) {
+    if (k < chunks) {
+      const Piece s = chunk_span(k, chunk, count);
+      const size_t off = s.begin * es, n = s.size() * es;
+      if (k == 0) {  // every chunk's receives, before any peer sends (hosts_comm)
+        for (size_t j = 0; j < chunks; ++j) {
+          const Piece t = chunk_span(j, chunk, count);
+          for (int g = 0; g < hosts; ++g) {
+            if (g != me) {
+              arrived[j].push_back(ex.recv(g, p2p::Phase::kScatter, static_cast<uint32_t>(j),
+                                           from(g) + t.begin * es, t.size() * es));
+            }
+          }
+        }
+        p2p::agree(peers, desc, &ex);
+      }
+      // The other hosts' blocks first, so that their chunk leaves while this host goes on.
+      for (int i = 1; i <= hosts; ++i) {
+        const int g = (me + i) % hosts;
+        for (size_t q = 0; q < local; ++q) ins_of_host[q] = static_cast<const char*>(ins[map.ranks_of[g][q]]) + off;
+        char* sum = partials + g * bytes + off;
+        collectives::reduce_scatter(host, ins_of_host.data(), sum, s.size(), dtype, partial);
+        if (g != me) ex.send(g, p2p::Phase::kScatter, static_cast<uint32_t>(k), sum, n);
+      }
+    }
+    if (k >= 1) {  // chunk k-1 of this rank's block: the hosts' partials added in host order
+      const Piece s = chunk_span(k - 1, chunk, count);
+      const size_t off = s.begin * es;
+      for (auto& handle : arrived[k - 1]) ex.wait(handle);
+      for (int g = 0; g < hosts; ++g) srcs[g] = (g == me ? partials + g * bytes : from(g)) + off;
+      add_hosts(c, dtype, op, static_cast<char*>(out) + off, srcs, s.size());
+    }
+  }
+  ex.wait_all();
+}
+
+void reduce_scatter_through_leaders(Comm& c, const void* const* ins, void* out, size_t count,
+                                    c10::ScalarType dtype, ReduceOp op, const shm::OpDesc& desc) {
   const Hierarchy& h = *c.hierarchy;
   const HostMap& map = h.map;
   const std::vector<int>& mine = h.local_ranks();
   const int w = c.size(), hosts = map.hosts(), me = h.host();
   const size_t local = mine.size(), es = element_size(dtype), bytes = count * es;
-  const auto desc = op_desc(OpKind::kReduceScatter, dtype, count, 0, static_cast<int>(op));
-  std::string message = agree(c, desc);
-  if (!message.empty()) throw UsageError(message);
   const ReduceOp partial = op == ReduceOp::kAvg ? ReduceOp::kSum : op;
   // The stages in one go (chunk = count) up to two slots; else in chunks of every block.
   size_t chunk = pipeline_chunk(c, dtype, count, static_cast<size_t>(w));
@@ -131,6 +208,17 @@ void reduce_scatter(Comm& c, const void* const* ins, void* out, size_t count, c1
     }
   }
   ex.wait_all();
+}
+
+}  // namespace
+
+void reduce_scatter(Comm& c, const void* const* ins, void* out, size_t count, c10::ScalarType dtype,
+                    ReduceOp op) {
+  const auto desc = op_desc(OpKind::kReduceScatter, dtype, count, 0, static_cast<int>(op));
+  std::string message = agree(c, desc);
+  if (!message.empty()) throw UsageError(message);
+  if (even_hosts(c.hierarchy->map)) return reduce_scatter_by_rails(c, ins, out, count, dtype, op, desc);
+  reduce_scatter_through_leaders(c, ins, out, count, dtype, op, desc);
 }
 
 void reduce(Comm& c, void* data, size_t count, c10::ScalarType dtype, ReduceOp op, int root) {

@@ -591,7 +591,9 @@ TEST_P(Hosts, AnAbortReachesEveryHost) {
 INSTANTIATE_TEST_SUITE_P(
     Layouts, Hosts,
     ::testing::Combine(::testing::Values(std::vector<int>{0, 0, 1, 1}, std::vector<int>{0, 1, 1, 0},
-                                         std::vector<int>{0, 0, 1, 2}, std::vector<int>{0, 1}),
+                                         std::vector<int>{0, 0, 1, 2}, std::vector<int>{0, 1},
+                                         // Rails of three ranks; three hosts, interleaved.
+                                         std::vector<int>{0, 0, 0, 1, 1, 1}, std::vector<int>{0, 1, 2, 2, 1, 0}),
                        ::testing::Bool()),
     [](const auto& info) {
       return name_of(std::get<0>(info.param)) + (std::get<1>(info.param) ? "Hierarchical" : "Flat");
