@@ -60,6 +60,13 @@ Segments slice(const Segments& s, size_t begin, size_t bytes) {
   return out;
 }
 
+bool even_hosts(const HostMap& map) {
+  for (const auto& ranks : map.ranks_of) {
+    if (ranks.size() < 2 || ranks.size() != map.ranks_of[0].size()) return false;
+  }
+  return true;
+}
+
 bool reduces_flat(c10::ScalarType dtype, ReduceOp op) {
   return dtype == c10::kHalf && (op == ReduceOp::kSum || op == ReduceOp::kAvg || op == ReduceOp::kProduct);
 }

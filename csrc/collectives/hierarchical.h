@@ -19,16 +19,19 @@
 // broadcast: within the root's host from the root, among the leaders from the root's
 // host's leader, then within every other host from its leader.
 //
-// all_gather (hierarchical_allgather.cpp): all-gather within each host through its arena,
-// the leaders exchange their hosts' blocks, each leader broadcasts the other hosts' blocks
-// within its host. A rank's block crosses the network once per other host, not once per
-// rank there.
+// all_gather and reduce_scatter (hierarchical_allgather.cpp, hierarchical_reduce.cpp): on
+// hosts of equal size by rails, local rank l of every host exchanging with local rank l of
+// every other over TCP, beside an all-gather (a reduce-scatter, before) inside each host, so
+// every rank does a 1/L share; on hosts of unequal size through the leaders (all_gather
+// within each host, the leaders exchange their hosts' blocks, each broadcasts the others'
+// within its host; reduce_scatter reduces every block to the leader, the hosts' partials go
+// leader to leader, are added in host order and scattered within each host). Either way a
+// rank's block crosses the network once per other host, not once per rank there, and
+// reduce_scatter adds in all_reduce's order: bit-identical to it.
 //
-// reduce_scatter and reduce (hierarchical_reduce.cpp): reduce within each host through its
-// arena (every rank's block, to the leader; for reduce, to the root on the root's host),
-// the hosts' partial sums go leader to leader (each host's blocks to their host's leader;
-// for reduce, to the root), are added in host order, and reduce_scatter scatters the
-// results within each host. Same order of summation as all_reduce: bit-identical to it.
+// reduce (hierarchical_reduce.cpp): reduce within each host through its arena to the root
+// on the root's host and the leader on the others, those send their partials to the root,
+// which adds them in host order.
 #pragma once
 
 #include <c10/core/ScalarType.h>
@@ -46,6 +49,11 @@ namespace torchpar::collectives::hier {
 // The descriptor check of a group spanning hosts (above): "" when every rank called the same,
 // else the message every rank throws.
 std::string agree(Comm& c, const shm::OpDesc& desc);
+
+// Whether every host has the same number of ranks, two or more: all_gather and
+// reduce_scatter then run by rails (local rank l of every host with local rank l of every
+// other), not through one leader per host.
+bool even_hosts(const HostMap& map);
 
 // Whether a reduction with `op` over `dtype` runs flat even across hosts: float16 sums
 // (and averages, products). The hierarchical path stores each host's partial in the dtype

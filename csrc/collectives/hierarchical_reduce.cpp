@@ -46,14 +46,6 @@ void add_hosts(Comm& c, c10::ScalarType dtype, ReduceOp op, char* dst, const std
   }
 }
 
-// Whether every host has the same number of ranks, two or more (reduce_scatter by rails).
-bool even_hosts(const HostMap& map) {
-  for (const auto& ranks : map.ranks_of) {
-    if (ranks.size() < 2 || ranks.size() != map.ranks_of[0].size()) return false;
-  }
-  return true;
-}
-
 void reduce_scatter_by_rails(Comm& c, const void* const* ins, void* out, size_t count, c10::ScalarType dtype,
                              ReduceOp op, const shm::OpDesc& desc) {
   const Hierarchy& h = *c.hierarchy;
@@ -82,7 +74,7 @@ void reduce_scatter_by_rails(Comm& c, const void* const* ins, void* out, size_t 
     if (k < chunks) {
       const Piece s = chunk_span(k, chunk, count);
       const size_t off = s.begin * es, n = s.size() * es;
-      if (k == 0) {  // every chunk's receives, before any peer sends (hosts_comm)
+      if (k == 0) {  // every chunk's receives, before any peer sends (when large: hosts_comm)
         for (size_t j = 0; j < chunks; ++j) {
           const Piece t = chunk_span(j, chunk, count);
           for (int g = 0; g < hosts; ++g) {
@@ -92,7 +84,7 @@ void reduce_scatter_by_rails(Comm& c, const void* const* ins, void* out, size_t 
             }
           }
         }
-        p2p::agree(peers, desc, &ex);
+        if (chunks > 1 || n > kRailAgreeAboveBytes) p2p::agree(peers, desc, &ex);
       }
       // The other hosts' blocks first, so that their chunk leaves while this host goes on.
       for (int i = 1; i <= hosts; ++i) {
