@@ -15,7 +15,9 @@
 // ways and the leader divides by the group's size. Integer results equal the flat
 // algorithm's exactly; floating-point sums are added in that order (hosts' partial sums,
 // rounded to the dtype for float16/bfloat16), and every rank gets the leader's bytes, so
-// the result is bit-identical on every rank.
+// the result is bit-identical on every rank. On hosts of equal size, calls beyond two
+// arena slots run by rails instead (hierarchical_allreduce.cpp): the same sums, each rank
+// doing a 1/L share.
 //
 // broadcast: within the root's host from the root, among the leaders from the root's
 // host's leader, then within every other host from its leader.
@@ -51,9 +53,9 @@ namespace torchpar::collectives::hier {
 // else the message every rank throws.
 std::string agree(Comm& c, const shm::OpDesc& desc);
 
-// Whether every host has the same number of ranks, two or more: all_gather and
-// reduce_scatter then run by rails (local rank l of every host with local rank l of every
-// other), not through one leader per host.
+// Whether every host has the same number of ranks, two or more: all_gather, reduce_scatter
+// and large all_reduce then run by rails (local rank l of every host with local rank l of
+// every other), not through one leader per host.
 bool even_hosts(const HostMap& map);
 
 // Whether a reduction with `op` over `dtype` runs flat even across hosts: float16 sums

@@ -126,6 +126,99 @@ void pipelined(Comm& c, const Segments& data, size_t count, size_t chunk, c10::S
   if (h.leader() && flat != data.contiguous()) data.scatter(0, flat, bytes);
 }
 
+// On hosts of equal size L, beyond two slots: by rails. Chunk k of the buffer (a multiple of
+// L elements) is cut into L pieces; a reduce-scatter inside the host leaves local rank l with
+// the host's partial of piece l; the ranks of rail l (local rank l of every host) all-reduce
+// piece l among themselves as the leaders do a whole chunk (rail member g reduces part g of
+// it, in host order, and sends it back); an all-gather inside the host spreads the pieces.
+// Every rank does 1/L of the host's work and traffic, as a pipeline: while the rails carry
+// chunk k, the host reduces chunk k + 1 and gathers chunk k - 2. The last count % L elements
+// (fewer than L) go through in_stages. Same order of summation: the leaders' bits.
+void by_rails(Comm& c, const Segments& data, size_t count, size_t chunk, c10::ScalarType dtype, ReduceOp op,
+              ReduceOp partial) {
+  const Hierarchy& h = *c.hierarchy;
+  const size_t es = element_size(dtype), local = h.local_ranks().size();
+  const int hosts = h.map.hosts(), me = h.host(), lane = h.local_rank();
+  const size_t tail = count % local, body = count - tail;
+  chunk = (chunk + local - 1) / local * local;
+  const size_t chunks = p2p::chunks_of(body, chunk);
+  auto span = [&](size_t k) { return chunk_span(k, chunk, body); };
+  // Piece q of chunk k (local rank q's), and part g of this rank's piece (rail member g's).
+  auto piece = [&](size_t k, size_t q) {
+    const Piece s = span(k);
+    const size_t n = s.size() / local;
+    return Piece{s.begin + q * n, s.begin + (q + 1) * n};
+  };
+  auto part = [&](size_t k, int g) {
+    const Piece p = piece(k, lane), t = piece_of(p.size(), hosts, g);
+    return Piece{p.begin + t.begin, p.begin + t.end};
+  };
+
+  // The buffer (packed into staging when it is several tensors: sockets and the arena's
+  // reduce-scatter take one place), then the rail's contributions to this rank's parts:
+  // [chunk][member other than itself], each part_cap long.
+  const size_t bytes = body * es, part_cap = piece_of(chunk / local, hosts, 0).size();
+  char* flat = data.contiguous();
+  const size_t packed = flat ? 0 : (bytes + 63) / 64 * 64;
+  char* staged = c.staging(packed + chunks * (hosts - 1) * part_cap * es);
+  if (!flat) {
+    flat = staged;
+    data.gather(flat, 0, bytes, false);
+  }
+  char* incoming = staged + packed;
+  auto from = [&](size_t k, int g) { return incoming + (k * (hosts - 1) + (g - (g > me))) * part_cap * es; };
+
+  std::vector<int> rail(hosts);  // member g: this rank's peer on host g
+  for (int g = 0; g < hosts; ++g) rail[g] = h.map.ranks_of[g][lane];
+  Comm host = host_comm(c);
+  Comm peers = hosts_comm(c, rail);
+  p2p::Exchange ex(peers);
+  std::vector<std::vector<p2p::Exchange::Handle>> contributions(chunks), reduced(chunks);
+  for (size_t k = 0; k < chunks; ++k) {  // every receive before any peer sends (hosts_comm)
+    for (int g = 0; g < hosts; ++g) {
+      if (g == me) continue;
+      const Piece own = part(k, me), theirs = part(k, g);
+      contributions[k].push_back(ex.recv(g, p2p::Phase::kScatter, static_cast<uint32_t>(k), from(k, g), own.size() * es));
+      reduced[k].push_back(ex.recv(g, p2p::Phase::kGather, static_cast<uint32_t>(k), flat + theirs.begin * es, theirs.size() * es));
+    }
+  }
+  if (chunks > 0) p2p::agree(peers, op_desc(OpKind::kAllreduce, dtype, count, 0, static_cast<int>(op)), &ex);
+
+  std::vector<const void*> ins(local), srcs(hosts);
+  std::vector<void*> outs(local);
+  for (size_t k = 0; k < chunks + 2; ++k) {
+    if (k < chunks) {  // chunk k reduced within the host, piece by piece; this rank's parts out
+      for (size_t q = 0; q < local; ++q) ins[q] = flat + piece(k, q).begin * es;
+      const Piece mine = piece(k, lane);
+      collectives::reduce_scatter(host, ins.data(), flat + mine.begin * es, mine.size(), dtype, partial);
+      for (int g = 0; g < hosts; ++g) {
+        const Piece p = part(k, g);
+        if (g != me) ex.send(g, p2p::Phase::kScatter, static_cast<uint32_t>(k), flat + p.begin * es, p.size() * es);
+      }
+    }
+    if (k >= 1 && k <= chunks) {  // part `me` of chunk k-1: every host's, in host order
+      for (auto& handle : contributions[k - 1]) ex.wait(handle);
+      const Piece p = part(k - 1, me);
+      char* at = flat + p.begin * es;
+      for (int g = 0; g < hosts; ++g) srcs[g] = g == me ? at : from(k - 1, g);
+      collectives::reduce(dtype, partial, at, srcs.data(), hosts, p.size(), hosts);
+      if (op == ReduceOp::kAvg) divide(c, dtype, at, p.size());
+      for (int g = 0; g < hosts; ++g) {
+        if (g != me) ex.send(g, p2p::Phase::kGather, static_cast<uint32_t>(k - 1), at, p.size() * es);
+      }
+    }
+    if (k >= 2) {  // chunk k-2: this rank's piece is whole; the host gathers the pieces
+      for (auto& handle : reduced[k - 2]) ex.wait(handle);
+      for (size_t q = 0; q < local; ++q) outs[q] = flat + piece(k - 2, q).begin * es;
+      const Piece mine = piece(k - 2, lane);
+      collectives::allgather(host, flat + mine.begin * es, outs.data(), mine.size(), dtype);
+    }
+  }
+  ex.wait_all();
+  if (flat != data.contiguous()) data.scatter(0, flat, bytes);
+  if (tail) in_stages(c, slice(data, bytes, tail * es), tail, dtype, op, partial);
+}
+
 }  // namespace
 
 void allreduce(Comm& c, const Segments& data, size_t count, c10::ScalarType dtype, ReduceOp op) {
@@ -138,6 +231,8 @@ void allreduce(Comm& c, const Segments& data, size_t count, c10::ScalarType dtyp
   const size_t chunk = pipeline_chunk(c, dtype, count);
   if (chunk == 0) {
     in_stages(c, data, count, dtype, op, partial);
+  } else if (even_hosts(c.hierarchy->map)) {
+    by_rails(c, data, count, chunk, dtype, op, partial);
   } else {
     pipelined(c, data, count, chunk, dtype, op, partial);
   }
