@@ -67,6 +67,12 @@ bool even_hosts(const HostMap& map) {
   return true;
 }
 
+std::vector<int> rail_of(const Hierarchy& h) {
+  std::vector<int> rail;
+  for (const auto& ranks : h.map.ranks_of) rail.push_back(ranks[h.local_rank()]);
+  return rail;
+}
+
 bool reduces_flat(c10::ScalarType dtype, ReduceOp op) {
   return dtype == c10::kHalf && (op == ReduceOp::kSum || op == ReduceOp::kAvg || op == ReduceOp::kProduct);
 }

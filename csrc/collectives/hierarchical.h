@@ -57,6 +57,8 @@ std::string agree(Comm& c, const shm::OpDesc& desc);
 // and large all_reduce then run by rails (local rank l of every host with local rank l of
 // every other), not through one leader per host.
 bool even_hosts(const HostMap& map);
+// This rank's rail: member g is the rank of host g with this rank's local rank (its peer there).
+std::vector<int> rail_of(const Hierarchy& h);
 
 // Whether a reduction with `op` over `dtype` runs flat even across hosts: float16 sums
 // (and averages, products). The hierarchical path stores each host's partial in the dtype

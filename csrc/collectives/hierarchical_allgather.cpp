@@ -32,14 +32,13 @@ void allgather_by_rails(Comm& c, const void* in, void* const* outs, size_t count
   const Hierarchy& h = *c.hierarchy;
   const HostMap& map = h.map;
   const size_t es = element_size(dtype), local = h.local_ranks().size();
-  const int hosts = map.hosts(), me = h.host(), lane = h.local_rank();
+  const int hosts = map.hosts(), me = h.host();
   size_t chunk = pipeline_chunk(c, dtype, count, static_cast<size_t>(c.size()));
   if (chunk == 0) chunk = std::max<size_t>(count, 1);
   const size_t chunks = p2p::chunks_of(count, chunk);
   auto at = [&](int r, const Piece& s) { return static_cast<char*>(outs[r]) + s.begin * es; };
 
-  std::vector<int> rail(hosts);  // member g: this rank's peer on host g
-  for (int g = 0; g < hosts; ++g) rail[g] = map.ranks_of[g][lane];
+  const std::vector<int> rail = rail_of(h);
   Comm host = host_comm(c);
   Comm peers = hosts_comm(c, rail);
   p2p::Exchange ex(peers);

@@ -24,6 +24,25 @@ void divide(const Comm& c, c10::ScalarType dtype, char* at, size_t count) {
   if (count) collectives::reduce(dtype, ReduceOp::kAvg, at, &src, 1, count, c.size());
 }
 
+// Among hosts (the leaders, or a rail; member g is host g): once `arrived` (the other
+// members' contributions to this member's part of chunk k) are in, adds every host's in host
+// order into `at` (this member's own contribution; from(g): member g's), divides for AVG, and
+// sends the result to the others as chunk k of the gather phase.
+template <typename From>
+void add_and_send_back(Comm& c, p2p::Exchange& ex, const std::vector<p2p::Exchange::Handle>& arrived, size_t k,
+                       char* at, size_t count, c10::ScalarType dtype, ReduceOp op, From from) {
+  const int hosts = c.hierarchy->map.hosts(), me = c.hierarchy->host();
+  for (const auto& handle : arrived) ex.wait(handle);
+  std::vector<const void*> srcs(hosts);
+  for (int g = 0; g < hosts; ++g) srcs[g] = g == me ? at : from(g);
+  const ReduceOp partial = op == ReduceOp::kAvg ? ReduceOp::kSum : op;
+  collectives::reduce(dtype, partial, at, srcs.data(), hosts, count, hosts);
+  if (op == ReduceOp::kAvg) divide(c, dtype, at, count);
+  for (int g = 0; g < hosts; ++g) {
+    if (g != me) ex.send(g, p2p::Phase::kGather, static_cast<uint32_t>(k), at, count * element_size(dtype));
+  }
+}
+
 void in_stages(Comm& c, const Segments& data, size_t count, c10::ScalarType dtype, ReduceOp op, ReduceOp partial) {
   const Hierarchy& h = *c.hierarchy;
   const size_t es = element_size(dtype);
@@ -88,7 +107,6 @@ void pipelined(Comm& c, const Segments& data, size_t count, size_t chunk, c10::S
     }
     p2p::agree(leaders, op_desc(OpKind::kAllreduce, dtype, count, 0, static_cast<int>(op)), &ex);
   }
-  std::vector<const void*> srcs(hosts);
   for (size_t k = 0; k < chunks + 2; ++k) {
     if (k < chunks) {
       const Piece s = span(k);
@@ -102,15 +120,9 @@ void pipelined(Comm& c, const Segments& data, size_t count, size_t chunk, c10::S
       }
     }
     if (h.leader() && k >= 1 && k <= chunks) {  // piece `me` of chunk k-1: every host's, in host order
-      for (auto& handle : contributions[k - 1]) ex.wait(handle);
       const Piece p = piece(k - 1, me);
-      char* at = flat + p.begin * es;
-      for (int g = 0; g < hosts; ++g) srcs[g] = g == me ? at : from(k - 1, g);
-      collectives::reduce(dtype, partial, at, srcs.data(), hosts, p.size(), hosts);
-      if (op == ReduceOp::kAvg) divide(c, dtype, at, p.size());
-      for (int g = 0; g < hosts; ++g) {
-        if (g != me) ex.send(g, p2p::Phase::kGather, static_cast<uint32_t>(k - 1), at, p.size() * es);
-      }
+      add_and_send_back(c, ex, contributions[k - 1], k - 1, flat + p.begin * es, p.size(), dtype, op,
+                        [&](int g) { return from(k - 1, g); });
     }
     if (k >= 2) {
       const Piece s = span(k - 2);
@@ -168,8 +180,7 @@ void by_rails(Comm& c, const Segments& data, size_t count, size_t chunk, c10::Sc
   char* incoming = staged + packed;
   auto from = [&](size_t k, int g) { return incoming + (k * (hosts - 1) + (g - (g > me))) * part_cap * es; };
 
-  std::vector<int> rail(hosts);  // member g: this rank's peer on host g
-  for (int g = 0; g < hosts; ++g) rail[g] = h.map.ranks_of[g][lane];
+  const std::vector<int> rail = rail_of(h);
   Comm host = host_comm(c);
   Comm peers = hosts_comm(c, rail);
   p2p::Exchange ex(peers);
@@ -184,7 +195,7 @@ void by_rails(Comm& c, const Segments& data, size_t count, size_t chunk, c10::Sc
   }
   if (chunks > 0) p2p::agree(peers, op_desc(OpKind::kAllreduce, dtype, count, 0, static_cast<int>(op)), &ex);
 
-  std::vector<const void*> ins(local), srcs(hosts);
+  std::vector<const void*> ins(local);
   std::vector<void*> outs(local);
   for (size_t k = 0; k < chunks + 2; ++k) {
     if (k < chunks) {  // chunk k reduced within the host, piece by piece; this rank's parts out
@@ -197,15 +208,9 @@ void by_rails(Comm& c, const Segments& data, size_t count, size_t chunk, c10::Sc
       }
     }
     if (k >= 1 && k <= chunks) {  // part `me` of chunk k-1: every host's, in host order
-      for (auto& handle : contributions[k - 1]) ex.wait(handle);
       const Piece p = part(k - 1, me);
-      char* at = flat + p.begin * es;
-      for (int g = 0; g < hosts; ++g) srcs[g] = g == me ? at : from(k - 1, g);
-      collectives::reduce(dtype, partial, at, srcs.data(), hosts, p.size(), hosts);
-      if (op == ReduceOp::kAvg) divide(c, dtype, at, p.size());
-      for (int g = 0; g < hosts; ++g) {
-        if (g != me) ex.send(g, p2p::Phase::kGather, static_cast<uint32_t>(k - 1), at, p.size() * es);
-      }
+      add_and_send_back(c, ex, contributions[k - 1], k - 1, flat + p.begin * es, p.size(), dtype, op,
+                        [&](int g) { return from(k - 1, g); });
     }
     if (k >= 2) {  // chunk k-2: this rank's piece is whole; the host gathers the pieces
       for (auto& handle : reduced[k - 2]) ex.wait(handle);

@@ -50,7 +50,7 @@ void reduce_scatter_by_rails(Comm& c, const void* const* ins, void* out, size_t 
                              ReduceOp op, const shm::OpDesc& desc) {
   const Hierarchy& h = *c.hierarchy;
   const HostMap& map = h.map;
-  const int hosts = map.hosts(), me = h.host(), lane = h.local_rank();
+  const int hosts = map.hosts(), me = h.host();
   const size_t local = h.local_ranks().size(), es = element_size(dtype), bytes = count * es;
   const ReduceOp partial = op == ReduceOp::kAvg ? ReduceOp::kSum : op;
   size_t chunk = pipeline_chunk(c, dtype, count, static_cast<size_t>(c.size()));
@@ -58,13 +58,12 @@ void reduce_scatter_by_rails(Comm& c, const void* const* ins, void* out, size_t 
   const size_t chunks = p2p::chunks_of(count, chunk);
 
   // This rank's staging, taken once (staging() may move it when it grows): its host's
-  // partials of rail `lane`'s blocks ([host]), then the other hosts' partials of its own.
+  // partials of its rail's blocks ([host]), then the other hosts' partials of its own.
   char* partials = c.staging(static_cast<size_t>(2 * hosts - 1) * bytes);
   char* incoming = partials + static_cast<size_t>(hosts) * bytes;
   auto from = [&](int g) { return incoming + (g - (g > me)) * bytes; };
 
-  std::vector<int> rail(hosts);  // member g: this rank's peer on host g
-  for (int g = 0; g < hosts; ++g) rail[g] = map.ranks_of[g][lane];
+  const std::vector<int> rail = rail_of(h);
   Comm host = host_comm(c);
   Comm peers = hosts_comm(c, rail);
   p2p::Exchange ex(peers);
