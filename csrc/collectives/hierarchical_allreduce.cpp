@@ -152,7 +152,7 @@ void by_rails(Comm& c, const Segments& data, size_t count, size_t chunk, c10::Sc
   const size_t es = element_size(dtype), local = h.local_ranks().size();
   const int hosts = h.map.hosts(), me = h.host(), lane = h.local_rank();
   const size_t tail = count % local, body = count - tail;
-  chunk = (chunk + local - 1) / local * local;
+  chunk = (chunk + 16 * local - 1) / (16 * local) * (16 * local);  // pieces of whole vectors
   const size_t chunks = p2p::chunks_of(body, chunk);
   auto span = [&](size_t k) { return chunk_span(k, chunk, body); };
   // Piece q of chunk k (local rank q's), and part g of this rank's piece (rail member g's).
