@@ -27,6 +27,8 @@ void gather_chunks(Comm& c, OpKind kind, const void* in, void* const* outs, size
     if (off == 0) c.check_descriptors();
     if (receives) {
       for (int r = 0; r < c.size(); ++r) {
+        // In place, this rank's block is its input already (and may still be being sent from).
+        if (r == c.rank() && outs[r] == in) continue;
         std::memcpy(static_cast<char*>(outs[r]) + off * es, c.arena().slot(r), n * es);
       }
     }

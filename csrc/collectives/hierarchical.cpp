@@ -24,13 +24,14 @@ Comm host_comm(const Comm& c) {
 // their own (small) agreement: it is what makes them post their receives before any of them
 // sends. Without it a leader done with its host early sent its chunks to leaders still
 // reducing theirs, as early arrivals: extra copies, and a group failed past
-// TORCHPAR_UNEXPECTED_MAX_BYTES (review finding).
+// TORCHPAR_UNEXPECTED_MAX_BYTES (review finding). (The rails skip it for calls that receive
+// little: kRailAgreeAboveBytes.)
 //
-// The ranks among hosts give up a little before their hosts' other ranks (1/16 of the time
-// left, at most 2 s): a leader whose peer on another host went silent (its link down: no FIN,
-// no RST) then times out first, naming that peer, and aborts its host's arena with that
-// reason, so its host's other ranks, which only waited for their leader, report the silent
-// host's rank too rather than their own leader (issue 21).
+// The ranks among hosts (leaders, or a rail) give up a little before their hosts' other
+// ranks' arena waits (1/16 of the time left, at most 2 s): a rank whose peer on another host
+// went silent (its link down: no FIN, no RST) then times out first, naming that peer, and
+// aborts its host's arena with that reason, so its host's other ranks, which only waited for
+// it, report the silent host's rank too rather than their own host's (issue 21).
 Comm hosts_comm(const Comm& c, const std::vector<int>& ranks) {
   const Hierarchy& h = *c.hierarchy;
   const auto left = c.deadline - Clock::now();

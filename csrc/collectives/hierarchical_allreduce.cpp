@@ -1,5 +1,6 @@
 // all_reduce across hosts (issue 21; hierarchical.h): reduce into each host's leader through
-// the arena, all-reduce among the leaders, broadcast within each host.
+// the arena, all-reduce among the leaders, broadcast within each host; or, on hosts of equal
+// size beyond two slots, by rails (by_rails, below: every rank does a 1/L share).
 //
 // Up to two arena slots' worth the three stages run one after the other. Beyond, they run as
 // a pipeline, chunk by chunk (up to 8 chunks, each a slot or more): while the network carries chunk k, the

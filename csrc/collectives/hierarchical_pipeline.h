@@ -1,5 +1,5 @@
 // How the hierarchical collectives (hierarchical.h) cut a large call into chunks that run as
-// a pipeline: while the leaders' network carries chunk k, the ranks of each host work on the
+// a pipeline: while the network between hosts carries chunk k, the ranks of each host work on the
 // chunks before and after it through their arena (issue 21). all_reduce, all_gather and
 // reduce_scatter share this cut, so the three pipelines start and step alike. Included only
 // by the hierarchical_*.cpp files (collectives.h includes hierarchical.h: kept out of it so a
@@ -24,9 +24,11 @@ namespace torchpar::collectives::hier {
 constexpr size_t kPipelineChunks = 8;
 
 // The rails (all_gather, reduce_scatter) agree among a rail's ranks that every receive is
-// posted before any of them sends (hosts_comm) only above this many bytes a message: below,
-// the round trip between hosts costs more than an early arrival's copy (a 4 B all_gather
-// on 2 x 2 test hosts took 1.1x the flat algorithm's time with it).
+// posted before any of them sends (hosts_comm) only when a call has several chunks or its
+// rank receives more than this many bytes from its rail: below, the round trip between
+// hosts costs more than early arrivals' copies (a 4 B all_gather on 2 x 2 test hosts took
+// 1.1x the flat algorithm's time with it), and the bound keeps what a rank may hold early
+// (TORCHPAR_UNEXPECTED_MAX_BYTES) small however many hosts there are.
 constexpr size_t kRailAgreeAboveBytes = size_t{64} << 10;
 
 // Elements per chunk of each of `blocks` blocks of `count` elements (a call that moves

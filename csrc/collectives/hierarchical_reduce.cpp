@@ -83,7 +83,7 @@ void reduce_scatter_by_rails(Comm& c, const void* const* ins, void* out, size_t 
             }
           }
         }
-        if (chunks > 1 || n > kRailAgreeAboveBytes) p2p::agree(peers, desc, &ex);
+        if (chunks > 1 || (hosts - 1) * n > kRailAgreeAboveBytes) p2p::agree(peers, desc, &ex);
       }
       // The other hosts' blocks first, so that their chunk leaves while this host goes on.
       for (int i = 1; i <= hosts; ++i) {

@@ -188,15 +188,19 @@ TEST_P(Hosts, HalfSumsThatPassTheRangeOnOneHostStayFinite) {
 TEST_P(Hosts, CoalescedAllreduceOverSeveralBuffers) {
   const int world = this->world();
   run([&](int rank, Transport& t) {
-    // 43k doubles: more than two 64 KiB slots, so the pipelined all_reduce packs them on leaders.
-    std::vector<double> a(3000, rank + 1.0), b(40'000, 2.0 * rank);
+    // 43001 doubles: more than two 64 KiB slots, so the pipelined all_reduce packs them (on
+    // the leaders, or on every rank by rails). With rails of three the last 43001 % 3 = 2
+    // elements, which go through the leaders' stages, span the last two buffers.
+    std::vector<double> a(3000, rank + 1.0), b(40'000, 2.0 * rank), d(1, 3.0 * rank);
     collectives::Segments segments;
     segments.add(a.data(), a.size() * sizeof(double));
     segments.add(b.data(), b.size() * sizeof(double));
+    segments.add(d.data(), d.size() * sizeof(double));
     auto c = comm(t, 0, 20000);
-    collectives::allreduce(c, segments, a.size() + b.size(), c10::ScalarType::Double, ReduceOp::kSum);
+    collectives::allreduce(c, segments, a.size() + b.size() + d.size(), c10::ScalarType::Double, ReduceOp::kSum);
     for (double x : a) ASSERT_EQ(x, world * (world + 1) / 2.0);
     for (double x : b) ASSERT_EQ(x, world * (world - 1.0));
+    ASSERT_EQ(d[0], 1.5 * world * (world - 1.0));
   });
 }
 
@@ -219,7 +223,8 @@ TEST_P(Hosts, BroadcastFromEveryRoot) {
 }
 
 // all_gather, reduce_scatter and reduce: hierarchical on the hierarchical layouts (through
-// each host's arena and the hosts' leaders), flat point-to-point otherwise. Sizes take the
+// each host's arena, then by rails on hosts of equal size or through the hosts' leaders),
+// flat point-to-point otherwise. Sizes take the
 // empty, one-shot and chunked paths of every stage (small_config: 64 KiB slots, 4 KiB chunks).
 TEST_P(Hosts, AllgatherEqualsExactValues) {
   const int world = this->world();
