@@ -1,8 +1,8 @@
 // Collectives of a group spanning hosts (issue 21), where the ranks of each host share
 // memory (Comm::hierarchy): the work inside a host goes through its arena, and between hosts
-// one leader per host (its lowest rank) talks to the other hosts over TCP, or, for all_gather
-// and reduce_scatter on hosts of equal size, every rank to its peers of the same local rank
-// (rails). Hosts may hold any number of ranks, and their ranks need not be contiguous.
+// one leader per host (its lowest rank) talks to the other hosts over TCP, or, on hosts of
+// equal size (all_gather, reduce_scatter, large all_reduce), every rank to its peers of the
+// same local rank (rails). Hosts may hold any number of ranks, and their ranks need not be contiguous.
 //
 // Every collective of such a group begins with agree(): each host's ranks publish their
 // call's descriptor in the host's arena, the leaders exchange their hosts' descriptors, and

@@ -51,7 +51,7 @@ void allgather_by_rails(Comm& c, const void* in, void* const* outs, size_t count
       if (g != me) arrived[k].push_back(ex.recv(g, p2p::Phase::kGather, static_cast<uint32_t>(k), at(rail[g], s), s.size() * es));
     }
   }
-  if (chunks > 1 || (hosts - 1) * count * es > kRailAgreeAboveBytes) p2p::agree(peers, desc, &ex);
+  if (rail_agrees(chunks, hosts, count * es)) p2p::agree(peers, desc, &ex);
 
   // Host g's blocks (chunk s) gathered on every rank of this host: member q gives the block of
   // host g's local rank q, its own or the one it received.

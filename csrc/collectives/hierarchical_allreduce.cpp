@@ -194,7 +194,7 @@ void by_rails(Comm& c, const Segments& data, size_t count, size_t chunk, c10::Sc
       reduced[k].push_back(ex.recv(g, p2p::Phase::kGather, static_cast<uint32_t>(k), flat + theirs.begin * es, theirs.size() * es));
     }
   }
-  if (chunks > 0) p2p::agree(peers, op_desc(OpKind::kAllreduce, dtype, count, 0, static_cast<int>(op)), &ex);
+  p2p::agree(peers, op_desc(OpKind::kAllreduce, dtype, count, 0, static_cast<int>(op)), &ex);
 
   std::vector<const void*> ins(local);
   std::vector<void*> outs(local);

@@ -31,6 +31,12 @@ constexpr size_t kPipelineChunks = 8;
 // (TORCHPAR_UNEXPECTED_MAX_BYTES) small however many hosts there are.
 constexpr size_t kRailAgreeAboveBytes = size_t{64} << 10;
 
+// Whether a rail's call of `chunks` chunks, in which each peer sends this rank `bytes`,
+// agrees before sending (above).
+inline bool rail_agrees(size_t chunks, int hosts, size_t bytes) {
+  return chunks > 1 || static_cast<size_t>(hosts - 1) * bytes > kRailAgreeAboveBytes;
+}
+
 // Elements per chunk of each of `blocks` blocks of `count` elements (a call that moves
 // blocks x count elements through each host: 1 for all_reduce, the group's size for
 // all_gather and reduce_scatter, whose chunk k is the k-th chunk of every rank's block), or 0

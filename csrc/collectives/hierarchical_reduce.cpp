@@ -67,24 +67,22 @@ void reduce_scatter_by_rails(Comm& c, const void* const* ins, void* out, size_t 
   Comm host = host_comm(c);
   Comm peers = hosts_comm(c, rail);
   p2p::Exchange ex(peers);
+  // Every chunk's receives, before any peer sends (when large: hosts_comm): the other hosts'
+  // partials of this rank's block.
   std::vector<std::vector<p2p::Exchange::Handle>> arrived(chunks);
+  for (size_t k = 0; k < chunks; ++k) {
+    const Piece s = chunk_span(k, chunk, count);
+    for (int g = 0; g < hosts; ++g) {
+      if (g != me) arrived[k].push_back(ex.recv(g, p2p::Phase::kScatter, static_cast<uint32_t>(k), from(g) + s.begin * es, s.size() * es));
+    }
+  }
+  if (rail_agrees(chunks, hosts, bytes)) p2p::agree(peers, desc, &ex);
+
   std::vector<const void*> ins_of_host(local), srcs(hosts);
   for (size_t k = 0; k < chunks + 1; ++k) {
     if (k < chunks) {
       const Piece s = chunk_span(k, chunk, count);
       const size_t off = s.begin * es, n = s.size() * es;
-      if (k == 0) {  // every chunk's receives, before any peer sends (when large: hosts_comm)
-        for (size_t j = 0; j < chunks; ++j) {
-          const Piece t = chunk_span(j, chunk, count);
-          for (int g = 0; g < hosts; ++g) {
-            if (g != me) {
-              arrived[j].push_back(ex.recv(g, p2p::Phase::kScatter, static_cast<uint32_t>(j),
-                                           from(g) + t.begin * es, t.size() * es));
-            }
-          }
-        }
-        if (chunks > 1 || (hosts - 1) * n > kRailAgreeAboveBytes) p2p::agree(peers, desc, &ex);
-      }
       // The other hosts' blocks first, so that their chunk leaves while this host goes on.
       for (int i = 1; i <= hosts; ++i) {
         const int g = (me + i) % hosts;
