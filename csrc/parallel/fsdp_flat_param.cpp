@@ -1,5 +1,7 @@
 #include "parallel/fsdp_flat_param.h"
 
+#include "common/step_buffer.h"
+
 #include <c10/core/StorageImpl.h>
 #include <torch/csrc/autograd/variable.h>
 
@@ -37,7 +39,8 @@ void free_storage(const at::Tensor& t) {
 
 void allocate_storage(const at::Tensor& t, size_t nbytes) {
   c10::StorageImpl* s = t.storage().unsafeGetStorageImpl();
-  s->set_data_ptr_noswap(s->allocator()->allocate(nbytes));
+  // Once per forward and backward, and freed after: a step buffer (huge pages on CPU).
+  s->set_data_ptr_noswap(step_buffer_data(nbytes, s->device(), s->allocator()));
   s->set_nbytes(nbytes);
 }
 
@@ -165,7 +168,7 @@ void FlatParam::free_full() {
 }
 
 at::Tensor FlatParam::empty_packed() const {
-  at::Tensor packed = at::empty({world_ * packed_stride()}, shard_.options().dtype(reduce_dtype_));
+  at::Tensor packed = step_buffer_zeros(world_ * packed_stride(), shard_.options().dtype(reduce_dtype_));
   // The tag slots, and the padding after the last parameter, are zero.
   packed.view({world_, packed_stride()}).narrow(1, shard_numel_, world_).zero_();
   const int64_t padding = padded_numel() - numel_;

@@ -1,5 +1,6 @@
 #include "parallel/reducer.h"
 
+#include "common/step_buffer.h"
 #include "parallel/bucket_assignment.h"
 
 #include <ATen/ATen.h>
@@ -60,7 +61,9 @@ void Reducer::allocate(Bucket& b) {
   if (b.flat.defined()) {
     return;
   }
-  b.flat = at::zeros({b.numel}, b.options);  // zeros: a shard's padding is reduced too
+  // Zeros: a shard's padding is reduced too. A sharded bucket's buffer lives for one backward,
+  // allocated again each step: in huge pages (step_buffer.h).
+  b.flat = b.shard_numel ? step_buffer_zeros(b.numel, b.options) : at::zeros({b.numel}, b.options);
   for (size_t k = 0; k < b.params.size(); ++k) {
     const at::Tensor& p = params_[b.params[k]];
     b.views.push_back(b.flat.narrow(0, b.offsets[k], p.numel()).view(p.sizes()));
