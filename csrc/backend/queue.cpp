@@ -142,22 +142,33 @@ void CollectiveQueue::execute(Queued& item, bool caller_blocks) {
     comm.hierarchy = transport_.hierarchy();
     item.task(comm);
   } catch (...) {
-    bool fatal = false;
-    error = describe_failure({item.name, rank_, size_, group_name_, seq, item.timeout}, std::current_exception(),
-                             &fatal, [this] { return transport_.abort_reason(); });
-    // Only failures: a mismatch (UsageError) must read the same on every rank.
-    if (const Hierarchy* h = transport_.hierarchy(); h != nullptr && fatal) {
-      std::string msg = message_of(error);
-      const std::string note = hosts_named(msg, h->map, rank_);
-      if (!note.empty() && msg.find(note) == std::string::npos) {
-        // Before describe_failure's closing " [the group is no longer usable]", beside what it explains.
-        const std::string closing = " [the group is no longer usable]";
-        const bool closed = msg.size() >= closing.size() && msg.compare(msg.size() - closing.size(), closing.size(), closing) == 0;
-        error = dist_backend_error(closed ? msg.insert(msg.size() - closing.size(), note) : msg + note);
+    error = std::current_exception();
+    bool fatal = true;
+    // Nothing may leave this handler: on the worker thread it would end the process, and the
+    // waiter would never be told. If explaining the failure fails (out of memory, say), the
+    // failure goes out as it came, and still fails the group.
+    try {
+      error = describe_failure({item.name, rank_, size_, group_name_, seq, item.timeout}, error, &fatal,
+                               [this] { return transport_.abort_reason(); });
+      // Only failures: a mismatch (UsageError) must read the same on every rank.
+      if (const Hierarchy* h = transport_.hierarchy(); h != nullptr && fatal) {
+        std::string msg = message_of(error);
+        const std::string note = hosts_named(msg, h->map, rank_);
+        if (!note.empty() && msg.find(note) == std::string::npos) {
+          // Before describe_failure's closing " [the group is no longer usable]", beside what it explains.
+          const std::string closing = " [the group is no longer usable]";
+          const bool closed = msg.size() >= closing.size() && msg.compare(msg.size() - closing.size(), closing.size(), closing) == 0;
+          error = dist_backend_error(closed ? msg.insert(msg.size() - closing.size(), note) : msg + note);
+        }
       }
+    } catch (...) {
     }
     if (fatal) {
-      transport_.abort(message_of(error));
+      try {
+        transport_.abort(message_of(error));
+      } catch (...) {
+        // The peers learn of it from their own timeouts; this rank's group fails below.
+      }
       std::lock_guard<std::mutex> lock(mu_);
       if (!group_error_) group_error_ = error;
     }
