@@ -124,6 +124,38 @@ def test_training_equals_single_process(backend, world_size, reshard_after_forwa
     _pool(backend, world_size).run(_train_vs_single_process, reshard_after_forward)
 
 
+def _unit_above_32_mib(ctx):
+    """Two steps of a unit of 40 MiB, whose gathered parameters and packed gradients are mapped
+    in huge pages (csrc/common/step_buffer.h), against one process."""
+    _setup(ctx)
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(2560, 4096), nn.Tanh(), nn.Linear(4096, 3))
+    ref = copy.deepcopy(model)
+    fully_shard(model, ctx.pg)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    before = torchpar._C.step_buffer_bytes_mapped_total()
+    for step in range(2):
+        g = torch.Generator().manual_seed(step)
+        x, y = torch.randn(2 * ctx.world_size, 2560, generator=g), torch.randn(2 * ctx.world_size, 3, generator=g)
+        opt.zero_grad()
+        _loss(model(_part(x, ctx)), _part(y, ctx)).backward()
+        opt.step()
+        ref_opt.zero_grad()
+        _loss(ref(x), y).backward()
+        ref_opt.step()
+        _assert_matches(model.state_dict(), ref, step)
+    return torchpar._C.step_buffer_bytes_mapped_total() - before
+
+
+@on_backends
+def test_unit_above_32_mib_takes_huge_pages_and_trains_like_one_process(backend):
+    # Each step the forward's gathering (the root unit stays gathered into its backward) and
+    # the packed gradients: 40 MiB each, at least.
+    for mapped in _pool(backend, 2).run(_unit_above_32_mib):
+        assert mapped >= 2 * 2 * 40 * 2 ** 20, mapped
+
+
 # ---- same as torch's FSDP2 (torch.distributed.fsdp.fully_shard), gloo on CPU ----
 
 def _train_vs_torch_fsdp2(ctx, steps=3):

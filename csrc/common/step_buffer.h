@@ -16,12 +16,22 @@
 
 namespace torchpar {
 
-// `nbytes` on `device` for a storage whose allocator is `fallback`: on CPU from 2 MiB up,
+// Whether buffers above 32 MiB are mapped in huge pages: TORCHPAR_HUGE_PAGES (1, the default;
+// 0 turns it off). Throws torchpar's usage error for another value: the reducer and
+// fully_shard read it when they are built, so a bad value fails set-up, not a backward.
+bool step_buffers_in_huge_pages();
+
+// `nbytes` on `device` for a storage whose allocator is `fallback`: on CPU above 32 MiB,
 // mapped in huge pages (zeroed); otherwise, or if mapping fails, fallback->allocate(nbytes)
 // (contents unspecified).
 c10::DataPtr step_buffer_data(size_t nbytes, c10::Device device, c10::Allocator* fallback);
 
-// A 1-D tensor of `numel` zeros, as at::zeros({numel}, options), backed as above on CPU.
+// 1-D tensors of `numel` elements backed as above on CPU: zeros (as at::zeros), or contents
+// unspecified (as at::empty; zeros where mapped).
 at::Tensor step_buffer_zeros(int64_t numel, const at::TensorOptions& options);
+at::Tensor step_buffer_empty(int64_t numel, const at::TensorOptions& options);
+
+// Bytes mapped by this process so far, in all (for tests: that a buffer took the mapped path).
+size_t step_buffer_bytes_mapped_total();
 
 }  // namespace torchpar

@@ -65,6 +65,7 @@ FlatParam::FlatParam(const std::vector<at::Tensor>& params, std::vector<std::str
   TORCH_CHECK(names_.size() == params.size(), "torchpar fully_shard: ", params.size(), " parameters but ",
               names_.size(), " names");
   world_ = group_->getSize();
+  step_buffers_in_huge_pages();  // a bad TORCHPAR_HUGE_PAGES fails here, not in a forward
   rank_ = group_->getRank();
   // Across ranks first, so that a rank whose model differs fails together with the others.
   check_same_on_every_rank(params);
@@ -168,7 +169,7 @@ void FlatParam::free_full() {
 }
 
 at::Tensor FlatParam::empty_packed() const {
-  at::Tensor packed = step_buffer_zeros(world_ * packed_stride(), shard_.options().dtype(reduce_dtype_));
+  at::Tensor packed = step_buffer_empty(world_ * packed_stride(), shard_.options().dtype(reduce_dtype_));
   // The tag slots, and the padding after the last parameter, are zero.
   packed.view({world_, packed_stride()}).narrow(1, shard_numel_, world_).zero_();
   const int64_t padding = padded_numel() - numel_;

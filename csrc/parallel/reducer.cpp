@@ -39,6 +39,9 @@ Reducer::Reducer(std::vector<at::Tensor> params, std::vector<std::string> names,
               "gradient_as_bucket_view=True does not apply");
   build_buckets(buckets);
   rebuilt_ = options_.cap_bytes < 0 || options_.shard_gradients;
+  if (options_.shard_gradients) {
+    step_buffers_in_huge_pages();  // a bad TORCHPAR_HUGE_PAGES fails here, not in a backward
+  }
   ready_.assign(n, false);
   reachable_.assign(n, true);
   used_since_sync_.assign(n, 0);

@@ -1,5 +1,6 @@
 // Python bindings of the DDP reducer (csrc/parallel/reducer.h); the nn.Module wrapper is
 // torchpar/parallel/ddp.py.
+#include "common/step_buffer.h"
 #include "parallel/bucket_assignment.h"
 #include "parallel/reducer.h"
 #include "python/bindings.h"
@@ -24,6 +25,9 @@ py::list shard_layout_to_python(const std::vector<torchpar::parallel::BucketShar
 }  // namespace
 
 TORCHPAR_PYBIND(reducer) {
+  m.def("step_buffer_bytes_mapped_total", &torchpar::step_buffer_bytes_mapped_total,
+        "Bytes this process has mapped in huge pages for ZeRO-2's and fully_shard's per-step "
+        "buffers, in all (csrc/common/step_buffer.h).");
   m.def("ddp_assign_buckets", &torchpar::parallel::assign_buckets, py::arg("params"),
         py::arg("cap_bytes"), py::arg("first_cap_bytes"), py::arg("reduce_dtype") = py::none(),
         py::arg("order") = std::vector<int64_t>{},
