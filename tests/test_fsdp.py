@@ -84,6 +84,19 @@ def _assert_matches(sd, ref, step, rtol=1e-5, atol=1e-6):
                                    msg=lambda m: f"step {step}, {name}: {m}")
 
 
+def _step_both(ctx, sharded, reference, x, y, step):
+    """One SGD/AdamW step of the sharded model on this rank's part of (x, y) and of the
+    one-process reference on all of it; then their weights must match."""
+    (model, opt), (ref, ref_opt) = sharded, reference
+    opt.zero_grad()
+    _loss(model(_part(x, ctx)), _part(y, ctx)).backward()
+    opt.step()
+    ref_opt.zero_grad()
+    _loss(ref(x), y).backward()
+    ref_opt.step()
+    _assert_matches(model.state_dict(), ref, step)
+
+
 def _setup(ctx):
     torch.set_num_threads(1)  # up to 4 ranks share 2 cores
 
@@ -138,13 +151,7 @@ def _unit_above_32_mib(ctx):
     for step in range(2):
         g = torch.Generator().manual_seed(step)
         x, y = torch.randn(2 * ctx.world_size, 2560, generator=g), torch.randn(2 * ctx.world_size, 3, generator=g)
-        opt.zero_grad()
-        _loss(model(_part(x, ctx)), _part(y, ctx)).backward()
-        opt.step()
-        ref_opt.zero_grad()
-        _loss(ref(x), y).backward()
-        ref_opt.step()
-        _assert_matches(model.state_dict(), ref, step)
+        _step_both(ctx, (model, opt), (ref, ref_opt), x, y, step)
     return torchpar._C.step_buffer_bytes_mapped_total() - before
 
 
@@ -651,13 +658,7 @@ def _hooked_training(ctx, backend):
     opt, ref_opt = (torch.optim.SGD(m.parameters(), lr=0.5) for m in (model, ref))
     for step in range(2):
         x, y = _batch(step, 2 * ctx.world_size)
-        opt.zero_grad()
-        _loss(model(_part(x, ctx)), _part(y, ctx)).backward()
-        opt.step()
-        ref_opt.zero_grad()
-        _loss(ref(x), y).backward()
-        ref_opt.step()
-        _assert_matches(model.state_dict(), ref, step)
+        _step_both(ctx, (model, opt), (ref, ref_opt), x, y, step)
     return marked
 
 
