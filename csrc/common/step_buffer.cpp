@@ -62,6 +62,19 @@ c10::DataPtr map_huge(size_t nbytes) {
   return c10::DataPtr(p, new Mapping{p, bytes}, &unmap, c10::Device(c10::kCPU));
 }
 
+// A tensor on mapped memory, or an undefined one where the buffer is not mapped.
+at::Tensor mapped_tensor(int64_t numel, const at::TensorOptions& options) {
+  const size_t nbytes = static_cast<size_t>(numel) * options.dtype().itemsize();
+  if (options.device().is_cpu()) {
+    if (c10::DataPtr huge = map_huge(nbytes)) {
+      c10::Storage storage(c10::Storage::use_byte_size_t(), nbytes, std::move(huge), /*allocator=*/nullptr,
+                           /*resizable=*/false);
+      return at::empty({0}, options).set_(std::move(storage), 0, {numel}, {1});
+    }
+  }
+  return at::Tensor();
+}
+
 }  // namespace
 
 bool step_buffers_in_huge_pages() {
@@ -85,23 +98,6 @@ c10::DataPtr step_buffer_data(size_t nbytes, c10::Device device, c10::Allocator*
   }
   return fallback->allocate(nbytes);
 }
-
-namespace {
-
-// A tensor on mapped memory, or an undefined one where the buffer is not mapped.
-at::Tensor mapped_tensor(int64_t numel, const at::TensorOptions& options) {
-  const size_t nbytes = static_cast<size_t>(numel) * options.dtype().itemsize();
-  if (options.device().is_cpu()) {
-    if (c10::DataPtr huge = map_huge(nbytes)) {
-      c10::Storage storage(c10::Storage::use_byte_size_t(), nbytes, std::move(huge), /*allocator=*/nullptr,
-                           /*resizable=*/false);
-      return at::empty({0}, options).set_(std::move(storage), 0, {numel}, {1});
-    }
-  }
-  return at::Tensor();
-}
-
-}  // namespace
 
 at::Tensor step_buffer_zeros(int64_t numel, const at::TensorOptions& options) {
   at::Tensor t = mapped_tensor(numel, options);
