@@ -147,10 +147,21 @@ def _worker(rank, world_size, init_file, backend, conn, pg_timeout, env):
             break
         fn, args = msg
         try:
-            conn.send(("ok", fn(ctx, *args)))
+            result = ("ok", fn(ctx, *args))
         except BaseException:  # noqa: BLE001
-            conn.send(("err", traceback.format_exc()))
+            result = ("err", traceback.format_exc())
+        conn.send((*result, _issued(ctx.pg)))
     dist.destroy_process_group()
+
+
+def _issued(pg):
+    """How many collectives this rank has issued on the pool's torchpar group (c10d's sequence
+    number; gloo's counts sends and receives too, which differ between ranks by design)."""
+    import torch
+    import torch.distributed as dist
+    if dist.get_backend(pg) != "torchpar":
+        return None
+    return pg._get_backend(torch.device("cpu"))._get_sequence_number_for_group()
 
 
 class RankPool:
@@ -178,7 +189,7 @@ class RankPool:
         self._collect(DEFAULT_TIMEOUT * 2, "start-up")
 
     def _collect(self, timeout, what):
-        results, errors = [None] * self.world_size, []
+        results, errors, issued = [None] * self.world_size, [], [None] * self.world_size
         for rank, conn in enumerate(self.conns):
             if not conn.poll(timeout):
                 late = [r for r in range(rank, self.world_size) if not self.conns[r].poll(0)]
@@ -186,14 +197,24 @@ class RankPool:
                 self.close(kill=True)
                 raise TimeoutError(f"rank {rank} did not finish {what} within {timeout:.0f}s\n{stacks}")
             try:
-                status, value = conn.recv()
+                status, value, *rest = conn.recv()
             except EOFError:
                 self.close(kill=True)
                 raise RuntimeError(f"rank {rank} died during {what}") from None
+            issued[rank] = rest[0] if rest else None
             if status == "ok" or status == "ready":
                 results[rank] = value
             else:
                 errors.append(f"--- rank {rank} ---\n{value}")
+        broken = [e for e in errors if "[the group is no longer usable]" in e]
+        if len(set(issued)) > 1 or broken:
+            # A test that leaves its ranks out of step (one issued a collective the others did
+            # not) or the group failed would make every later test of this pool fail, or
+            # worse, pair one test's collective with another's of the same size. Fail here,
+            # naming it, and start the next test on a fresh pool.
+            self.close(kill=True)
+            if not broken:
+                errors.append(f"{what} left the ranks out of step: collectives issued per rank {issued}")
         if errors:
             raise AssertionError(f"{what} failed:\n" + "\n".join(errors))
         return results
