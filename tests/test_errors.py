@@ -172,6 +172,26 @@ def _peer_never_arrives(rank, world_size, init_file):
     return True
 
 
+def _one_rank_runs_one_more(rank, world_size, init_file):
+    """Rank 0 runs a collective rank 1 never issues: its timeout names the collectives it ran
+    before, so two ranks' messages show where their programs parted."""
+    _init(rank, world_size, init_file, 3)
+    t = torch.ones(4)
+    dist.all_reduce(t)
+    dist.broadcast(t, src=0)
+    if rank == 0:
+        msg = expect_error(lambda: dist.all_gather_into_tensor(torch.empty(8), t), "all_gather_into_tensor")
+        assert "(collective #2)" in msg, msg
+        assert msg.endswith(" [this rank's collectives before it: #0 all_reduce, #1 broadcast]"
+                            " [the group is no longer usable]"), msg
+    else:
+        time.sleep(5)
+        msg = expect_error(lambda: dist.barrier(), "aborted by rank 0")
+        assert "[this rank's collectives before it: #0 all_reduce, #1 broadcast]" in msg, msg
+    dist.destroy_process_group()
+    return True
+
+
 def _peer_dies(rank, world_size, init_file):
     _init(rank, world_size, init_file, 60)
     t = torch.ones(100_000)
@@ -289,6 +309,10 @@ def test_peer_that_never_arrives_times_out_on_every_rank(transport):
     before = torchpar_segments()
     assert spawn(_peer_never_arrives, 3, timeout=60, env=transport_env(transport)) == [True] * 3
     assert torchpar_segments() == before
+
+
+def test_a_timeout_names_the_collectives_this_rank_ran_before(transport):
+    assert spawn(_one_rank_runs_one_more, 2, timeout=60, env=transport_env(transport)) == [True] * 2
 
 
 def test_dead_peer_fails_the_collective_quickly(transport):

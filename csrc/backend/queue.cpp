@@ -126,6 +126,7 @@ void CollectiveQueue::execute(Queued& item, bool caller_blocks) {
     ~Restore() { running_here = outer; }
   } restore{outer};
   uint64_t seq = next_seq_++;
+  recent_[seq % recent_.size()] = item.name;
   std::exception_ptr failed;
   {
     std::lock_guard<std::mutex> lock(mu_);
@@ -151,15 +152,18 @@ void CollectiveQueue::execute(Queued& item, bool caller_blocks) {
       error = describe_failure({item.name, rank_, size_, group_name_, seq, item.timeout}, error, &fatal,
                                [this] { return transport_.abort_reason(); });
       // Only failures: a mismatch (UsageError) must read the same on every rank.
-      if (const Hierarchy* h = transport_.hierarchy(); h != nullptr && fatal) {
+      if (fatal) {
         std::string msg = message_of(error);
-        const std::string note = hosts_named(msg, h->map, rank_);
-        if (!note.empty() && msg.find(note) == std::string::npos) {
-          // Before describe_failure's closing " [the group is no longer usable]", beside what it explains.
-          const std::string closing = " [the group is no longer usable]";
-          const bool closed = msg.size() >= closing.size() && msg.compare(msg.size() - closing.size(), closing.size(), closing) == 0;
-          error = dist_backend_error(closed ? msg.insert(msg.size() - closing.size(), note) : msg + note);
+        std::string note;
+        if (const Hierarchy* h = transport_.hierarchy(); h != nullptr) {
+          note = hosts_named(msg, h->map, rank_);
+          if (msg.find(note) != std::string::npos) note.clear();
         }
+        note += recent_collectives();
+        // Before describe_failure's closing " [the group is no longer usable]", beside what it explains.
+        const std::string closing = " [the group is no longer usable]";
+        const bool closed = msg.size() >= closing.size() && msg.compare(msg.size() - closing.size(), closing.size(), closing) == 0;
+        error = dist_backend_error(closed ? msg.insert(msg.size() - closing.size(), note) : msg + note);
       }
     } catch (...) {
     }
@@ -174,6 +178,18 @@ void CollectiveQueue::execute(Queued& item, bool caller_blocks) {
     }
   }
   finish(item, error);
+}
+
+std::string CollectiveQueue::recent_collectives() const {
+  // next_seq_ is one past the failing collective, which the message names already.
+  const uint64_t end = next_seq_ - 1;
+  const uint64_t begin = end > recent_.size() - 1 ? end - (recent_.size() - 1) : 0;
+  if (begin == end) return "";
+  std::string out = " [this rank's collectives before it:";
+  for (uint64_t s = begin; s < end; ++s) {
+    out += std::string(s == begin ? " #" : ", #") + std::to_string(s) + " " + recent_[s % recent_.size()];
+  }
+  return out + "]";
 }
 
 void CollectiveQueue::finish(Queued& item, std::exception_ptr error) {

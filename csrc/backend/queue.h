@@ -7,6 +7,7 @@
 
 #include <c10/util/intrusive_ptr.h>
 
+#include <array>
 #include <chrono>
 #include <condition_variable>
 #include <deque>
@@ -51,6 +52,9 @@ class CollectiveQueue {
   void execute(Queued& item, bool caller_blocks);
   // Completes the item's work with `error` (null: success), never throwing.
   void finish(Queued& item, std::exception_ptr error);
+  // " [this rank's last collectives: #1690 all_reduce, ...]": two ranks' messages side by side
+  // show where their programs parted (one ran a collective the other did not).
+  std::string recent_collectives() const;
 
   Transport& transport_;
   const Config& config_;
@@ -63,6 +67,7 @@ class CollectiveQueue {
   bool stopping_ = false;
   bool busy_ = false;               // a collective is running (on the worker or inline)
   uint64_t next_seq_ = 0;           // only the thread running a collective (busy_) touches it
+  std::array<const char*, 6> recent_{};  // the same; names of the last collectives, by seq % size
   std::vector<char> scratch_;       // the same; staging of the point-to-point collectives
   std::exception_ptr group_error_;  // first fatal error; guarded by mu_
   std::thread worker_;
