@@ -863,3 +863,59 @@ def _step_after_a_failed_step(rank, world_size, init_file, backend):
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_a_step_after_a_failed_step_gets_its_own_messages(backend):
     spawn(_step_after_a_failed_step, 2, backend, timeout=60)
+
+
+def _with_fsdp(ctx, name):
+    """4 ranks: pipeline pairs {0,1} and {2,3}, data-parallel pairs {0,2} and {1,3}; every stage
+    fully_shard over its data-parallel pair (each layer a unit, the stage the root). Each unit
+    reduce-scatters once a step, in its stage's last backward, the sum of the four micro-batches'
+    gradients; the weights after two SGD steps equal one process's."""
+    torch.set_num_threads(1)
+    from torch.profiler import ProfilerActivity, profile
+
+    from torchpar.parallel import fully_shard
+    pp, dp = _pp_by_dp(ctx, "torchpar")
+    dp_rank = ctx.rank // 2
+    v = 2 if name == "interleaved" else 1
+    n_stages = 2 * v
+    model = _model(2 * n_stages)
+    ref = copy.deepcopy(model)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    pipe = copy.deepcopy(model)
+    stages, opts = [], []
+    for s in range(ctx.rank % 2, n_stages, 2):
+        module = split(pipe, n_stages, s)
+        for layer in module:
+            fully_shard(layer, dp)
+        fully_shard(module, dp)
+        stages.append(PipelineStage(module, s, n_stages, group=pp))
+        opts.append(torch.optim.SGD(module.parameters(), lr=0.1))
+    cls = SCHEDULES[name]
+    sched = cls(stages, 4, loss_fn=_mse) if name == "interleaved" else cls(stages[0], 4, loss_fn=_mse)
+    units = sum(len(list(st.submod)) for st in stages)  # the layers; the roots hold no parameter
+    for step in range(2):
+        x, y = _data(step, 16)
+        ref_opt.zero_grad()
+        _mse(ref(x), y).backward()
+        ref_opt.step()
+        for opt in opts:
+            opt.zero_grad(set_to_none=True)
+        xs, ys = x.chunk(2)[dp_rank], y.chunk(2)[dp_rank]
+        with profile(activities=[ProfilerActivity.CPU]) as prof:
+            sched.step(*((xs,) if stages[0].is_first else ()), target=ys if stages[-1].is_last else None)
+        reduce_scatters = sum(e.name == "c10d::_reduce_scatter_base_" for e in prof.events())
+        assert reduce_scatters == units, (step, reduce_scatters, units)
+        for opt in opts:
+            opt.step()
+        for st in stages:
+            want = split(ref, n_stages, st.stage_index).state_dict()
+            for key, got in st.submod.state_dict().items():
+                torch.testing.assert_close(got, want[key], rtol=1e-5, atol=1e-6,
+                                           msg=lambda msg: f"step {step} stage {st.stage_index} {key}: {msg}")
+        assert all(m._fsdp.flat.requires_grad_sync for st in stages for m in st.submod.modules()
+                   if hasattr(m, "_fsdp"))
+
+
+@pytest.mark.parametrize("name", list(SCHEDULES))
+def test_pipeline_times_fully_shard_reduces_once_a_step_and_equals_one_process(name):
+    _pool("torchpar", 4).run(_with_fsdp, name)

@@ -23,7 +23,7 @@ _CACHE_KEYS = 16  # input shapes remembered (variable sequence length)
 class Executor:
     """State of one step while the action list runs."""
 
-    def __init__(self, sched, key, first_mbs, targets, train, ddp=None):
+    def __init__(self, sched, key, first_mbs, targets, train, ddp=None, fsdp=None):
         self.s = sched
         self.group = sched.group
         self.key = key
@@ -54,6 +54,9 @@ class Executor:
         self.sync_in_last_backward = {i: m for i, m in (ddp or {}).items()
                                       if _armable(m) and i not in self.split_stages}
         self.last_b = {}
+        # Stage -> its fully_shard units that reduce-scatter in the stage's last B only.
+        self.fsdp = fsdp or {}
+        self.fsdp_last_b = {}
         self.action = (None, None, None)  # the action running now, and whether it is posting
         self.waiting = False               # to or waiting for a peer (failure.py tells them apart)
         self._do = {"F": self.do_f, "B": self.do_b, "W": self.do_w, "RECV_F": self.recv_f,
@@ -110,6 +113,7 @@ class Executor:
         events = self.events
         self.last_b = {stage: mb for name, mb, stage in actions
                        if name == "B" and stage in self.sync_in_last_backward}
+        self.fsdp_last_b = {stage: mb for name, mb, stage in actions if name == "B" and stage in self.fsdp}
         for action in actions:
             self.action = name, mb, stage = action
             if name[0] in "RS":  # RECV_*, SEND_*: queued, posted before the next compute
@@ -256,6 +260,9 @@ class Executor:
         t_wait = time.perf_counter()
         backward = st.backward_input if stage in self.split_stages else st.backward
         sent = False
+        if self.fsdp_last_b.get(stage) == mb:  # reduce-scatters the sum of every micro-batch's
+            for unit in self.fsdp[stage]:
+                unit.requires_grad_sync = True
         if self.last_b.get(stage) == mb:  # the stage's last backward reduces over data parallel
             in_grads, sent = self._armed_backward(backward, st, mb, grads)
         else:

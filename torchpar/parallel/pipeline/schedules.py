@@ -17,8 +17,11 @@ last micro-batch's backward). Without ``find_unused_parameters`` an armed backwa
 refuse a parameter that only earlier micro-batches used, so such a stage, torch's DDP, ours
 with ``static_graph``, ``join()`` or ``shard_gradients`` (``executor._armable``), and a stage whose
 backward is split (zero bubble: the weight gradients come from several calls), are averaged
-after the step in one all-reduce instead. A ``fully_shard`` stage reduce-scatters in
-each micro-batch's backward and accumulates the shards.
+after the step in one all-reduce instead. A ``fully_shard`` stage accumulates its unsharded
+gradients over the micro-batches and reduce-scatters their sum in its last backward (one
+reduce-scatter per unit and step rather than one per micro-batch; torch's schedules and
+Megatron-LM also reduce once a step), at the cost of a full-size gradient accumulator per unit
+during the step.
 """
 import contextlib
 import json
@@ -31,6 +34,7 @@ import torch.distributed as dist
 
 from torchpar import _C
 from torchpar.parallel.pipeline import _comm
+from torchpar.parallel.fsdp import FSDPModule
 from torchpar.parallel.pipeline.executor import Executor
 from torchpar.parallel.pipeline.failure import StepFailure
 from torchpar.parallel.pipeline.stage import PipelineStage
@@ -162,11 +166,20 @@ class _PipelineSchedule:
         # _average_gradients, so each of its micro-batch backwards reduce-scatters its own.
         ddp = {s.stage_index: s.submod for s in self.stages
                if train and hasattr(s.submod, "no_sync") and hasattr(s.submod, "process_group")}
+        # fully_shard units that reduce (a user's set_requires_gradient_sync(False) is kept): off
+        # until their stage's last backward, and back on after the step, whatever happened.
+        fsdp = {s.stage_index: units for s in self.stages
+                if train and (units := [m._fsdp.flat for m in s.submod.modules()
+                                        if isinstance(m, FSDPModule) and m._fsdp.flat.requires_grad_sync])}
         try:
             with contextlib.ExitStack() as no_sync:
                 for module in ddp.values():
                     no_sync.enter_context(module.no_sync())
-                executor = Executor(self, key, first_mbs, targets, train, ddp)
+                for units in fsdp.values():
+                    no_sync.callback(_sync_again, units)
+                    for unit in units:
+                        unit.requires_grad_sync = False
+                executor = Executor(self, key, first_mbs, targets, train, ddp, fsdp)
                 try:
                     out = executor.run(actions)
                 except BaseException as e:  # KeyboardInterrupt too: the peers must not wait for the timeout
@@ -188,6 +201,11 @@ class _PipelineSchedule:
         if trace:
             _write_trace(trace, events, stats["start"], self.rank, self.group)
         return outputs
+
+
+def _sync_again(units):
+    for unit in units:
+        unit.requires_grad_sync = True
 
 
 def _average_gradients(module):
