@@ -220,6 +220,8 @@ class RankPool:
         return results
 
     def run(self, fn, *args, timeout=DEFAULT_TIMEOUT):
+        if not self.procs:  # closed (a failed test's guard): get_pool() starts a fresh one
+            raise RuntimeError(f"{fn.__name__}: this rank pool was closed; call get_pool() again")
         for conn in self.conns:
             conn.send((fn, args))
         return self._collect(timeout, fn.__name__)

@@ -182,12 +182,15 @@ def _one_rank_runs_one_more(rank, world_size, init_file):
     if rank == 0:
         msg = expect_error(lambda: dist.all_gather_into_tensor(torch.empty(8), t), "all_gather_into_tensor")
         assert "(collective #2)" in msg, msg
-        assert msg.endswith(" [this rank's collectives before it: #0 all_reduce, #1 broadcast]"
+        assert msg.endswith(" [rank 0's collectives before it: #0 all_reduce, #1 broadcast]"
                             " [the group is no longer usable]"), msg
     else:
         time.sleep(5)
         msg = expect_error(lambda: dist.barrier(), "aborted by rank 0")
-        assert "[this rank's collectives before it: #0 all_reduce, #1 broadcast]" in msg, msg
+        # Its own list after the one rank 0's quoted reason carries.
+        assert "[rank 0's collectives before it: #0 all_reduce, #1 broadcast]" in msg, msg
+        assert msg.endswith(" [rank 1's collectives before it: #0 all_reduce, #1 broadcast]"
+                            " [the group is no longer usable]"), msg
     dist.destroy_process_group()
     return True
 

@@ -356,3 +356,47 @@ def test_ddp_stage_works_after_its_armed_backward_raised():
     """Review finding: the reducer armed before the last backward stayed armed when that
     backward raised, and the next step's first (no_sync) backward failed in it."""
     spawn(_ddp_after_a_raising_armed_backward, 4, "torchpar", timeout=BOUND)
+
+
+def _fully_shard_after_a_failed_step(rank, world_size, init_file):
+    """pp=2 x dp=2 as above, each stage fully_shard over its data-parallel pair: its units
+    accumulate the micro-batches' gradients and reduce in the stage's last backward. Stage 1's
+    third backward raises; after it, a new pipeline group over the same modules must give the
+    one-process gradients, not those plus the failed step's partial sums."""
+    _init(rank, world_size, init_file, "torchpar")
+    try:
+        from torchpar.parallel import fully_shard
+        pps = [dist.new_group([0, 1]), dist.new_group([2, 3])]
+        dps = [dist.new_group([0, 2]), dist.new_group([1, 3])]
+        dp_rank, stage_index, m = rank // 2, rank % 2, 4
+        torch.manual_seed(0)
+        whole = nn.Sequential(nn.Sequential(nn.Linear(8, 8), nn.Tanh()), _FailsOnCall(3, "backward"))
+        module = fully_shard(copy.deepcopy(whole[stage_index]), dps[rank % 2])
+        x, y = torch.randn(16, 8), torch.randn(16, 8)
+        xs, ys = x.chunk(2)[dp_rank], y.chunk(2)[dp_rank]
+        args, kw = ((xs,) if stage_index == 0 else ()), {"target": ys if stage_index == 1 else None}
+        sched = Schedule1F1B(PipelineStage(module, stage_index, 2, group=pps[dp_rank]), m, loss_fn=_mse)
+        with pytest.raises(RuntimeError, match="boom in backward"):
+            sched.step(*args, **kw)
+        assert module._fsdp.flat.requires_grad_sync and module._fsdp.flat.accumulator is None
+        module.zero_grad(set_to_none=True)
+        pps = [dist.new_group([0, 1]), dist.new_group([2, 3])]  # the failed step aborted the first
+        sched = Schedule1F1B(PipelineStage(module, stage_index, 2, group=pps[dp_rank]), m, loss_fn=_mse)
+        sched.step(*args, **kw)
+        torch.optim.SGD(module.parameters(), lr=0.1).step()
+        ref = copy.deepcopy(whole)
+        ref[1].n = 0  # the one-process run must not raise
+        _mse(ref(x), y).backward()
+        torch.optim.SGD(ref.parameters(), lr=0.1).step()
+        want = ref[stage_index].state_dict()
+        for name, got in module.state_dict().items():  # gathered: a collective over the pair
+            torch.testing.assert_close(got, want[name], rtol=1e-5, atol=1e-6, msg=lambda msg: f"{name}: {msg}")
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.timeout(BOUND)
+def test_fully_shard_stage_after_a_failed_step_reduces_only_the_next_steps_gradients():
+    """Review finding: the units' accumulators kept the failed step's micro-batch sums, which
+    the next step's last backward reduce-scattered with its own."""
+    spawn(_fully_shard_after_a_failed_step, 4, timeout=BOUND)

@@ -159,7 +159,7 @@ void CollectiveQueue::execute(Queued& item, bool caller_blocks) {
           note = hosts_named(msg, h->map, rank_);
           if (msg.find(note) != std::string::npos) note.clear();
         }
-        note += recent_collectives();
+        note += recent_collectives(seq);
         // Before describe_failure's closing " [the group is no longer usable]", beside what it explains.
         const std::string closing = " [the group is no longer usable]";
         const bool closed = msg.size() >= closing.size() && msg.compare(msg.size() - closing.size(), closing.size(), closing) == 0;
@@ -180,12 +180,12 @@ void CollectiveQueue::execute(Queued& item, bool caller_blocks) {
   finish(item, error);
 }
 
-std::string CollectiveQueue::recent_collectives() const {
-  // next_seq_ is one past the failing collective, which the message names already.
-  const uint64_t end = next_seq_ - 1;
+std::string CollectiveQueue::recent_collectives(uint64_t seq) const {
+  // Those before `seq`, which the message names already.
+  const uint64_t end = seq;
   const uint64_t begin = end > recent_.size() - 1 ? end - (recent_.size() - 1) : 0;
   if (begin == end) return "";
-  std::string out = " [this rank's collectives before it:";
+  std::string out = " [rank " + std::to_string(rank_) + "'s collectives before it:";
   for (uint64_t s = begin; s < end; ++s) {
     out += std::string(s == begin ? " #" : ", #") + std::to_string(s) + " " + recent_[s % recent_.size()];
   }

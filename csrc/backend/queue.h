@@ -52,9 +52,10 @@ class CollectiveQueue {
   void execute(Queued& item, bool caller_blocks);
   // Completes the item's work with `error` (null: success), never throwing.
   void finish(Queued& item, std::exception_ptr error);
-  // " [this rank's last collectives: #1690 all_reduce, ...]": two ranks' messages side by side
-  // show where their programs parted (one ran a collective the other did not).
-  std::string recent_collectives() const;
+  // " [rank 3's collectives before it: #1690 all_reduce, ...]", for a failure of collective
+  // `seq`: two ranks' messages side by side show where their programs parted (one ran a
+  // collective the other did not). Names the rank: a peer's message quotes this one.
+  std::string recent_collectives(uint64_t seq) const;
 
   Transport& transport_;
   const Config& config_;

@@ -221,6 +221,18 @@ void FlatParam::accumulate_grads_locally() {
   }
 }
 
+void FlatParam::set_accumulator(at::Tensor accumulator) {
+  if (accumulator.defined()) {
+    TORCH_CHECK(accumulator.dim() == 1 && accumulator.numel() == world_ * packed_stride() &&
+                    accumulator.scalar_type() == reduce_dtype_ && accumulator.device() == shard_.device() &&
+                    accumulator.is_contiguous(),
+                "torchpar fully_shard: an accumulator is a contiguous [", world_ * packed_stride(), "] ",
+                reduce_dtype_, " tensor on ", shard_.device(), "; got ", accumulator.sizes(), " ",
+                accumulator.scalar_type(), " on ", accumulator.device());
+  }
+  accumulator_ = std::move(accumulator);
+}
+
 void FlatParam::discard_unsharded_grads() {
   for (auto& p : unsharded_) {
     p.mutable_grad().reset();

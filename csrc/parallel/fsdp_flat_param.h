@@ -103,6 +103,10 @@ class FlatParam {
   // (assigned as views of `reduced` when .grad is undefined, added otherwise).
   void deliver_grads(const at::Tensor& reduced);
   bool has_accumulator() const { return accumulator_.defined(); }
+  // no_sync's local sum (undefined while there is none). A pipeline step that raised puts back
+  // the one it found, so its partial sums are not reduced by the next step (schedules.py).
+  const at::Tensor& accumulator() const { return accumulator_; }
+  void set_accumulator(at::Tensor accumulator);
   bool requires_grad_sync = true;
 
   // ---- checkpoints ----

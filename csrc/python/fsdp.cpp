@@ -78,6 +78,14 @@ TORCHPAR_PYBIND(fsdp) {
       .def("bind", &FlatParam::bind, py::arg("sharded"), py::arg("unsharded"))
       .def("gathered", &FlatParam::gathered)
       .def_readwrite("requires_grad_sync", &FlatParam::requires_grad_sync)
+      .def_property(
+          "accumulator",
+          [](const FlatParam& f) -> std::optional<at::Tensor> {
+            if (!f.accumulator().defined()) return std::nullopt;
+            return f.accumulator();
+          },
+          [](FlatParam& f, std::optional<at::Tensor> t) { f.set_accumulator(t.value_or(at::Tensor())); },
+          "no_sync's local gradient sum (None when there is none)")
       .def("gather_full_params", &FlatParam::gather_full_params, py::call_guard<py::gil_scoped_release>(),
            "Every parameter full-shaped in the master dtype (collective).")
       .def("load_full_param", &FlatParam::load_full_param, py::call_guard<py::gil_scoped_release>());

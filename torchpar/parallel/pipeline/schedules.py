@@ -176,9 +176,7 @@ class _PipelineSchedule:
                 for module in ddp.values():
                     no_sync.enter_context(module.no_sync())
                 for units in fsdp.values():
-                    no_sync.callback(_sync_again, units)
-                    for unit in units:
-                        unit.requires_grad_sync = False
+                    no_sync.push(_reduce_in_last_backward(units))
                 executor = Executor(self, key, first_mbs, targets, train, ddp, fsdp)
                 try:
                     out = executor.run(actions)
@@ -203,9 +201,22 @@ class _PipelineSchedule:
         return outputs
 
 
-def _sync_again(units):
-    for unit in units:
-        unit.requires_grad_sync = True
+def _reduce_in_last_backward(units):
+    """Turns ``units`` (fully_shard units that reduce) off for the step and returns the exit
+    callback that turns them on again. A step that raised also puts back each unit's
+    accumulator as the step found it (none, unless the user accumulates across steps): the
+    partial sums of its micro-batches must not be reduced by the next step (review finding)."""
+    found = [None if u.accumulator is None else u.accumulator.clone() for u in units]
+    for u in units:
+        u.requires_grad_sync = False
+
+    def exit_(exc_type, exc, tb):
+        for u, accumulator in zip(units, found):
+            u.requires_grad_sync = True
+            if exc_type is not None:
+                u.accumulator = accumulator
+        return False
+    return exit_
 
 
 def _average_gradients(module):
