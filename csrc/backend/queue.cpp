@@ -182,11 +182,10 @@ void CollectiveQueue::execute(Queued& item, bool caller_blocks) {
 
 std::string CollectiveQueue::recent_collectives(uint64_t seq) const {
   // Those before `seq`, which the message names already.
-  const uint64_t end = seq;
-  const uint64_t begin = end > recent_.size() - 1 ? end - (recent_.size() - 1) : 0;
-  if (begin == end) return "";
+  const uint64_t begin = seq > recent_.size() - 1 ? seq - (recent_.size() - 1) : 0;
+  if (begin == seq) return "";
   std::string out = " [rank " + std::to_string(rank_) + "'s collectives before it:";
-  for (uint64_t s = begin; s < end; ++s) {
+  for (uint64_t s = begin; s < seq; ++s) {
     out += std::string(s == begin ? " #" : ", #") + std::to_string(s) + " " + recent_[s % recent_.size()];
   }
   return out + "]";

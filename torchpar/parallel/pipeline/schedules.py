@@ -161,9 +161,8 @@ class _PipelineSchedule:
         self._steps += 1
         for s in self.stages:
             s.reset()
-        # DDP only (it has a process_group): a fully_shard module has no_sync too, but its
-        # accumulated gradients are reduce-scattered by a later backward, not by
-        # _average_gradients, so each of its micro-batch backwards reduce-scatters its own.
+        # DDP only (it has a process_group): a fully_shard module has no_sync too, but it
+        # reduce-scatters in a backward, not in _average_gradients: its units are below.
         ddp = {s.stage_index: s.submod for s in self.stages
                if train and hasattr(s.submod, "no_sync") and hasattr(s.submod, "process_group")}
         # fully_shard units that reduce (a user's set_requires_gradient_sync(False) is kept): off
