@@ -8,6 +8,13 @@ Spawns ``--world-size`` ranks per backend and, in the same ranks, times one trai
 - ``no_overlap``    plain backward, then one all-reduce per gradient (the naive baseline)
 - ``compute_only``  forward + backward + step with no communication (a lower bound)
 - ``comm_only``     the all-reduces alone (what overlap can hide)
+- ``comm_flat``     one all-reduce of all the gradients at once (the least time their bytes take)
+
+and the bound no overlap can beat, ``overlap_bound``: the first gradient is ready only after the
+forward and the last layer's backward (timed in ``compute_only``), and all the gradients' bytes
+take at least ``comm_flat`` to all-reduce after it, so a step takes at least
+max(compute_only, first gradient + comm_flat). ``no_overlap / overlap_bound`` is the most any
+overlapping DDP can gain on that model and link.
 
 ``--backends`` takes torchpar, gloo, nccl, and ``torchpar-tcp``: the torchpar backend over
 its TCP transport (sockets between the ranks, as between hosts; gloo's situation).
@@ -30,7 +37,7 @@ from torch import nn
 
 from torchpar.bench._spawn import run_ranks
 
-MODES = ["torchpar_ddp", "torch_ddp", "no_overlap", "compute_only", "comm_only"]
+MODES = ["torchpar_ddp", "torch_ddp", "no_overlap", "compute_only", "comm_only", "comm_flat"]
 
 
 def _mlp(width, depth):
@@ -40,18 +47,28 @@ def _mlp(width, depth):
     return nn.Sequential(*layers)
 
 
-def _steps(model, pg, args):
-    """One closure per mode, each on its own replica and optimizer."""
+def _steps(model, pg, args, first_grad_ms=None):
+    """One closure per mode, each on its own replica and optimizer. ``compute_only`` appends to
+    ``first_grad_ms`` (a list) when its step's first gradient was ready, from the step's start."""
     from torchpar.parallel import DistributedDataParallel
 
     x = torch.randn(args.batch, args.width)
     y = torch.randn(args.batch, args.width)
 
-    def trainer(net, after_backward=None):
+    def trainer(net, after_backward=None, first_grad_ms=None):
         params = [p for p in net.parameters()]
         opt = torch.optim.SGD(params, lr=1e-4)
+        start = [0.0]
+        if first_grad_ms is not None:
+            def ready(_):
+                if start[0]:
+                    first_grad_ms.append((time.perf_counter() - start[0]) * 1e3)
+                    start[0] = 0.0
+            for p in params:
+                p.register_post_accumulate_grad_hook(ready)
 
         def step():
+            start[0] = time.perf_counter()
             opt.zero_grad()
             nn.functional.mse_loss(net(x), y).backward()
             if after_backward:
@@ -65,6 +82,7 @@ def _steps(model, pg, args):
             g.div_(dist.get_world_size(pg))
 
     grads = [torch.zeros_like(p) for p in model.parameters()]
+    flat = torch.zeros(sum(g.numel() for g in grads))
 
     return {
         "torchpar_ddp": trainer(DistributedDataParallel(
@@ -74,8 +92,9 @@ def _steps(model, pg, args):
             copy.deepcopy(model), process_group=pg, bucket_cap_mb=args.bucket_cap_mb,
             gradient_as_bucket_view=args.gradient_as_bucket_view)),
         "no_overlap": trainer(copy.deepcopy(model), allreduce_each),
-        "compute_only": trainer(copy.deepcopy(model)),
+        "compute_only": trainer(copy.deepcopy(model), first_grad_ms=first_grad_ms),
         "comm_only": lambda: allreduce_each(grads),
+        "comm_flat": lambda: allreduce_each([flat]),
     }
 
 
@@ -87,7 +106,8 @@ def _measure(rank, args):
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
     model = _mlp(args.width, args.depth)
-    steps = _steps(model, dist.group.WORLD, args)
+    first_grad = []
+    steps = _steps(model, dist.group.WORLD, args, first_grad)
     samples = {m: [] for m in MODES}
     for round_ in range(args.rounds):
         # Rotate the order so that no mode always follows the same one.
@@ -101,8 +121,80 @@ def _measure(rank, args):
                 samples[mode].append(time.perf_counter() - t0)
     if rank == 0 and args.dump_samples:
         print(json.dumps({m: [round(t * 1e3, 1) for t in s] for m, s in samples.items()}), flush=True)
-    return {stat: {m: fn(s) * 1e3 for m, s in samples.items()}
-            for stat, fn in (("median", statistics.median), ("min", min))}
+    out = {stat: {m: fn(s) * 1e3 for m, s in samples.items()}
+           for stat, fn in (("median", statistics.median), ("min", min))}
+    for stat, fn in (("median", statistics.median), ("min", min)):
+        out[stat]["overlap_bound"] = overlap_bound(out[stat], fn(first_grad))
+    if args.timeline:
+        out["timeline"] = bucket_timeline(model, dist.group.WORLD, args)
+    return out
+
+
+def bucket_timeline(model, pg, args, steps=3):
+    """Where the time of a step of torchpar's DDP goes, for ``steps`` steps after a warm-up:
+    when the forward and the backward ended and, per bucket, when the reducer handed it over
+    and when its all-reduce ended (ms from the step's start). A communication hook does what
+    the reducer does (one all-reduce per bucket, then the average) and takes the times, so the
+    link's idle gaps between buckets show."""
+    from torchpar.parallel import DistributedDataParallel
+
+    ddp = DistributedDataParallel(copy.deepcopy(model), process_group=pg, bucket_cap_mb=args.bucket_cap_mb)
+    world = dist.get_world_size(pg)
+    x, y = torch.randn(args.batch, args.width), torch.randn(args.batch, args.width)
+    opt = torch.optim.SGD(ddp.parameters(), lr=1e-4)
+    start, buckets = [0.0], []
+
+    def since_start():
+        return round((time.perf_counter() - start[0]) * 1e3, 1)
+
+    def hook(_, bucket):
+        ready, buffer = since_start(), bucket.buffer()
+
+        def done(fut):
+            buckets.append({"bytes": buffer.numel() * buffer.element_size(), "ready": ready, "done": since_start()})
+            return fut.value()[0].div_(world)
+        return dist.all_reduce(buffer, group=pg, async_op=True).get_future().then(done)
+
+    ddp.register_comm_hook(None, hook)
+    rows = []
+    for i in range(steps + 1):
+        dist.barrier(group=pg)
+        buckets = []
+        start[0] = time.perf_counter()
+        opt.zero_grad()
+        loss = nn.functional.mse_loss(ddp(x), y)
+        forward = since_start()
+        loss.backward()
+        row = {"forward": forward, "backward": since_start(), "buckets": buckets}
+        opt.step()
+        row["step"] = since_start()
+        if i:
+            rows.append(row)
+    return rows
+
+
+def format_timeline(rows):
+    """Lines for ``bucket_timeline``'s rows: per bucket in the order handed over, the time from
+    when its all-reduce could start (handed over, and the ones before it done) to its end, and
+    the link's idle time before it (waiting for backward to hand it over)."""
+    lines = []
+    for row in rows:
+        free, parts = None, []
+        for b in sorted(row["buckets"], key=lambda b: b["ready"]):
+            began = b["ready"] if free is None else max(b["ready"], free)
+            idle = "" if free is None else f", link idle {max(0.0, b['ready'] - free):.1f}"
+            parts.append(f"{b['bytes'] / 2**20:.1f} MiB ready {b['ready']:.1f}, done {b['done']:.1f}"
+                         f" ({max(0.0, b['done'] - began):.1f}{idle})")
+            free = b["done"] if free is None else max(free, b["done"])
+        lines.append(f"forward {row['forward']:.1f}, backward {row['backward']:.1f}, step {row['step']:.1f} ms; "
+                     + "; ".join(parts))
+    return lines
+
+
+def overlap_bound(ms, first_grad_ms):
+    """The least step time an overlapping DDP can reach (module docstring), from a mode's
+    step times ``ms`` (median or min) and the first gradient's time in compute_only."""
+    return max(ms["compute_only"], first_grad_ms + ms["comm_flat"])
 
 
 def _run_backend(backend, args):
@@ -123,7 +215,8 @@ def _print_table(results, meta, stat):
           f"({meta['params'] / 1e6:.1f}M params, {meta['params'] * 4 / 2**20:.0f} MiB of fp32 gradients), "
           f"batch {meta['batch']} per rank, {meta['threads']} thread(s) per rank, "
           f"{stat} of {meta['samples']} steps (ms)")
-    head = f"{'backend':<14}" + "".join(f"{m:>14}" for m in MODES) + f"{'torch/ours':>12}{'naive/ours':>12}"
+    head = (f"{'backend':<14}" + "".join(f"{m:>14}" for m in MODES + ["overlap_bound"])
+            + f"{'torch/ours':>12}{'naive/ours':>12}{'naive/bound':>12}")
     print(head)
     print("-" * len(head))
     for backend, r in results.items():
@@ -131,11 +224,13 @@ def _print_table(results, meta, stat):
         if r is None:
             print(f"{backend:<14}  (backend not available in this build: skipped)")
             continue
-        row = f"{backend:<14}" + "".join(f"{r[m]:>14.1f}" for m in MODES)
-        row += f"{r['torch_ddp'] / r['torchpar_ddp']:>11.2f}x{r['no_overlap'] / r['torchpar_ddp']:>11.2f}x"
+        row = f"{backend:<14}" + "".join(f"{r[m]:>14.1f}" for m in MODES + ["overlap_bound"])
+        row += (f"{r['torch_ddp'] / r['torchpar_ddp']:>11.2f}x{r['no_overlap'] / r['torchpar_ddp']:>11.2f}x"
+                f"{r['no_overlap'] / r['overlap_bound']:>11.2f}x")
         print(row)
     print("torch/ours > 1: torchpar DDP faster than torch DDP; naive/ours: speed-up over "
-          "backward-then-all-reduce. compute_only and comm_only bound what overlap can reach.")
+          "backward-then-all-reduce; naive/bound: the most any overlap could give (overlap_bound: the\n"
+          "first gradient's time in compute_only plus comm_flat, or compute_only if longer).")
     print(f"{meta['date']}, torch {meta['torch']}, load average before the run {meta['load']:.2f}")
 
 
@@ -176,6 +271,8 @@ def main(argv=None):
     ap.add_argument("--warmup", type=int, default=1, help="untimed steps before each mode in each round")
     ap.add_argument("--timeout", type=float, default=900)
     ap.add_argument("--dump-samples", action="store_true", help="print every step time (rank 0)")
+    ap.add_argument("--timeline", action="store_true",
+                    help="then print rank 0's bucket timeline of 3 torchpar DDP steps (bucket_timeline)")
     ap.add_argument("--json", help="write results here")
     ap.add_argument("--plot", help="write a PNG bar chart here")
     args = ap.parse_args(argv)
@@ -196,6 +293,10 @@ def main(argv=None):
         print(f"running {backend} ...", file=sys.stderr, flush=True)
         results[backend] = _run_backend(backend, args)
     _print_table(results, meta, "median")  # the JSON also has "min", least disturbed by other load
+    for backend, r in results.items():
+        if r and "timeline" in r:
+            print(f"\n{backend}: torchpar DDP steps on rank 0 (ms from the step's start; per bucket, its all-reduce's time)")
+            print("\n".join(format_timeline(r["timeline"])))
     if args.json:
         os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
         with open(args.json, "w") as f:
