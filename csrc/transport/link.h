@@ -29,7 +29,8 @@ class Link {
   // Whether write_some(peer, ...) and notify(peer) may run on a thread other than the one
   // that drives the engine, one writer at a time (the engine sees to that): its send fast
   // path writes from the caller of isend. A shared-memory ring keeps all its state in the
-  // ring; a socket's writer records for the progress thread's poll that it wants POLLOUT.
+  // ring; a socket's writer records, in an atomic, for the progress thread's poll that it
+  // wants POLLOUT.
   virtual bool writable_from_any_thread(int peer) const {
     (void)peer;
     return false;

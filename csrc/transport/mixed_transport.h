@@ -52,7 +52,9 @@ class MixedTransport final : public Transport {
   uint32_t activity() const override;
   void sleep_until_activity(uint32_t seen, std::chrono::microseconds max_sleep) override;
   void check_peer(int peer) override;
-  bool writable_from_any_thread(int peer) const override { return local(peer); }
+  bool writable_from_any_thread(int peer) const override {
+    return local(peer) ? shm_->writable_from_any_thread(local_index(peer)) : tcp_->writable_from_any_thread(peer);
+  }
 
  private:
   bool local(int peer) const { return shm_ && hosts().same_host(peer, rank_); }

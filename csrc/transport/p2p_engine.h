@@ -9,7 +9,7 @@
 //
 // One progress thread drives all pipes; callers post and wait. A send that finds nothing
 // before it to its peer is written by its caller, as far as the pipe has room, when the
-// pipe allows that (Link::writable_from_any_thread: shared memory): it then leaves at once,
+// pipe allows that (Link::writable_from_any_thread: a ring, a socket): it then leaves at once,
 // not when the progress thread next gets a core (issue 18). TORCHPAR_P2P_FAST_SEND=0 queues
 // every send for the progress thread instead.
 //

@@ -98,7 +98,7 @@ struct TcpTransport::Pending {
 TcpTransport::TcpTransport(int rank, int size, Rendezvous& rendezvous, const Config& config,
                            std::chrono::milliseconds timeout, std::vector<char> remote, bool own_engine)
     : rank_(rank), size_(size), remote_(remote.empty() ? std::vector<char>(size, 1) : std::move(remote)),
-      rendezvous_(rendezvous), sockets_(size), want_write_(size, 0), broken_(size), lost_(size) {
+      rendezvous_(rendezvous), sockets_(size), want_write_(size), broken_(size), lost_(size) {
   TP_CHECK(static_cast<int>(remote_.size()) == size, "TcpTransport: ", remote_.size(), " peers marked for ", size,
            " ranks");
   for (auto& b : broken_) b.store(false);
@@ -370,13 +370,13 @@ size_t TcpTransport::write_some(int peer, const void* data, size_t n) {
   ssize_t k = ::send(sockets_[peer].get(), data, n, MSG_NOSIGNAL | MSG_DONTWAIT);
   if (k < 0) {
     if (errno == EAGAIN || errno == EWOULDBLOCK || errno == EINTR) {
-      want_write_[peer] = 1;
+      want_write_[peer].store(true, std::memory_order_relaxed);
       return 0;
     }
     lost(peer, hung_up(errno));
     return 0;
   }
-  want_write_[peer] = static_cast<size_t>(k) < n;
+  want_write_[peer].store(static_cast<size_t>(k) < n, std::memory_order_relaxed);
   return static_cast<size_t>(k);
 }
 
@@ -408,7 +408,7 @@ void TcpTransport::sleep_until_activity(uint32_t seen, std::chrono::microseconds
   for (int peer = 0; peer < size_; ++peer) {
     if (peer == rank_ || !remote_[peer] || broken_[peer].load(std::memory_order_acquire)) continue;
     short events = POLLIN;
-    if (want_write_[peer]) events |= POLLOUT;
+    if (want_write_[peer].load(std::memory_order_relaxed)) events |= POLLOUT;
     fds.push_back(pollfd{sockets_[peer].get(), events, 0});
   }
   int ms = static_cast<int>(std::max<int64_t>(1, max_sleep.count() / 1000));

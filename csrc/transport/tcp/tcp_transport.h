@@ -49,6 +49,9 @@ class TcpTransport final : public Transport {
   uint32_t activity() const override { return activity_.load(std::memory_order_acquire); }
   void sleep_until_activity(uint32_t seen, std::chrono::microseconds max_sleep) override;
   void check_peer(int peer) override;
+  // send() on a socket may run beside the progress thread's recv() and poll() on it; the
+  // engine keeps one writer per peer at a time.
+  bool writable_from_any_thread(int) const override { return true; }
 
  private:
   void connect_all(Rendezvous& rendezvous, const Config& config, std::chrono::milliseconds timeout);
@@ -68,7 +71,9 @@ class TcpTransport final : public Transport {
   const std::vector<char> remote_;  // [peer]: connected over TCP (every peer, by default)
   Rendezvous& rendezvous_;  // outlives the transport (the backend holds both)
   std::vector<Fd> sockets_;           // [peer]
-  std::vector<char> want_write_;      // [peer], progress thread only: the socket was full
+  // [peer]: the socket was full, so the progress thread's poll waits for room. Set by whoever
+  // wrote last (the progress thread, or the caller of an isend: writable_from_any_thread).
+  std::vector<std::atomic<bool>> want_write_;
   std::vector<std::atomic<bool>> broken_;  // [peer]: stop polling it
   std::vector<pollfd> polled_;        // progress thread only: what sleep_until_activity polls
   Fd wakeup_;                          // eventfd: notify(rank_) from posting threads
