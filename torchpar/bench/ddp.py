@@ -112,8 +112,10 @@ def _measure(rank, args):
     for round_ in range(args.rounds):
         # Rotate the order so that no mode always follows the same one.
         for mode in MODES[round_ % len(MODES):] + MODES[:round_ % len(MODES)]:
+            timed_from = len(first_grad)
             for _ in range(args.warmup):
                 steps[mode]()
+            del first_grad[timed_from:]  # from the timed steps only, as compute_only's time
             dist.barrier()
             for _ in range(args.steps):
                 t0 = time.perf_counter()
@@ -133,12 +135,16 @@ def _measure(rank, args):
 def bucket_timeline(model, pg, args, steps=3):
     """Where the time of a step of torchpar's DDP goes, for ``steps`` steps after a warm-up:
     when the forward and the backward ended and, per bucket, when the reducer handed it over
-    and when its all-reduce ended (ms from the step's start). A communication hook does what
-    the reducer does (one all-reduce per bucket, then the average) and takes the times, so the
-    link's idle gaps between buckets show."""
+    and when its all-reduce ended (ms from the step's start), so the link's idle gaps between
+    buckets show. The times come from a communication hook that all-reduces each bucket and
+    averages it, so this DDP takes the hooked path: the reducer copies the gradients into its
+    buckets and back (on the torchpar backend the unhooked one reduces them where they lie),
+    and a Python callback ends each bucket. Its steps can be a little longer than
+    ``torchpar_ddp``'s; the order of events is the same."""
     from torchpar.parallel import DistributedDataParallel
 
-    ddp = DistributedDataParallel(copy.deepcopy(model), process_group=pg, bucket_cap_mb=args.bucket_cap_mb)
+    ddp = DistributedDataParallel(copy.deepcopy(model), process_group=pg, bucket_cap_mb=args.bucket_cap_mb,
+                                  gradient_as_bucket_view=args.gradient_as_bucket_view)
     world = dist.get_world_size(pg)
     x, y = torch.randn(args.batch, args.width), torch.randn(args.batch, args.width)
     opt = torch.optim.SGD(ddp.parameters(), lr=1e-4)
