@@ -368,48 +368,6 @@ def restart():
     dist.destroy_process_group()
 
 
-def ddp_bench():
-    """Step times of torchpar's DDP (overlapped) and of the no-overlap baseline, with the
-    same model, steps and interleaved rounds as ``python -m torchpar.bench ddp`` (its
-    ``_steps``, and its ``overlap_bound``); rank 0 prints one JSON line of medians (ms), then,
-    with BENCH_TIMELINE=1, one of ``bucket_timeline``. Sizes from BENCH_* settings."""
-    import json
-    import statistics
-    from types import SimpleNamespace
-
-    from torchpar.bench.ddp import MODES, _mlp, _steps, bucket_timeline, overlap_bound
-
-    e = os.environ
-    args = SimpleNamespace(width=int(e["BENCH_WIDTH"]), depth=int(e["BENCH_DEPTH"]), batch=int(e["BENCH_BATCH"]),
-                           bucket_cap_mb=float(e.get("BENCH_BUCKET_MB", "25")), gradient_as_bucket_view=False)
-    steps_per_round, rounds = int(e.get("BENCH_STEPS", "2")), int(e.get("BENCH_ROUNDS", "5"))
-    W, r = init()
-    torch.manual_seed(0)
-    first_grad = []
-    steps = _steps(_mlp(args.width, args.depth), dist.group.WORLD, args, first_grad)
-    modes = MODES
-    samples = {m: [] for m in modes}
-    for round_ in range(rounds):
-        for mode in modes[round_ % len(modes):] + modes[:round_ % len(modes)]:
-            timed_from = len(first_grad)
-            steps[mode]()  # warm-up
-            del first_grad[timed_from:]  # from the timed steps only, as compute_only's time
-            dist.barrier()
-            for _ in range(steps_per_round):
-                t0 = time.perf_counter()
-                steps[mode]()
-                samples[mode].append(time.perf_counter() - t0)
-    if r == 0:
-        ms = {m: statistics.median(v) * 1e3 for m, v in samples.items()}
-        ms["overlap_bound"] = overlap_bound(ms, statistics.median(first_grad))
-        say("bench", json.dumps({m: round(t, 1) for m, t in ms.items()}))
-    if e.get("BENCH_TIMELINE") == "1":
-        timeline = bucket_timeline(_mlp(args.width, args.depth), dist.group.WORLD, args)
-        if r == 0:
-            say("timeline", json.dumps(timeline))
-    dist.destroy_process_group()
-
-
 if __name__ == "__main__":
     torch.set_num_threads(1)  # several ranks share two cores
-    {"suite": suite, "loop": loop, "restart": restart, "ddp_bench": ddp_bench}[sys.argv[1]]()
+    {"suite": suite, "loop": loop, "restart": restart}[sys.argv[1]]()

@@ -3,6 +3,8 @@ bound consistent with the modes it is made of, and the bucket timeline of ``--ti
 accounting for every gradient byte in each step (issue 21's DDP overlap measurements)."""
 import json
 
+import pytest
+
 from torchpar.bench import ddp as bench_ddp
 
 
@@ -25,3 +27,20 @@ def test_bench_ddp_bound_and_timeline(tmp_path, capsys):
         assert all(row["forward"] <= b["ready"] <= b["done"] <= row["step"] for b in buckets)
     printed = capsys.readouterr().out
     assert "naive/bound" in printed and "link idle" in printed
+
+
+def test_bench_ddp_across_test_hosts(tmp_path):
+    """``--hosts 2``: one job per link over network-namespace hosts (as root), each rank running
+    the benchmark's own measurement; rank 0's results come back keyed by link."""
+    from torchpar.bench._hosts import Hosts
+    why = Hosts.unavailable()
+    if why:
+        pytest.skip(f"no test hosts: {why}")
+    out = tmp_path / "ddp_hosts.json"
+    assert bench_ddp.main(["--hosts", "2", "--links", "unshaped", "--width", "64", "--depth", "2",
+                           "--rounds", "1", "--steps", "1", "--timeline", "--json", str(out)]) == 0
+    data = json.loads(out.read_text())
+    assert data["meta"]["world_size"] == 2 and data["meta"]["hosts"] == 2
+    veth = data["results_ms"]["veth"]
+    assert all(veth["median"][m] > 0 for m in bench_ddp.MODES)
+    assert len(veth["timeline"]) == 3

@@ -14,13 +14,16 @@ and (for a run that crashed) by the next run: names carry the creating process's
 
 ``Hosts.unavailable()`` says why namespaces cannot be made here (not root, no `ip`, a
 kernel that refuses), or None; the tests skip with that reason. ``start_ranks`` starts the
-ranks of one job over the hosts, with the environment of ``torch.distributed``'s env://.
+ranks of one job over the hosts, with the environment of ``torch.distributed``'s env://;
+``run_job`` runs a benchmark's ranks that way and returns rank 0's results.
 """
-import os
 import itertools
+import json
+import os
 import shutil
 import signal
 import subprocess
+import tempfile
 import time
 
 STORE_PORT = 29500  # MASTER_PORT on host 0: each host is a namespace of its own, no other job shares it
@@ -265,3 +268,40 @@ def start_ranks(hosts, nprocs, argv, env, output=lambda rank: subprocess.DEVNULL
             procs.append(h.popen(argv, stdout=output(rank), stderr=subprocess.STDOUT, text=True, env=e))
             rank += 1
     return procs
+
+
+def run_job(n_hosts, ranks_per_host, link, rate, argv, timeout, on_line=None):
+    """One benchmark job over fresh test hosts: ``n_hosts`` namespaces of ``ranks_per_host``
+    ranks, the link plain (``link`` "unshaped") or shaped with tc tbf at ``rate``. Every rank
+    runs ``argv + ["--worker-results", PATH]``; rank 0 writes its JSON results to PATH, which
+    is returned parsed. ``on_line`` gets rank 0's output lines as they come; the other ranks'
+    output is shown only if the job fails (SystemExit, with their tails)."""
+    nprocs = [ranks_per_host] * n_hosts
+    with tempfile.TemporaryDirectory(prefix="torchpar-bench-hosts-") as tmp, Hosts(n_hosts) as hosts:
+        if link == "shaped":
+            for h in hosts:
+                h.shape(rate=rate)
+        out = os.path.join(tmp, "results.json")
+        logs = [open(os.path.join(tmp, f"rank{r}.log"), "w+") for r in range(sum(nprocs))]
+        procs = start_ranks(hosts, nprocs, list(argv) + ["--worker-results", out], worker_env(),
+                            output=lambda r: subprocess.PIPE if r == 0 else logs[r])
+        rank0 = []
+        for line in procs[0].stdout:  # rank 0's progress as it comes
+            rank0.append(line)
+            if on_line:
+                on_line(line.rstrip())
+        deadline = time.monotonic() + timeout
+        codes = []
+        for p in procs:
+            try:
+                codes.append(p.wait(timeout=max(1.0, deadline - time.monotonic())))
+            except subprocess.TimeoutExpired:
+                codes.append(None)  # Hosts' exit kills it
+        if codes != [0] * len(procs) or not os.path.exists(out):
+            tails = [f"--- rank 0:\n{''.join(rank0)[-2000:]}"]
+            for r, log in enumerate(logs[1:], start=1):
+                log.seek(0)
+                tails.append(f"--- rank {r}:\n{log.read()[-2000:]}")
+            raise SystemExit(f"the {link} run failed (exit statuses {codes}):\n" + "\n".join(tails))
+        with open(out) as f:
+            return json.load(f)

@@ -16,15 +16,12 @@ host must send (and receive) at least bytes x 2(H-1)/H of an all-reduce over H h
 ((H-1)/H for all_gather and reduce_scatter, 1 for broadcast), whatever its ranks do inside
 it; "link" is that over the time, as a share of the shaped rate.
 """
-import json
 import os
 import re
-import subprocess
 import sys
-import tempfile
 import time
 
-from torchpar.bench._hosts import Hosts, start_ranks, worker_env
+from torchpar.bench._hosts import Hosts, run_job
 from torchpar.bench._report import human_bytes, print_table, pyplot, write_json
 from torchpar.bench.collectives import bus_factor
 
@@ -42,8 +39,8 @@ def host_factor(op, hosts):
     return bus_factor(op, hosts)
 
 
-def _worker_argv(args, out):
-    argv = [sys.executable, "-m", "torchpar.bench", "collectives", "--worker-results", out,
+def _worker_argv(args):
+    argv = [sys.executable, "-m", "torchpar.bench", "collectives",
             "--ops", ",".join(args.ops), "--budget", str(args.budget), "--batches", str(args.batches),
             "--rounds", str(args.rounds), "--systems", ",".join(args.systems)]
     argv += ["--sizes", ",".join(map(str, args.sizes))] if args.sizes else ["--max-bytes", str(args.max_bytes)]
@@ -52,33 +49,8 @@ def _worker_argv(args, out):
 
 def _run_link(args, link):
     """One job over fresh hosts; returns rank 0's rows."""
-    nprocs = [args.ranks_per_host] * args.hosts
-    with tempfile.TemporaryDirectory(prefix="torchpar-bench-hosts-") as tmp, Hosts(args.hosts) as hosts:
-        if link == "shaped":
-            for h in hosts:
-                h.shape(rate=args.rate)
-        out = os.path.join(tmp, "results.json")
-        logs = [open(os.path.join(tmp, f"rank{r}.log"), "w+") for r in range(sum(nprocs))]
-        procs = start_ranks(hosts, nprocs, _worker_argv(args, out), worker_env(),
-                            output=lambda r: subprocess.PIPE if r == 0 else logs[r])
-        for line in procs[0].stdout:  # rank 0's progress as it comes
-            if args.progress:
-                print(f"  [{link}] {line.rstrip()}", flush=True)
-        deadline = time.monotonic() + args.timeout
-        codes = []
-        for p in procs:
-            try:
-                codes.append(p.wait(timeout=max(1.0, deadline - time.monotonic())))
-            except subprocess.TimeoutExpired:
-                codes.append(None)  # Hosts' exit kills it
-        if codes != [0] * len(procs) or not os.path.exists(out):
-            tails = []
-            for r, log in enumerate(logs[1:], start=1):
-                log.seek(0)
-                tails.append(f"--- rank {r}:\n{log.read()[-2000:]}")
-            raise SystemExit(f"the {link} run failed (exit statuses {codes}):\n" + "\n".join(tails))
-        with open(out) as f:
-            rows = json.load(f)
+    rows = run_job(args.hosts, args.ranks_per_host, link, args.rate, _worker_argv(args), args.timeout,
+                   on_line=(lambda line: print(f"  [{link}] {line}", flush=True)) if args.progress else None)
     for row in rows:
         row.update(link=link, hosts=args.hosts, ranks_per_host=args.ranks_per_host,
                    rate=args.rate if link == "shaped" else None)

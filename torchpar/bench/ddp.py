@@ -19,6 +19,15 @@ overlapping DDP can gain on that model and link.
 ``--backends`` takes torchpar, gloo, nccl, and ``torchpar-tcp``: the torchpar backend over
 its TCP transport (sockets between the ranks, as between hosts; gloo's situation).
 
+``--hosts N`` runs the torchpar backend over N test hosts instead (network namespaces joined by
+a bridge, as root: torchpar/bench/_hosts.py), ``--ranks-per-host`` each, once per link in
+``--links``: the plain veth, and one shaped with ``tc tbf`` at ``--rate``, where the network and
+not the cores is the bottleneck and overlap shows (issue 21). Overlap has the most to hide when
+the backward is about as long as the transfer; on the 2-core machine of docs/hosts.md that is::
+
+    python -m torchpar.bench ddp --hosts 2 --links shaped --width 1024 --depth 4 --batch 768 \
+        --bucket-cap-mb 4 --rounds 5 --timeline
+
 Modes run in interleaved rounds so that drift in machine load hits all of them alike;
 the table shows the median step time and the ratios against torchpar's DDP.
 """
@@ -217,11 +226,12 @@ def _available(backend):
 
 
 def _print_table(results, meta, stat):
-    print(f"\nDDP step time, world size {meta['world_size']}, MLP {meta['depth']}x{meta['width']} "
+    where = f" over {meta['hosts']} test hosts x {meta['ranks_per_host']} ranks (torchpar)" if "hosts" in meta else ""
+    print(f"\nDDP step time, world size {meta['world_size']}{where}, MLP {meta['depth']}x{meta['width']} "
           f"({meta['params'] / 1e6:.1f}M params, {meta['params'] * 4 / 2**20:.0f} MiB of fp32 gradients), "
           f"batch {meta['batch']} per rank, {meta['threads']} thread(s) per rank, "
           f"{stat} of {meta['samples']} steps (ms)")
-    head = (f"{'backend':<14}" + "".join(f"{m:>14}" for m in MODES + ["overlap_bound"])
+    head = (f"{'link' if 'hosts' in meta else 'backend':<14}" + "".join(f"{m:>14}" for m in MODES + ["overlap_bound"])
             + f"{'torch/ours':>12}{'naive/ours':>12}{'naive/bound':>12}")
     print(head)
     print("-" * len(head))
@@ -240,7 +250,7 @@ def _print_table(results, meta, stat):
     print(f"{meta['date']}, torch {meta['torch']}, load average before the run {meta['load']:.2f}")
 
 
-def _plot(results, path):
+def _plot(results, path, by="backend"):
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -253,11 +263,50 @@ def _plot(results, path):
                width, label=mode)
     ax.set_xticks([b + 0.4 - width / 2 for b in range(len(backends))], backends)
     ax.set_ylabel("step time (ms, median)")
-    ax.set_title("DDP step time by backend")
+    ax.set_title(f"DDP step time by {by}")
     ax.legend()
     fig.tight_layout()
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     fig.savefig(path, dpi=120)
+
+
+def _worker_argv(args):
+    """The command of every rank of a ``--hosts`` job: this benchmark with the same sizes."""
+    argv = [sys.executable, "-m", "torchpar.bench", "ddp"]
+    for name in ("width", "depth", "batch", "threads", "bucket_cap_mb", "steps", "rounds", "warmup"):
+        argv += [f"--{name.replace('_', '-')}", str(getattr(args, name))]
+    return argv + [flag for flag, on in (("--gradient-as-bucket-view", args.gradient_as_bucket_view),
+                                         ("--timeline", args.timeline)) if on]
+
+
+def _run_hosts(args):
+    """Per link, one job over fresh test hosts; rank 0's results, keyed by the link's name."""
+    from torchpar.bench._hosts import Hosts, run_job
+    why = Hosts.unavailable()
+    if why:
+        raise SystemExit(f"no test hosts: {why}")
+    results = {}
+    for link in args.links:
+        if link not in ("unshaped", "shaped"):
+            raise SystemExit(f"--links: unshaped or shaped, not {link!r}")
+        name = f"tbf {args.rate}" if link == "shaped" else "veth"
+        print(f"running over {args.hosts} hosts x {args.ranks_per_host} ranks, {name} ...", file=sys.stderr, flush=True)
+        results[name] = run_job(args.hosts, args.ranks_per_host, link, args.rate, _worker_argv(args), args.timeout)
+    return results
+
+
+def _hosts_worker(args):
+    """One rank of a ``--hosts`` job (env:// rendezvous): rank 0 writes the results."""
+    from datetime import timedelta
+
+    import torchpar  # noqa: F401  (registers the backend)
+    dist.init_process_group("torchpar", timeout=timedelta(seconds=600))
+    results = _measure(dist.get_rank(), args)
+    if dist.get_rank() == 0:
+        with open(args.worker_results, "w") as f:
+            json.dump(results, f)
+    dist.destroy_process_group()
+    return 0
 
 
 def main(argv=None):
@@ -281,7 +330,16 @@ def main(argv=None):
                     help="then print rank 0's bucket timeline of 3 torchpar DDP steps (bucket_timeline)")
     ap.add_argument("--json", help="write results here")
     ap.add_argument("--plot", help="write a PNG bar chart here")
+    hosts = ap.add_argument_group("across test hosts (network namespaces; needs root; torchpar only)")
+    hosts.add_argument("--hosts", type=int, default=0, help="run over this many test hosts")
+    hosts.add_argument("--ranks-per-host", type=int, default=1)
+    hosts.add_argument("--rate", default="1gbit", help="the shaped link's tc tbf rate")
+    hosts.add_argument("--links", default="unshaped,shaped", type=lambda s: s.split(","),
+                       help="unshaped and/or shaped (default both)")
+    hosts.add_argument("--worker-results", help=argparse.SUPPRESS)  # a rank of a --hosts job: rank 0 writes here
     args = ap.parse_args(argv)
+    if args.worker_results:
+        return _hosts_worker(args)
 
     meta = {k: getattr(args, k) for k in ("world_size", "width", "depth", "batch", "threads", "bucket_cap_mb",
                                           "gradient_as_bucket_view")}
@@ -291,7 +349,10 @@ def main(argv=None):
     meta["torch"] = torch.__version__
     meta["load"] = os.getloadavg()[0]  # other work on the machine skews every mode
     results = {}
-    for backend in [b.strip() for b in args.backends.split(",") if b.strip()]:
+    if args.hosts:
+        meta.update(world_size=args.hosts * args.ranks_per_host, hosts=args.hosts, ranks_per_host=args.ranks_per_host)
+        results = _run_hosts(args)
+    for backend in [] if args.hosts else [b.strip() for b in args.backends.split(",") if b.strip()]:
         if not _available(backend):
             print(f"note: backend '{backend}' is not available in this build; skipped", file=sys.stderr)
             results[backend] = None
@@ -308,7 +369,7 @@ def main(argv=None):
         with open(args.json, "w") as f:
             json.dump({"meta": meta, "results_ms": results}, f, indent=2)
     if args.plot and any(r is not None for r in results.values()):
-        _plot(results, args.plot)
+        _plot(results, args.plot, "link across test hosts" if args.hosts else "backend")
     return 0
 
 
