@@ -17,6 +17,7 @@ kernel that refuses), or None; the tests skip with that reason. ``start_ranks`` 
 ranks of one job over the hosts, with the environment of ``torch.distributed``'s env://;
 ``run_job`` runs a benchmark's ranks that way and returns rank 0's results.
 """
+import argparse
 import itertools
 import json
 import os
@@ -268,6 +269,20 @@ def start_ranks(hosts, nprocs, argv, env, output=lambda rank: subprocess.DEVNULL
             procs.append(h.popen(argv, stdout=output(rank), stderr=subprocess.STDOUT, text=True, env=e))
             rank += 1
     return procs
+
+
+def add_arguments(parser, ranks_per_host, note=""):
+    """A benchmark's options for running across test hosts: ``--hosts``, ``--ranks-per-host``,
+    ``--rate``, ``--links``, and the hidden ``--worker-results`` of ``run_job``'s ranks.
+    Returns the argument group, for the benchmark's own options."""
+    group = parser.add_argument_group(f"across test hosts (network namespaces; needs root{note})")
+    group.add_argument("--hosts", type=int, default=0, help="run over this many test hosts")
+    group.add_argument("--ranks-per-host", type=int, default=ranks_per_host)
+    group.add_argument("--rate", default="1gbit", help="the shaped link's tc tbf rate")
+    group.add_argument("--links", default="unshaped,shaped", type=lambda s: s.split(","),
+                       help="unshaped (the plain veth), shaped (tc tbf at --rate on both ends), or both")
+    group.add_argument("--worker-results", help=argparse.SUPPRESS)  # a rank of a run_job job: rank 0 writes here
+    return group
 
 
 def run_job(n_hosts, ranks_per_host, link, rate, argv, timeout, on_line=None):

@@ -29,6 +29,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from torchpar.bench._hosts import add_arguments as add_host_arguments
 from torchpar.bench._report import human_bytes, parse_bytes, print_table, pyplot, write_json
 from torchpar.bench._spawn import run_ranks
 
@@ -294,16 +295,10 @@ def main(argv=None):
                    help="comma-separated message sizes (default: 4 B to --max-bytes, x4)")
     p.add_argument("--rounds", type=int, default=None,
                    help="rounds in which the systems take turns (default 1; 3 with --hosts)")
-    hosts = p.add_argument_group("across test hosts (network namespaces; needs root)")
-    hosts.add_argument("--hosts", type=int, default=0, help="run over this many test hosts")
-    hosts.add_argument("--ranks-per-host", type=int, default=2)
-    hosts.add_argument("--rate", default="1gbit", help="the shaped link's tc tbf rate")
-    hosts.add_argument("--links", default="unshaped,shaped", type=lambda s: s.split(","),
-                       help="unshaped (the plain veth), shaped (tc tbf at --rate on both ends), or both")
+    hosts = add_host_arguments(p, ranks_per_host=2)
     hosts.add_argument("--systems", type=lambda s: s.split(","), default=None,
                        help=f"compared with --hosts (default {','.join(DEFAULT_SYSTEMS)}; "
                             f"any of {','.join(SYSTEMS)})")
-    hosts.add_argument("--worker-results", help=argparse.SUPPRESS)  # a rank of a --hosts run: rank 0 writes here
     args = p.parse_args(argv)
     across_hosts = bool(args.hosts or args.worker_results)
     args.ops = args.ops or (["all_reduce"] if across_hosts else OPS)

@@ -44,6 +44,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from torchpar.bench._hosts import add_arguments as add_host_arguments
 from torchpar.bench._spawn import run_ranks
 
 MODES = ["torchpar_ddp", "torch_ddp", "no_overlap", "compute_only", "comm_only", "comm_flat"]
@@ -330,13 +331,7 @@ def main(argv=None):
                     help="then print rank 0's bucket timeline of 3 torchpar DDP steps (bucket_timeline)")
     ap.add_argument("--json", help="write results here")
     ap.add_argument("--plot", help="write a PNG bar chart here")
-    hosts = ap.add_argument_group("across test hosts (network namespaces; needs root; torchpar only)")
-    hosts.add_argument("--hosts", type=int, default=0, help="run over this many test hosts")
-    hosts.add_argument("--ranks-per-host", type=int, default=1)
-    hosts.add_argument("--rate", default="1gbit", help="the shaped link's tc tbf rate")
-    hosts.add_argument("--links", default="unshaped,shaped", type=lambda s: s.split(","),
-                       help="unshaped and/or shaped (default both)")
-    hosts.add_argument("--worker-results", help=argparse.SUPPRESS)  # a rank of a --hosts job: rank 0 writes here
+    add_host_arguments(ap, ranks_per_host=1, note="; torchpar only")
     args = ap.parse_args(argv)
     if args.worker_results:
         return _hosts_worker(args)
