@@ -44,3 +44,20 @@ def test_bench_ddp_across_test_hosts(tmp_path):
     veth = data["results_ms"]["veth"]
     assert all(veth["median"][m] > 0 for m in bench_ddp.MODES)
     assert len(veth["timeline"]) == 3
+
+
+def test_a_hosts_job_past_its_timeout_fails_naming_it():
+    """run_job, under every ``--hosts`` benchmark: a rank that never finishes ends the job at
+    its timeout with a clear error (leaving the hosts kills it), not a wait without end."""
+    import sys
+    import time
+
+    from torchpar.bench._hosts import Hosts, run_job
+    why = Hosts.unavailable()
+    if why:
+        pytest.skip(f"no test hosts: {why}")
+    start = time.monotonic()
+    with pytest.raises(SystemExit, match=r"did not finish within 3 s"):
+        run_job(2, 1, "unshaped", "1gbit", [sys.executable, "-c", "print('started', flush=True); "
+                                            "import time; time.sleep(120)"], timeout=3)
+    assert time.monotonic() - start < 60

@@ -25,6 +25,7 @@ import shutil
 import signal
 import subprocess
 import tempfile
+import threading
 import time
 
 STORE_PORT = 29500  # MASTER_PORT on host 0: each host is a namespace of its own, no other job shares it
@@ -290,7 +291,8 @@ def run_job(n_hosts, ranks_per_host, link, rate, argv, timeout, on_line=None):
     ranks, the link plain (``link`` "unshaped") or shaped with tc tbf at ``rate``. Every rank
     runs ``argv + ["--worker-results", PATH]``; rank 0 writes its JSON results to PATH, which
     is returned parsed. ``on_line`` gets rank 0's output lines as they come; the other ranks'
-    output is shown only if the job fails (SystemExit, with their tails)."""
+    output is shown only if the job fails or runs past ``timeout`` seconds (SystemExit, with
+    their tails; leaving the hosts kills what still runs)."""
     nprocs = [ranks_per_host] * n_hosts
     with tempfile.TemporaryDirectory(prefix="torchpar-bench-hosts-") as tmp, Hosts(n_hosts) as hosts:
         if link == "shaped":
@@ -300,18 +302,25 @@ def run_job(n_hosts, ranks_per_host, link, rate, argv, timeout, on_line=None):
         logs = [open(os.path.join(tmp, f"rank{r}.log"), "w+") for r in range(sum(nprocs))]
         procs = start_ranks(hosts, nprocs, list(argv) + ["--worker-results", out], worker_env(),
                             output=lambda r: subprocess.PIPE if r == 0 else logs[r])
-        rank0 = []
-        for line in procs[0].stdout:  # rank 0's progress as it comes
-            rank0.append(line)
-            if on_line:
-                on_line(line.rstrip())
         deadline = time.monotonic() + timeout
+        rank0 = []
+
+        def relay():  # rank 0's progress as it comes, while the job is waited for below
+            for line in procs[0].stdout:
+                rank0.append(line)
+                if on_line:
+                    on_line(line.rstrip())
+        reader = threading.Thread(target=relay, daemon=True)
+        reader.start()
         codes = []
         for p in procs:
             try:
                 codes.append(p.wait(timeout=max(1.0, deadline - time.monotonic())))
             except subprocess.TimeoutExpired:
                 codes.append(None)  # Hosts' exit kills it
+        reader.join(timeout=5)
+        if None in codes:
+            rank0.append(f"(the job did not finish within {timeout:.0f} s)\n")
         if codes != [0] * len(procs) or not os.path.exists(out):
             tails = [f"--- rank 0:\n{''.join(rank0)[-2000:]}"]
             for r, log in enumerate(logs[1:], start=1):

@@ -277,22 +277,28 @@ def _worker_argv(args):
     for name in ("width", "depth", "batch", "threads", "bucket_cap_mb", "steps", "rounds", "warmup"):
         argv += [f"--{name.replace('_', '-')}", str(getattr(args, name))]
     return argv + [flag for flag, on in (("--gradient-as-bucket-view", args.gradient_as_bucket_view),
-                                         ("--timeline", args.timeline)) if on]
+                                         ("--timeline", args.timeline), ("--dump-samples", args.dump_samples)) if on]
 
 
 def _run_hosts(args):
     """Per link, one job over fresh test hosts; rank 0's results, keyed by the link's name."""
     from torchpar.bench._hosts import Hosts, run_job
+    from torchpar.bench._hosts_report import rate_bits
     why = Hosts.unavailable()
     if why:
         raise SystemExit(f"no test hosts: {why}")
-    results = {}
     for link in args.links:
         if link not in ("unshaped", "shaped"):
             raise SystemExit(f"--links: unshaped or shaped, not {link!r}")
+    rate_bits(args.rate)  # a bad rate is refused before any job runs
+    results = {}
+    for link in args.links:
         name = f"tbf {args.rate}" if link == "shaped" else "veth"
         print(f"running over {args.hosts} hosts x {args.ranks_per_host} ranks, {name} ...", file=sys.stderr, flush=True)
-        results[name] = run_job(args.hosts, args.ranks_per_host, link, args.rate, _worker_argv(args), args.timeout)
+        # rank 0's printed samples (--dump-samples) are passed on; its other output is the results
+        relay = (lambda line, name=name: print(f"[{name}] {line}", flush=True)) if args.dump_samples else None
+        results[name] = run_job(args.hosts, args.ranks_per_host, link, args.rate, _worker_argv(args), args.timeout,
+                                on_line=relay)
     return results
 
 
@@ -345,7 +351,8 @@ def main(argv=None):
     meta["load"] = os.getloadavg()[0]  # other work on the machine skews every mode
     results = {}
     if args.hosts:
-        meta.update(world_size=args.hosts * args.ranks_per_host, hosts=args.hosts, ranks_per_host=args.ranks_per_host)
+        meta.update(world_size=args.hosts * args.ranks_per_host, hosts=args.hosts, ranks_per_host=args.ranks_per_host,
+                    links=args.links, rate=args.rate)
         results = _run_hosts(args)
     for backend in [] if args.hosts else [b.strip() for b in args.backends.split(",") if b.strip()]:
         if not _available(backend):
