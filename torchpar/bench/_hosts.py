@@ -21,6 +21,7 @@ import argparse
 import itertools
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -270,6 +271,26 @@ def start_ranks(hosts, nprocs, argv, env, output=lambda rank: subprocess.DEVNULL
             procs.append(h.popen(argv, stdout=output(rank), stderr=subprocess.STDOUT, text=True, env=e))
             rank += 1
     return procs
+
+
+def rate_bits(rate):
+    """tc's rate ("1gbit", "500mbit", "100kbit") in bits per second."""
+    m = re.fullmatch(r"([0-9.]+)\s*([kmgt]?)bit", rate.strip().lower())
+    if not m:
+        raise SystemExit(f"--rate {rate!r}: give it in tc's bit units, e.g. 1gbit or 500mbit")
+    return float(m.group(1)) * {"": 1, "k": 1e3, "m": 1e6, "g": 1e9, "t": 1e12}[m.group(2)]
+
+
+def check_options(links, rate):
+    """Before any job runs: SystemExit when test hosts cannot be made here, or a link or the
+    rate is not understood. Returns the rate in bits per second."""
+    why = Hosts.unavailable()
+    if why:
+        raise SystemExit(f"no test hosts: {why}")
+    for link in links:
+        if link not in ("unshaped", "shaped"):
+            raise SystemExit(f"--links: unshaped or shaped, not {link!r}")
+    return rate_bits(rate)
 
 
 def add_arguments(parser, ranks_per_host, note=""):

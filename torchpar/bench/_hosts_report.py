@@ -17,21 +17,12 @@ host must send (and receive) at least bytes x 2(H-1)/H of an all-reduce over H h
 it; "link" is that over the time, as a share of the shaped rate.
 """
 import os
-import re
 import sys
 import time
 
-from torchpar.bench._hosts import Hosts, run_job
+from torchpar.bench._hosts import check_options, rate_bits, run_job
 from torchpar.bench._report import human_bytes, print_table, pyplot, write_json
 from torchpar.bench.collectives import bus_factor
-
-
-def rate_bits(rate):
-    """tc's rate ("1gbit", "500mbit", "100kbit") in bits per second."""
-    m = re.fullmatch(r"([0-9.]+)\s*([kmgt]?)bit", rate.strip().lower())
-    if not m:
-        raise SystemExit(f"--rate {rate!r}: give it in tc's bit units, e.g. 1gbit or 500mbit")
-    return float(m.group(1)) * {"": 1, "k": 1e3, "m": 1e6, "g": 1e9, "t": 1e12}[m.group(2)]
 
 
 def host_factor(op, hosts):
@@ -58,13 +49,7 @@ def _run_link(args, link):
 
 
 def run_hosts(args):
-    why = Hosts.unavailable()
-    if why:
-        raise SystemExit(f"no test hosts: {why}")
-    for link in args.links:
-        if link not in ("unshaped", "shaped"):
-            raise SystemExit(f"--links: unshaped or shaped, not {link!r}")
-    rate = rate_bits(args.rate)
+    rate = check_options(args.links, args.rate)
     args.timeout = getattr(args, "timeout", None) or 3600
     started = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
     load = os.getloadavg()[0]

@@ -282,15 +282,8 @@ def _worker_argv(args):
 
 def _run_hosts(args):
     """Per link, one job over fresh test hosts; rank 0's results, keyed by the link's name."""
-    from torchpar.bench._hosts import Hosts, run_job
-    from torchpar.bench._hosts_report import rate_bits
-    why = Hosts.unavailable()
-    if why:
-        raise SystemExit(f"no test hosts: {why}")
-    for link in args.links:
-        if link not in ("unshaped", "shaped"):
-            raise SystemExit(f"--links: unshaped or shaped, not {link!r}")
-    rate_bits(args.rate)  # a bad rate is refused before any job runs
+    from torchpar.bench._hosts import check_options, run_job
+    check_options(args.links, args.rate)
     results = {}
     for link in args.links:
         name = f"tbf {args.rate}" if link == "shaped" else "veth"
