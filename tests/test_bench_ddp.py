@@ -13,7 +13,8 @@ def test_bench_ddp_bound_and_timeline(tmp_path, capsys):
     width, depth = 64, 3
     assert bench_ddp.main(["--backends", "torchpar", "--width", str(width), "--depth", str(depth),
                            "--rounds", "1", "--steps", "2", "--bucket-cap-mb", "0.01", "--timeline",
-                           "--json", str(out)]) == 0
+                           "--json", str(out), "--plot", str(tmp_path / "ddp.png")]) == 0
+    assert (tmp_path / "ddp.png").stat().st_size > 0
     result = json.loads(out.read_text())["results_ms"]["torchpar"]
     ms = result["median"]
     assert set(bench_ddp.MODES) <= set(ms) and all(ms[m] > 0 for m in bench_ddp.MODES)

@@ -262,10 +262,13 @@ def _plot(results, path, by="backend"):
     for i, mode in enumerate(MODES):
         ax.bar([b + i * width for b in range(len(backends))], [results[k]["median"][mode] for k in backends],
                width, label=mode)
+    for b, k in enumerate(backends):  # the least any overlap could reach, across the group's bars
+        ax.hlines(results[k]["median"]["overlap_bound"], b - width / 2, b + 0.8 - width / 2, colors="black",
+                  linestyles="dashed", label="overlap_bound" if b == 0 else None)
     ax.set_xticks([b + 0.4 - width / 2 for b in range(len(backends))], backends)
     ax.set_ylabel("step time (ms, median)")
     ax.set_title(f"DDP step time by {by}")
-    ax.legend()
+    ax.legend(ncol=4, fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.1))
     fig.tight_layout()
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     fig.savefig(path, dpi=120)
