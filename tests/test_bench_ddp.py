@@ -2,6 +2,8 @@
 bound consistent with the modes it is made of, and the bucket timeline of ``--timeline``
 accounting for every gradient byte in each step (issue 21's DDP overlap measurements)."""
 import json
+import sys
+import time
 
 import pytest
 
@@ -50,9 +52,6 @@ def test_bench_ddp_across_test_hosts(tmp_path):
 def test_a_hosts_job_past_its_timeout_fails_naming_it():
     """run_job, under every ``--hosts`` benchmark: a rank that never finishes ends the job at
     its timeout with a clear error (leaving the hosts kills it), not a wait without end."""
-    import sys
-    import time
-
     from torchpar.bench._hosts import Hosts, run_job
     why = Hosts.unavailable()
     if why:

@@ -18,6 +18,7 @@ ranks of one job over the hosts, with the environment of ``torch.distributed``'s
 ``run_job`` runs a benchmark's ranks that way and returns rank 0's results.
 """
 import argparse
+import contextlib
 import itertools
 import json
 import os
@@ -315,12 +316,16 @@ def run_job(n_hosts, ranks_per_host, link, rate, argv, timeout, on_line=None):
     output is shown only if the job fails or runs past ``timeout`` seconds (SystemExit, with
     their tails; leaving the hosts kills what still runs)."""
     nprocs = [ranks_per_host] * n_hosts
-    with tempfile.TemporaryDirectory(prefix="torchpar-bench-hosts-") as tmp, Hosts(n_hosts) as hosts:
+    with contextlib.ExitStack() as stack:
+        tmp = stack.enter_context(tempfile.TemporaryDirectory(prefix="torchpar-bench-hosts-"))
+        hosts = stack.enter_context(Hosts(n_hosts))
         if link == "shaped":
             for h in hosts:
                 h.shape(rate=rate)
         out = os.path.join(tmp, "results.json")
-        logs = [open(os.path.join(tmp, f"rank{r}.log"), "w+") for r in range(sum(nprocs))]
+        # Rank 0's output is read as it comes (below); the others' goes to files, read on failure.
+        logs = [None] + [stack.enter_context(open(os.path.join(tmp, f"rank{r}.log"), "w+"))
+                         for r in range(1, sum(nprocs))]
         procs = start_ranks(hosts, nprocs, list(argv) + ["--worker-results", out], worker_env(),
                             output=lambda r: subprocess.PIPE if r == 0 else logs[r])
         deadline = time.monotonic() + timeout

@@ -345,18 +345,19 @@ def main(argv=None):
     meta["date"] = datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
     meta["torch"] = torch.__version__
     meta["load"] = os.getloadavg()[0]  # other work on the machine skews every mode
-    results = {}
     if args.hosts:
         meta.update(world_size=args.hosts * args.ranks_per_host, hosts=args.hosts, ranks_per_host=args.ranks_per_host,
                     links=args.links, rate=args.rate)
         results = _run_hosts(args)
-    for backend in [] if args.hosts else [b.strip() for b in args.backends.split(",") if b.strip()]:
-        if not _available(backend):
-            print(f"note: backend '{backend}' is not available in this build; skipped", file=sys.stderr)
-            results[backend] = None
-            continue
-        print(f"running {backend} ...", file=sys.stderr, flush=True)
-        results[backend] = _run_backend(backend, args)
+    else:
+        results = {}
+        for backend in [b.strip() for b in args.backends.split(",") if b.strip()]:
+            if not _available(backend):
+                print(f"note: backend '{backend}' is not available in this build; skipped", file=sys.stderr)
+                results[backend] = None
+                continue
+            print(f"running {backend} ...", file=sys.stderr, flush=True)
+            results[backend] = _run_backend(backend, args)
     _print_table(results, meta, "median")  # the JSON also has "min", least disturbed by other load
     for backend, r in results.items():
         if r and "timeline" in r:
