@@ -248,9 +248,13 @@ def test_prefetch_and_reduce_scatter_overlap_in_engine_trace(backend):
 
 # ---- reshard_after_forward frees the gathered storage ----
 
-def _storage_sizes(ctx, reshard_after_forward):
+def _storage_sizes(ctx, reshard_after_forward, by_setter):
     _setup(ctx)
-    model = _shard_model(Net(), ctx.pg, reshard_after_forward=reshard_after_forward)
+    if by_setter:  # sharded with the other setting, then set_reshard_after_forward
+        model = _shard_model(Net(), ctx.pg, reshard_after_forward=not reshard_after_forward)
+        model.set_reshard_after_forward(reshard_after_forward)
+    else:
+        model = _shard_model(Net(), ctx.pg, reshard_after_forward=reshard_after_forward)
     units = [m for m in model.modules() if isinstance(m, FSDPModule)]
 
     def gathered_bytes():
@@ -267,9 +271,10 @@ def _storage_sizes(ctx, reshard_after_forward):
 
 
 @on_backends
+@pytest.mark.parametrize("by_setter", [False, True], ids=["argument", "setter"])
 @pytest.mark.parametrize("reshard_after_forward", [True, False], ids=["reshard", "keep"])
-def test_reshard_after_forward_frees_gathered_storage(backend, reshard_after_forward):
-    before, fwd, bwd, full = _pool(backend, 2).run(_storage_sizes, reshard_after_forward)[0]
+def test_reshard_after_forward_frees_gathered_storage(backend, reshard_after_forward, by_setter):
+    before, fwd, bwd, full = _pool(backend, 2).run(_storage_sizes, reshard_after_forward, by_setter)[0]
     assert before == [0] * len(full)
     # The root keeps its parameters for backward; blocks free theirs unless told not to.
     assert fwd[0] == full[0]
@@ -303,6 +308,58 @@ def _no_sync_accumulation(ctx, use_context):
             start, length = u.flat.shard_range(i)
             expected = ref.get_parameter(_full_name(model, u, name)).grad.reshape(-1)[start:start + length]
             torch.testing.assert_close(p.grad, expected, rtol=1e-5, atol=1e-6, msg=lambda m: f"{name}: {m}")
+
+
+def _kept_between_micro_batches(ctx, reshard_after_forward):
+    """set_reshard_after_backward(False) under gradient accumulation: a backward that does not
+    sync leaves the units gathered, so the next micro-batch gathers only what its forward freed;
+    the syncing backward frees everything (an optimizer step follows), and the next step's first
+    forward gathers the stepped shards afresh: the weights stay equal to one process's."""
+    _setup(ctx)
+    model = Net()
+    ref = copy.deepcopy(model)
+    _shard_model(model, ctx.pg, reshard_after_forward=reshard_after_forward)
+    model.set_reshard_after_backward(False)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9)
+    units = [m for m in model.modules() if isinstance(m, FSDPModule)]
+    n = len(units)
+    gathers = []
+    for step in range(2):
+        opt.zero_grad()
+        ref_opt.zero_grad()
+        for i in range(3):
+            x, y = _batch(3 * step + i, 2 * ctx.world_size)
+            model.set_requires_gradient_sync(i == 2)
+            _loss(model(_part(x, ctx)), _part(y, ctx)).backward()
+            _loss(ref(x), y).backward()
+            gathers.append(sum(e[0] == "all_gather_launch" for e in model.fsdp_engine.trace()))
+            if i < 2:
+                assert all(m._fsdp.flat.gathered() for m in units), "a non-syncing backward freed a unit"
+        assert not any(m._fsdp.flat.gathered() for m in units), "the syncing backward kept a unit"
+        opt.step()
+        ref_opt.step()
+        _assert_matches(model.state_dict(), ref, step)
+    # The first micro-batch of a step gathers every unit; after it, with reshard_after_forward a
+    # forward frees the blocks (not the root) and their backward gathers them again.
+    again = n - 1 if reshard_after_forward else 0
+    assert gathers == [n + again, again, again] * 2, gathers
+    # reshard() frees a kept unit at once, and the next forward gathers it again.
+    model.set_requires_gradient_sync(False)
+    _loss(model(_part(x, ctx)), _part(y, ctx)).backward()
+    for m in units:
+        m.reshard()
+    assert not any(m._fsdp.flat.gathered() for m in units)
+    with torch.no_grad():
+        model(_part(x, ctx))
+    assert sum(e[0] == "all_gather_launch" for e in model.fsdp_engine.trace()) == n
+
+
+@on_backends
+@multi_rank
+@pytest.mark.parametrize("reshard_after_forward", [True, False], ids=["reshard", "keep"])
+def test_reshard_after_backward_false_keeps_units_between_micro_batches(backend, world_size, reshard_after_forward):
+    _pool(backend, world_size).run(_kept_between_micro_batches, reshard_after_forward)
 
 
 def _assert_shard_grads(model, ref, step):

@@ -865,11 +865,27 @@ def test_a_step_after_a_failed_step_gets_its_own_messages(backend):
     spawn(_step_after_a_failed_step, 2, backend, timeout=60)
 
 
-def _with_fsdp(ctx, name):
+def _expected_gathers(actions, stage, reshard_after_forward):
+    """All-gathers of one unit of ``stage`` in a step: the schedule keeps a unit gathered after
+    each backward before the last (set_reshard_after_backward(False), as torch's schedules), and
+    after each forward unless reshard_after_forward; so a compute gathers it when it is the
+    stage's first or follows a forward that freed it."""
+    gathers, previous = 0, None
+    for name, _, s in actions:
+        if s != stage or name not in ("F", "B", "W"):
+            continue
+        if name in ("F", "B") and (previous is None or (previous == "F" and reshard_after_forward)):
+            gathers += 1
+        previous = name if name != "W" else previous
+    return gathers
+
+
+def _with_fsdp(ctx, name, reshard_after_forward=True):
     """4 ranks: pipeline pairs {0,1} and {2,3}, data-parallel pairs {0,2} and {1,3}; every stage
     fully_shard over its data-parallel pair (each layer a unit, the stage the root). Each unit
     reduce-scatters once a step, in its stage's last backward, the sum of the four micro-batches'
-    gradients; the weights after two SGD steps equal one process's."""
+    gradients, and is all-gathered only where the step freed it (_expected_gathers), and the step
+    leaves every unit freed; the weights after two SGD steps equal one process's."""
     torch.set_num_threads(1)
     from torch.profiler import ProfilerActivity, profile
 
@@ -886,7 +902,7 @@ def _with_fsdp(ctx, name):
     for s in range(ctx.rank % 2, n_stages, 2):
         module = split(pipe, n_stages, s)
         for layer in module:
-            fully_shard(layer, dp)
+            fully_shard(layer, dp, reshard_after_forward=reshard_after_forward)
         fully_shard(module, dp)
         stages.append(PipelineStage(module, s, n_stages, group=pp))
         opts.append(torch.optim.SGD(module.parameters(), lr=0.1))
@@ -905,6 +921,12 @@ def _with_fsdp(ctx, name):
             sched.step(*((xs,) if stages[0].is_first else ()), target=ys if stages[-1].is_last else None)
         reduce_scatters = sum(e.name == "c10d::_reduce_scatter_base_" for e in prof.events())
         assert reduce_scatters == units, (step, reduce_scatters, units)
+        gathers = sum(e.name == "c10d::_allgather_base_" for e in prof.events())
+        want = sum(len(list(st.submod)) * _expected_gathers(sched._train_actions, st.stage_index,
+                                                            reshard_after_forward) for st in stages)
+        assert gathers == want, (step, gathers, want)
+        assert not any(m._fsdp.flat.gathered() for st in stages for m in st.submod.modules()
+                       if hasattr(m, "_fsdp") and m._fsdp.flat.padded_numel)
         for opt in opts:
             opt.step()
         for st in stages:
@@ -916,6 +938,7 @@ def _with_fsdp(ctx, name):
                    if hasattr(m, "_fsdp"))
 
 
+@pytest.mark.parametrize("reshard_after_forward", [True, False], ids=["reshard", "keep"])
 @pytest.mark.parametrize("name", list(SCHEDULES))
-def test_pipeline_times_fully_shard_reduces_once_a_step_and_equals_one_process(name):
-    _pool("torchpar", 4).run(_with_fsdp, name)
+def test_pipeline_times_fully_shard_reduces_once_a_step_and_equals_one_process(name, reshard_after_forward):
+    _pool("torchpar", 4).run(_with_fsdp, name, reshard_after_forward)

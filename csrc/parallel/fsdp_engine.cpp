@@ -62,9 +62,17 @@ void FsdpEngine::begin_step_locked() {
     in_flight_.work->wait();
     in_flight_ = InFlight{};
   }
+  // Units kept gathered stay so ("Kept gathered" in the header): those the last backward kept,
+  // and, while the unit does not sync and keeps after backward, those a forward kept
+  // (reshard_after_forward false; a pipeline's next micro-batch). Not after a backward that raised
+  // (its finalize never ran).
+  const bool clean = !backward_queued_;
   for (size_t v = 0; v < units_.size(); ++v) {
     units_[v].flat->discard_unsharded_grads();
-    reshard_locked(static_cast<int64_t>(v));
+    const bool keep = units_[v].kept || keeps_after_backward(static_cast<int64_t>(v));
+    if (!(clean && keep && units_[v].flat->gathered())) {
+      reshard_locked(static_cast<int64_t>(v));
+    }
   }
   // A forward whose backward never ran (or a forward under no_grad) leaves nothing to reduce.
   for (auto& u : units_) {
@@ -109,6 +117,20 @@ void FsdpEngine::reshard_locked(int64_t unit) {
   if (flat.padded_numel() > 0 && flat.gathered()) {
     flat.free_full();
     record(FsdpEvent::kReshard, unit);
+  }
+  units_[unit].kept = false;
+}
+
+bool FsdpEngine::keeps_after_backward(int64_t unit) const {
+  const FlatParam& flat = *units_[unit].flat;
+  return !flat.reshard_after_backward && !flat.requires_grad_sync;
+}
+
+void FsdpEngine::release_after_backward_locked(int64_t unit) {
+  if (keeps_after_backward(unit)) {
+    units_[unit].kept = true;
+  } else {
+    reshard_locked(unit);
   }
 }
 
@@ -331,7 +353,7 @@ void FsdpEngine::skipped_backward_locked(int64_t unit) {
     prefetch_locked(next);
   }
   if (u.trained) {
-    reshard_locked(unit);
+    release_after_backward_locked(unit);
     if (u.flat->requires_grad_sync) {
       start_reduce_scatter_locked(unit, u.flat->has_accumulator());
     }
@@ -368,7 +390,7 @@ void FsdpEngine::post_backward_locked(int64_t unit) {
   Unit& u = units_[unit];
   u.needs_backward = false;
   record(FsdpEvent::kPostBackward, unit);
-  reshard_locked(unit);  // its backward is done: the gathered parameters go first
+  release_after_backward_locked(unit);  // its backward is done: the gathered parameters go first
   FlatParam& flat = *u.flat;
   if (!flat.requires_grad_sync) {
     flat.accumulate_grads_locally();
@@ -447,7 +469,9 @@ void FsdpEngine::finalize() {
   finish_reduce_scatter_locked();
   record(FsdpEvent::kFinalize, -1);
   for (size_t v = 0; v < units_.size(); ++v) {
-    reshard_locked(static_cast<int64_t>(v));
+    if (!(units_[v].kept && keeps_after_backward(static_cast<int64_t>(v)))) {
+      reshard_locked(static_cast<int64_t>(v));
+    }
   }
   backward_queued_ = false;
 }
@@ -457,6 +481,13 @@ void FsdpEngine::reshard_all() {
   for (size_t v = 0; v < units_.size(); ++v) {
     reshard_locked(static_cast<int64_t>(v));
   }
+}
+
+void FsdpEngine::reshard(int64_t unit) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  TORCH_CHECK(unit >= 0 && static_cast<size_t>(unit) < units_.size(), "torchpar fully_shard: unit ", unit,
+              " out of range");
+  reshard_locked(unit);
 }
 
 std::vector<FsdpEvent> FsdpEngine::trace() const {

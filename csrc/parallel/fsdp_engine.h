@@ -51,6 +51,16 @@
 //             first forward, a unit's forward run twice) on some ranks only is caught by the
 //             reduce-scatters that follow, before any gradient is handed over.
 // Otherwise every collective is issued in this order on every rank (the program is the same).
+//
+// Kept gathered (FlatParam::reshard_after_backward false, torch FSDP2's set_reshard_after_backward):
+// a backward that does not sync the unit's gradients (gradient accumulation; a pipeline stage's
+// micro-batches before its last) leaves the unit gathered, and the next step's forward and
+// backward find it so and skip its all-gathers: one gather a step instead of one or two per
+// micro-batch, for the memory of the gathered unit in between. Every rank keeps the same units
+// (the flags and the backward are the same program on every rank), so the collectives still
+// pair. A syncing backward always frees the unit, unlike torch's: an optimizer step follows it,
+// which updates the shards, and a copy kept gathered across it would be stale. A backward that
+// raised keeps nothing (the next step begins from sharded units).
 #pragma once
 
 #include "parallel/fsdp_flat_param.h"
@@ -109,6 +119,8 @@ class FsdpEngine : public std::enable_shared_from_this<FsdpEngine> {
 
   // Free every unit's gathered parameters (after a forward without backward, or by the user).
   void reshard_all();
+  // Free one unit's (FSDPModule.reshard(); a unit kept gathered after backward included).
+  void reshard(int64_t unit);
 
   std::vector<FsdpEvent> trace() const;
   std::vector<int64_t> forward_order() const;
@@ -126,6 +138,7 @@ class FsdpEngine : public std::enable_shared_from_this<FsdpEngine> {
     bool ran_forward = false;       // ran forward with grad this step (a backward may come again)
     bool ran = false;               // its forward ran this step (any grad mode, outside backward)
     bool slot_done = false;         // its place in this backward's collectives is passed
+    bool kept = false;              // left gathered by a backward that did not sync it (above)
   };
   struct InFlight {                 // the reduce-scatter running
     int64_t unit = -1;
@@ -144,6 +157,9 @@ class FsdpEngine : public std::enable_shared_from_this<FsdpEngine> {
   void unshard_locked(int64_t unit);
   void prefetch_locked(int64_t unit);
   void reshard_locked(int64_t unit);
+  // At the end of u's backward: free it, or keep it gathered (see "Kept gathered").
+  void release_after_backward_locked(int64_t unit);
+  bool keeps_after_backward(int64_t unit) const;
   void finish_reduce_scatter_locked();
   void begin_step_locked();
   void record(FsdpEvent::Kind kind, int64_t unit);

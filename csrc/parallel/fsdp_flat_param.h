@@ -61,6 +61,8 @@ class FlatParam {
   at::ScalarType compute_dtype() const { return compute_dtype_; }
   at::ScalarType reduce_dtype() const { return reduce_dtype_; }
   const FlatParamOptions& options() const { return options_; }
+  // Set between steps (FSDPModule.set_reshard_after_forward), never while a forward runs.
+  void set_reshard_after_forward(bool reshard) { options_.reshard_after_forward = reshard; }
 
   // ---- tensors handed to Python once, which wraps them in nn.Parameter and binds them ----
   // Parameter i's piece of this rank's shard, a 1-D view of the master shard.
@@ -108,6 +110,10 @@ class FlatParam {
   const at::Tensor& accumulator() const { return accumulator_; }
   void set_accumulator(at::Tensor accumulator);
   bool requires_grad_sync = true;
+  // False: a backward that does not sync gradients (no_sync, a pipeline's earlier micro-batches)
+  // leaves the unit gathered for the next forward and backward, which then skip its all-gather
+  // (fsdp_engine.h, "Kept gathered"). A syncing backward frees it whatever this says.
+  bool reshard_after_backward = true;
 
   // ---- checkpoints ----
   // Every parameter full-shaped in the master dtype (a collective: every rank calls it).

@@ -78,6 +78,10 @@ TORCHPAR_PYBIND(fsdp) {
       .def("bind", &FlatParam::bind, py::arg("sharded"), py::arg("unsharded"))
       .def("gathered", &FlatParam::gathered)
       .def_readwrite("requires_grad_sync", &FlatParam::requires_grad_sync)
+      .def_readwrite("reshard_after_backward", &FlatParam::reshard_after_backward)
+      .def_property(
+          "reshard_after_forward", [](const FlatParam& f) { return f.options().reshard_after_forward; },
+          &FlatParam::set_reshard_after_forward)
       .def_property(
           "accumulator",
           [](const FlatParam& f) -> std::optional<at::Tensor> {
@@ -101,6 +105,7 @@ TORCHPAR_PYBIND(fsdp) {
       .def("pre_backward", &FsdpEngine::pre_backward, py::call_guard<py::gil_scoped_release>())
       .def("post_backward", &FsdpEngine::post_backward, py::call_guard<py::gil_scoped_release>())
       .def("reshard_all", &FsdpEngine::reshard_all, py::call_guard<py::gil_scoped_release>())
+      .def("reshard", &FsdpEngine::reshard, py::arg("unit"), py::call_guard<py::gil_scoped_release>())
       .def("forward_order", &FsdpEngine::forward_order)
       .def("trace",
            [](const FsdpEngine& e) {

@@ -43,6 +43,34 @@ class FSDPModule:
             if isinstance(m, FSDPModule):
                 m._fsdp.flat.requires_grad_sync = bool(requires_gradient_sync)
 
+    def set_reshard_after_forward(self, reshard_after_forward, *, recurse=True):
+        """Whether forward frees each unit's gathered parameters (backward then gathers them
+        again) or keeps them until its backward (``fully_shard(reshard_after_forward=...)``).
+        Set between steps. The root unit always keeps its own, as backward starts with it."""
+        for m in self.modules() if recurse else [self]:
+            if isinstance(m, FSDPModule):
+                m._fsdp.flat.reshard_after_forward = bool(reshard_after_forward)
+
+    def set_reshard_after_backward(self, reshard_after_backward, *, recurse=True):
+        """With False, a backward that does not sync gradients (under ``no_sync`` or
+        ``set_requires_gradient_sync(False)``: gradient accumulation, a pipeline stage's earlier
+        micro-batches) leaves each unit gathered, so the next forward and backward skip its
+        all-gathers, at the memory of the gathered unit in between. Unlike torch's FSDP2, a
+        backward that syncs frees the units whatever this says: the optimizer step after it
+        changes the shards, and a copy kept gathered would be stale. ``reshard()`` frees a kept
+        unit at once."""
+        for m in self.modules() if recurse else [self]:
+            if isinstance(m, FSDPModule):
+                m._fsdp.flat.reshard_after_backward = bool(reshard_after_backward)
+
+    def reshard(self):
+        """Free this unit's gathered parameters now (not recursive, as torch's). Every rank of the
+        group must do the same before the next forward: whether a unit is gathered decides
+        whether that forward all-gathers it."""
+        unit = self._fsdp
+        if unit.engine is not None:
+            unit.engine.reshard(unit.index)
+
     @contextmanager
     def no_sync(self):
         """Backward passes inside accumulate gradients without communication (see

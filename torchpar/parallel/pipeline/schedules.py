@@ -167,15 +167,16 @@ class _PipelineSchedule:
                if train and hasattr(s.submod, "no_sync") and hasattr(s.submod, "process_group")}
         # fully_shard units that reduce (a user's set_requires_gradient_sync(False) is kept): off
         # until their stage's last backward, and back on after the step, whatever happened.
-        fsdp = {s.stage_index: units for s in self.stages
-                if train and (units := [m._fsdp.flat for m in s.submod.modules()
-                                        if isinstance(m, FSDPModule) and m._fsdp.flat.requires_grad_sync])}
+        fsdp_modules = {s.stage_index: mods for s in self.stages
+                        if train and (mods := [m for m in s.submod.modules()
+                                               if isinstance(m, FSDPModule) and m._fsdp.flat.requires_grad_sync])}
+        fsdp = {i: [m._fsdp.flat for m in mods] for i, mods in fsdp_modules.items()}
         try:
             with contextlib.ExitStack() as no_sync:
                 for module in ddp.values():
                     no_sync.enter_context(module.no_sync())
-                for units in fsdp.values():
-                    no_sync.push(_reduce_in_last_backward(units))
+                for modules in fsdp_modules.values():
+                    no_sync.push(_reduce_in_last_backward(modules))
                 executor = Executor(self, key, first_mbs, targets, train, ddp, fsdp)
                 try:
                     out = executor.run(actions)
@@ -200,20 +201,28 @@ class _PipelineSchedule:
         return outputs
 
 
-def _reduce_in_last_backward(units):
-    """Turns ``units`` (fully_shard units that reduce) off for the step and returns the exit
-    callback that turns them on again. A step that raised also puts back each unit's
-    accumulator as the step found it (none, unless the user accumulates across steps): the
-    partial sums of its micro-batches must not be reduced by the next step (review finding)."""
-    found = [None if u.accumulator is None else u.accumulator.clone() for u in units]
+def _reduce_in_last_backward(modules):
+    """Turns the gradient sync of ``modules`` (fully_shard modules whose units reduce) off for
+    the step and returns the exit callback that turns it on again. Until the stage's last
+    backward, which syncs, each unit also stays gathered after a backward (as torch's schedules
+    set ``set_reshard_after_backward(False)``): the next micro-batch's forward does not gather it
+    again. A step that raised frees what is kept and puts back each unit's accumulator as the
+    step found it (none, unless the user accumulates across steps): the partial sums of its
+    micro-batches must not be reduced by the next step (review finding)."""
+    units = [m._fsdp.flat for m in modules]
+    found = [(u.reshard_after_backward, None if u.accumulator is None else u.accumulator.clone()) for u in units]
     for u in units:
         u.requires_grad_sync = False
+        u.reshard_after_backward = False
 
     def exit_(exc_type, exc, tb):
-        for u, accumulator in zip(units, found):
+        for m, u, (reshard, accumulator) in zip(modules, units, found):
             u.requires_grad_sync = True
+            u.reshard_after_backward = reshard
             if exc_type is not None:
                 u.accumulator = accumulator
+                with contextlib.suppress(RuntimeError):  # a group the failure broke: the next step frees it
+                    m.reshard()
         return False
     return exit_
 
