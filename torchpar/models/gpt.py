@@ -135,7 +135,9 @@ class GPTParts:
         x = self.tok_emb(idx)
         s_local = x.shape[0]
         start = 0
-        if s_local != idx.shape[0]:  # sequence-parallel: slice `rank` of tp along the sequence
+        # Decided by the module, not by comparing shapes, so that torch.fx can trace this
+        # (pipeline split of a GPT).
+        if getattr(self.tok_emb, "sequence_parallel", False):  # slice `rank` of tp along the sequence
             start = self.tok_emb.rank * s_local
         pos = torch.arange(start, start + s_local, device=idx.device)
         return self.drop(x + self.pos_emb(pos).unsqueeze(1))

@@ -1,15 +1,33 @@
 """Cutting a model into pipeline stages, so that users need not slice it by hand.
 
-``split(model, num_stages, stage_index)`` takes an ``nn.Sequential``, or a model whose layers
-are one ``nn.ModuleList``/``nn.Sequential`` attribute (``model.layers``, ``model.blocks``,
-``model.h`` ...), and returns the ``nn.Sequential`` of stage ``stage_index``'s layers (the same
-module objects: parameters are shared, not copied). Without ``split_points`` the layers are
-divided as evenly as possible (earlier stages get the extra layer); with
-``split_points=["3", "6"]`` (names of the layers that *start* a new stage, as in
-``model.named_children()``; for a model with a block list, ``"layers.3"`` or ``"3"``) the cut
-is where the user says.
+``split(model, num_stages, stage_index)`` takes
+
+- an ``nn.Sequential``: stage ``stage_index`` is the ``nn.Sequential`` of its layers;
+- a model whose layers are one ``nn.ModuleList``/``nn.Sequential`` attribute (``model.layers``,
+  ``model.blocks``, ``model.h`` ...) with code around them (embeddings before, a head after): the
+  model's ``forward`` is traced with ``torch.fx``, the blocks kept whole (leaves of the trace),
+  and stage ``stage_index`` is a ``torch.fx.GraphModule`` running its blocks and the code
+  between them; the first stage also runs what comes before the first block, the last what
+  comes after the last block. A value one stage computes and a later one reads travels between
+  them as a stage output (through the stages between, when it skips some), so the first stage
+  takes the model's inputs and the last returns its output.
+
+The stages hold the model's own module objects (parameters are shared, not copied) under their
+names in the model, so a stage's ``state_dict`` keys are the whole model's. Without
+``split_points`` the layers are divided as evenly as possible (earlier stages get the extra
+layer); with ``split_points=["3", "6"]`` (names of the layers that *start* a new stage, as in
+``model.named_children()``; for a model with a block list, ``"layers.3"`` or ``"3"``) the cut is
+where the user says.
+
+Tracing fixes the Python control flow of the code around the blocks at split time (the blocks
+run their own ``forward``, branches included); code that branches on tensor values cannot be
+traced, and such a model is refused with the reason (build its stages by hand). A parameter
+used in two stages (weights tied between the embedding and the head) is refused too: each
+stage's copy would be trained apart; ``torchpar.models.ParallelGPT`` shows how to tie them
+across stages.
 """
-from torch import nn
+import torch
+from torch import fx, nn
 
 _BLOCK_LISTS = ("layers", "blocks", "h", "layer")
 
@@ -61,5 +79,145 @@ def split(model, num_stages, stage_index, split_points=None):
         raise ValueError(f"split: stage_index {stage_index} out of range for {num_stages} stages")
     prefix, layers = _layers(model)
     bounds = split_boundaries([n for n, _ in layers], num_stages, split_points, prefix)
-    piece = layers[bounds[stage_index]:bounds[stage_index + 1]]
-    return nn.Sequential(*[m for _, m in piece])
+    if isinstance(model, nn.Sequential):
+        piece = layers[bounds[stage_index]:bounds[stage_index + 1]]
+        return nn.Sequential(*[m for _, m in piece])
+    stage_of_block = {prefix + name: s for s in range(num_stages) for name, _ in layers[bounds[s]:bounds[s + 1]]}
+    return _traced_stage(model, stage_of_block, num_stages, stage_index)
+
+
+class _BlocksAsLeaves(fx.Tracer):
+    """Traces the model's own code, not into its blocks: a block may branch on its inputs or on
+    flags (recomputation, training), which tracing would fix."""
+
+    def __init__(self, block_names):
+        super().__init__()
+        self.block_names = block_names
+
+    def is_leaf_module(self, m, qualname):
+        return qualname in self.block_names or super().is_leaf_module(m, qualname)
+
+
+def _traced_stage(model, stage_of_block, num_stages, stage_index):
+    try:
+        graph = _BlocksAsLeaves(set(stage_of_block)).trace(model)
+    except Exception as e:  # noqa: BLE001 - torch.fx raises several kinds; all mean "cannot trace"
+        raise TypeError(f"split: cannot trace {type(model).__name__}.forward with torch.fx around its blocks "
+                        f"({type(e).__name__}: {e}); build the stages by hand (a PipelineStage takes any "
+                        "module)") from e
+    stage = _assign_stages(graph, stage_of_block)
+    _refuse_shared_parameters(model, graph, stage)
+    return _stage_module(model, graph, stage, num_stages, stage_index)
+
+
+def _assign_stages(graph, stage_of_block):
+    """node -> stage. A block's call is its stage's; any other computing node goes with the last
+    block before it (the first stage before any block); a parameter or buffer read
+    (``get_attr``) goes with each stage that reads it (copied, see _stage_module)."""
+    stage, current = {}, 0
+    for node in graph.nodes:
+        if node.op == "call_module" and node.target in stage_of_block:
+            current = stage_of_block[node.target]
+        if node.op in ("placeholder",):
+            stage[node] = 0
+        elif node.op != "get_attr":
+            stage[node] = current
+    return stage
+
+
+def _stages_using(node, stage):
+    return {stage[u] for u in node.users}
+
+
+def _refuse_shared_parameters(model, graph, stage):
+    """A parameter two stages use would be two parameters trained apart, one per rank."""
+    where = {}  # id(parameter) -> (name, stages using it)
+    names = {}
+    for n, p in model.named_parameters(remove_duplicate=False):
+        names[id(p)] = f"{names[id(p)]}' = '{n}" if id(p) in names else n
+    for node in graph.nodes:
+        if node.op == "call_module":
+            params = [p for p in model.get_submodule(node.target).parameters()]
+            used = {stage[node]}
+        elif node.op == "get_attr":
+            value = _attr(model, node.target)
+            params = [value] if isinstance(value, nn.Parameter) else []
+            used = _stages_using(node, stage)
+        else:
+            continue
+        for p in params:
+            name, stages = where.setdefault(id(p), (names.get(id(p), node.target), set()))
+            stages |= used
+    for name, stages in where.values():
+        if len(stages) > 1:
+            raise ValueError(f"split: parameter '{name}' is used by stages {sorted(stages)} (weights tied "
+                             "across stages); each stage would train its own copy. Keep the modules that "
+                             "share it in one stage (split_points), or untie them and sum their gradients "
+                             "over the stages that hold them, as torchpar.models.ParallelGPT does")
+
+
+def _attr(model, target):
+    obj = model
+    for part in target.split("."):
+        obj = getattr(obj, part)
+    return obj
+
+
+def _check_tensors(values, names, stage_index):
+    """Inserted before a stage's output: what crosses a stage boundary must be tensors."""
+    for v, name in zip(values, names):
+        if not isinstance(v, torch.Tensor):
+            raise TypeError(f"split: stage {stage_index} hands '{name}' to a later stage, but it is a "
+                            f"{type(v).__name__}, not a tensor; pipeline stages exchange tensors only. "
+                            "Compute it in the stage that reads it (or from a tensor there), or move the "
+                            "cut (split_points)")
+    return values
+
+
+def _describe(node):
+    """``name = what(args)`` of a traced value, for messages."""
+    what = getattr(node.target, "__name__", str(node.target))
+    if node.op == "call_method":
+        what = "." + what
+    return f"{node.name} = {what}({', '.join(str(a) for a in node.args)})" if node.op != "placeholder" else node.name
+
+
+def _stage_module(model, graph, stage, num_stages, stage_index):
+    """The GraphModule of one stage: its nodes, with placeholders for the values earlier stages
+    computed and it (or a later stage) reads, and the values later stages read as its output,
+    in the order of the model's graph (so every rank agrees on the positions)."""
+    nodes = list(graph.nodes)
+
+    def crossing(boundary):  # values made at or before stage `boundary`, read after it
+        return [n for n in nodes if n.op != "get_attr" and n.op != "output" and stage[n] <= boundary
+                and any(stage[u] > boundary for u in n.users)]
+
+    out = fx.Graph()
+    env = {}
+    if stage_index == 0:
+        for n in nodes:
+            if n.op == "placeholder":
+                env[n] = out.node_copy(n)
+    else:
+        for n in crossing(stage_index - 1):
+            env[n] = out.placeholder(n.name)
+    for n in nodes:
+        if n.op in ("placeholder", "output") or n in env:
+            continue
+        if n.op == "get_attr":
+            if stage_index in _stages_using(n, stage):
+                env[n] = out.node_copy(n, lambda a: env[a])
+            continue
+        if stage[n] == stage_index:
+            env[n] = out.node_copy(n, lambda a: env[a])
+    if stage_index == num_stages - 1:
+        result = next(n for n in nodes if n.op == "output")
+        out.output(fx.map_arg(result.args[0], lambda a: env[a]))
+    else:
+        live = crossing(stage_index)
+        values = out.call_function(_check_tensors, (tuple(env[n] for n in live), tuple(_describe(n) for n in live),
+                                                    stage_index))
+        out.output(values)
+    module = fx.GraphModule(model, out, class_name=f"{type(model).__name__}Stage{stage_index}")
+    module.train(model.training)
+    return module
