@@ -6,6 +6,7 @@ trains on its part of a batch; the reference trains on the whole batch in one pr
 computes it locally from the same seeds). Unit sizes are odd, so flat parameters are padded and
 shard boundaries cut through parameters.
 """
+import contextlib
 import copy
 
 import pytest
@@ -360,6 +361,59 @@ def _kept_between_micro_batches(ctx, reshard_after_forward):
 @pytest.mark.parametrize("reshard_after_forward", [True, False], ids=["reshard", "keep"])
 def test_reshard_after_backward_false_keeps_units_between_micro_batches(backend, world_size, reshard_after_forward):
     _pool(backend, world_size).run(_kept_between_micro_batches, reshard_after_forward)
+
+
+def _kept_units_are_never_stale(ctx):
+    """Kept units (set_reshard_after_backward(False)) are kept only while every rank has them
+    gathered from the current shards: a forward with grad and no backward, then the optimizer's
+    step; a checkpoint loaded between micro-batches; a backward that raised on one rank only
+    (review findings). Each time the next forward gathers afresh, on every rank alike."""
+    _setup(ctx)
+    model = _shard_model(Net(), ctx.pg, reshard_after_forward=False)
+    model.set_reshard_after_backward(False)
+    units = [m for m in model.modules() if isinstance(m, FSDPModule)]
+    opt = torch.optim.SGD(model.parameters(), lr=0.5)
+    x, y = _batch(0, 2 * ctx.world_size)
+    x, y = _part(x, ctx), _part(y, ctx)
+
+    def fresh_output():
+        for m in units:
+            m.reshard()
+        with torch.no_grad():
+            return model(x)
+
+    def gathers():
+        return sum(e[0] == "all_gather_launch" for e in model.fsdp_engine.trace())
+
+    _loss(model(x), y).backward()      # syncs: frees every unit
+    model(x)                           # a forward with grad and no backward leaves them gathered
+    opt.step()                         # ... and the step writes the shards
+    model.set_requires_gradient_sync(False)
+    got = model(x)
+    assert gathers() == len(units)
+    torch.testing.assert_close(got.detach(), fresh_output(), rtol=0, atol=0)
+
+    _loss(model(x), y).backward()      # no sync: every unit kept
+    other = Net(seed=1)
+    model.load_state_dict(other.state_dict())
+    got = model(x)
+    assert gathers() == len(units)
+    torch.testing.assert_close(got.detach(), other(x), rtol=1e-6, atol=1e-6)
+
+    _loss(model(x), y).backward()      # kept again; now a backward that raises on rank 0 only
+    out = model(x)
+    if ctx.rank == 0:
+        out.register_hook(lambda g: (_ for _ in ()).throw(RuntimeError("injected")))
+    with pytest.raises(RuntimeError, match="injected") if ctx.rank == 0 else contextlib.nullcontext():
+        _loss(out, y).backward()
+    got = model(x)  # every rank gathers again (the rank that raised keeps nothing): no hang
+    assert gathers() == len(units)
+    torch.testing.assert_close(got.detach(), fresh_output(), rtol=0, atol=0)
+
+
+@on_backends
+def test_kept_units_are_never_stale_and_agree_across_ranks(backend):
+    _pool(backend, 2).run(_kept_units_are_never_stale, timeout=60)
 
 
 def _assert_shard_grads(model, ref, step):

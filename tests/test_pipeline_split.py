@@ -34,7 +34,7 @@ class Tiny(nn.Module):
     """Embedding + a learned position table (a bare parameter), blocks, a head; ``skip``: the
     head also reads the embedding's output, a value that crosses every stage boundary."""
 
-    def __init__(self, vocab=11, d=8, n=4, skip=False, seed=0):
+    def __init__(self, vocab=11, d=8, n=4, skip=False, ids_to_head=False, seed=0):
         super().__init__()
         torch.manual_seed(seed)
         self.emb = nn.Embedding(vocab, d)
@@ -42,6 +42,10 @@ class Tiny(nn.Module):
         self.blocks = nn.ModuleList(Block(d) for _ in range(n))
         self.ln_f, self.head = nn.LayerNorm(d), nn.Linear(d, vocab)
         self.skip = skip
+        # The head also reads the token ids: a tensor without gradient crosses every boundary,
+        # ahead of the activations in the stages' outputs (review: it took their gradient).
+        self.ids_to_head = ids_to_head
+        self.bias_table = nn.Parameter(torch.randn(vocab, vocab)) if ids_to_head else None
 
     def forward(self, idx):
         t = idx.shape[1]
@@ -50,7 +54,10 @@ class Tiny(nn.Module):
             x = block(x)
         if self.skip:
             x = x + x0
-        return self.head(self.ln_f(x))
+        out = self.head(self.ln_f(x))
+        if self.ids_to_head:
+            out = out + self.bias_table[idx]
+        return out
 
 
 def _chain(stages, *inputs):
@@ -115,6 +122,64 @@ def test_the_project_gpt_splits_and_its_tied_embeddings_are_refused():
     split(tied, 1, 0)  # one stage holds both
 
 
+class _Reversed(Tiny):
+    def forward(self, idx):
+        x = self.emb(idx)
+        for block in reversed(self.blocks):
+            x = block(x)
+        return self.head(x)
+
+
+class _Twice(Tiny):
+    def forward(self, idx):
+        x = self.emb(idx)
+        for block in list(self.blocks) * 2:
+            x = block(x)
+        return self.head(x)
+
+
+class _NotAll(Tiny):
+    def forward(self, idx):
+        x = self.emb(idx)
+        for block in self.blocks[:2]:
+            x = block(x)
+        return self.head(x)
+
+
+class _NormAfterEveryBlock(Tiny):
+    def __init__(self):
+        super().__init__()
+        self.norm = nn.BatchNorm1d(5, affine=False)  # state (running statistics), no parameter
+
+    def forward(self, idx):
+        x = self.emb(idx)
+        for block in self.blocks:
+            x = self.norm(block(x))
+        return self.head(x)
+
+
+class _Constant(Tiny):
+    def forward(self, idx):
+        x = self.emb(idx) * torch.tensor([2.0]) + self.pos[:idx.shape[1]]  # a constant fx stores
+        for block in self.blocks:
+            x = block(x)
+        return self.head(self.ln_f(x))
+
+
+def test_what_split_leaves_of_the_model_and_its_stages():
+    """The user's model is not modified (fx stores tensor constants on what it traces; a
+    frozen BatchNorm stays in eval mode), and a stage's state_dict holds only the model's keys."""
+    model = _Constant()
+    model.ln_f.eval()
+    attrs = set(vars(model))
+    stages = [split(model, 2, s) for s in range(2)]
+    assert set(vars(model)) == attrs and not model.ln_f.training
+    merged = {k: v for st in stages for k, v in st.state_dict().items()}
+    model.load_state_dict(merged)  # strict: no key the model lacks
+    idx = torch.randint(11, (3, 5))
+    torch.testing.assert_close(_chain(stages, idx), model(idx), rtol=0, atol=0)
+
+
 class _LengthToTheHead(Tiny):
     def forward(self, idx):
         t = idx.shape[1]  # an int the head reads: it would have to cross the boundary
@@ -143,15 +208,23 @@ def test_bad_models_are_refused_with_the_reason():
         split(_BranchOnData(), 2, 0)
     with pytest.raises(TypeError, match="neither an nn.Sequential nor a model with one list"):
         split(nn.Linear(2, 2), 2, 0)
+    with pytest.raises(ValueError, match="block 'blocks.2' runs after 'blocks.3'"):
+        split(_Reversed(), 2, 0)
+    with pytest.raises(ValueError, match="block 'blocks.0' runs twice"):
+        split(_Twice(), 2, 0)
+    with pytest.raises(ValueError, match=r"does not run the blocks \['blocks.2', 'blocks.3'\]"):
+        split(_NotAll(), 2, 0)
+    with pytest.raises(ValueError, match=r"module 'norm' runs in stages \[0, 1\]"):
+        split(_NormAfterEveryBlock(), 2, 0)
 
 
 # ---- under the schedules, 2 ranks ----
 
-def _pipeline_equals_one_process(ctx, name, skip):
+def _pipeline_equals_one_process(ctx, name, variant):
     torch.set_num_threads(1)
     v = 2 if name == "interleaved" else 1
     n = 2 * v
-    model = Tiny(n=2 * n, skip=skip)
+    model = Tiny(n=2 * n, skip=variant == "skip", ids_to_head=variant == "ids_to_head")
     ref = copy.deepcopy(model)
     stages = [PipelineStage(split(model, n, s), s, n) for s in range(ctx.rank, n, 2)]
     cls = SCHEDULES[name]
@@ -174,9 +247,9 @@ def _pipeline_equals_one_process(ctx, name, skip):
             torch.testing.assert_close(p.grad, q.grad, rtol=1e-5, atol=1e-6, msg=lambda m: f"{key}: {m}")
 
 
-@pytest.mark.parametrize("skip", [False, True], ids=["chain", "skip"])
+@pytest.mark.parametrize("variant", ["chain", "skip", "ids_to_head"])
 @pytest.mark.parametrize("name", list(SCHEDULES))
-def test_split_model_under_every_schedule_equals_one_process(name, skip):
+def test_split_model_under_every_schedule_equals_one_process(name, variant):
     if not hasattr(torchpar._C, "ProcessGroupTorchpar"):
         pytest.skip("the torchpar backend is not built in this tree")
-    get_pool(2, "torchpar").run(_pipeline_equals_one_process, name, skip)
+    get_pool(2, "torchpar").run(_pipeline_equals_one_process, name, variant)

@@ -62,17 +62,10 @@ void FsdpEngine::begin_step_locked() {
     in_flight_.work->wait();
     in_flight_ = InFlight{};
   }
-  // Units kept gathered stay so ("Kept gathered" in the header): those the last backward kept,
-  // and, while the unit does not sync and keeps after backward, those a forward kept
-  // (reshard_after_forward false; a pipeline's next micro-batch). Not after a backward that raised
-  // (its finalize never ran).
-  const bool clean = !backward_queued_;
+  const std::vector<bool> keep = agree_kept_locked();
   for (size_t v = 0; v < units_.size(); ++v) {
     units_[v].flat->discard_unsharded_grads();
-    const bool keep = units_[v].kept || keeps_after_backward(static_cast<int64_t>(v));
-    if (!(clean && keep && units_[v].flat->gathered())) {
-      reshard_locked(static_cast<int64_t>(v));
-    }
+    if (!keep[v]) reshard_locked(static_cast<int64_t>(v));
   }
   // A forward whose backward never ran (or a forward under no_grad) leaves nothing to reduce.
   for (auto& u : units_) {
@@ -118,7 +111,37 @@ void FsdpEngine::reshard_locked(int64_t unit) {
     flat.free_full();
     record(FsdpEvent::kReshard, unit);
   }
-  units_[unit].kept = false;
+}
+
+std::vector<bool> FsdpEngine::agree_kept_locked() {
+  std::vector<bool> keep(units_.size(), false);
+  // Only where the program asks for it (a unit set not to reshard after backward), the same on
+  // every rank: then every rank runs this all-reduce, and otherwise the step begins sharded as
+  // it always did.
+  const bool asked = std::any_of(units_.begin(), units_.end(),
+                                 [](const Unit& u) { return !u.flat->reshard_after_backward; });
+  if (!asked) {
+    return keep;
+  }
+  // A backward that raised (its finalize never ran) keeps nothing here; it may have raised on
+  // this rank only, so the MIN over the ranks decides for all.
+  const bool clean = !backward_queued_;
+  const int64_t n = static_cast<int64_t>(units_.size());
+  at::Tensor mine = at::zeros({n}, at::TensorOptions().dtype(at::kInt));
+  for (int64_t v = 0; v < n; ++v) {
+    const FlatParam& flat = *units_[v].flat;
+    if (clean && !flat.reshard_after_backward && flat.padded_numel() > 0 && flat.gathered_and_current()) {
+      mine[v] = 1;
+    }
+  }
+  const auto& root = *units_[root_].flat;
+  std::vector<at::Tensor> tensors{mine.to(root.device())};
+  c10d::AllreduceOptions opts;
+  opts.reduceOp = c10d::ReduceOp::MIN;
+  root.group()->allreduce(tensors, opts)->wait();
+  at::Tensor agreed = tensors[0].cpu();
+  for (int64_t v = 0; v < n; ++v) keep[v] = agreed[v].item<int>() != 0;
+  return keep;
 }
 
 bool FsdpEngine::keeps_after_backward(int64_t unit) const {
@@ -127,9 +150,7 @@ bool FsdpEngine::keeps_after_backward(int64_t unit) const {
 }
 
 void FsdpEngine::release_after_backward_locked(int64_t unit) {
-  if (keeps_after_backward(unit)) {
-    units_[unit].kept = true;
-  } else {
+  if (!keeps_after_backward(unit)) {
     reshard_locked(unit);
   }
 }
@@ -469,7 +490,7 @@ void FsdpEngine::finalize() {
   finish_reduce_scatter_locked();
   record(FsdpEvent::kFinalize, -1);
   for (size_t v = 0; v < units_.size(); ++v) {
-    if (!(units_[v].kept && keeps_after_backward(static_cast<int64_t>(v)))) {
+    if (!keeps_after_backward(static_cast<int64_t>(v))) {
       reshard_locked(static_cast<int64_t>(v));
     }
   }

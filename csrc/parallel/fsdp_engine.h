@@ -56,11 +56,16 @@
 // a backward that does not sync the unit's gradients (gradient accumulation; a pipeline stage's
 // micro-batches before its last) leaves the unit gathered, and the next step's forward and
 // backward find it so and skip its all-gathers: one gather a step instead of one or two per
-// micro-batch, for the memory of the gathered unit in between. Every rank keeps the same units
-// (the flags and the backward are the same program on every rank), so the collectives still
-// pair. A syncing backward always frees the unit, unlike torch's: an optimizer step follows it,
-// which updates the shards, and a copy kept gathered across it would be stale. A backward that
-// raised keeps nothing (the next step begins from sharded units).
+// micro-batch, for the memory of the gathered unit in between. A unit a forward left gathered
+// (reshard_after_forward false, or the root) is kept the same way. At the start of each step
+// (the root's forward), where some unit asks for this, the ranks agree which units they keep:
+// each offers the units it has gathered whose shard was not written since their gather began
+// (FlatParam::gathered_and_current: the shard's version counter, bumped by the optimizer's step
+// and by a checkpoint load), unless its last backward raised, and one all-reduce (MIN) keeps
+// those every rank offered; the others are freed, so the forward all-gathers pair and never
+// compute with stale parameters. A syncing backward frees the unit whatever the flag says
+// (unlike torch's): the optimizer step follows it.
+
 #pragma once
 
 #include "parallel/fsdp_flat_param.h"
@@ -138,7 +143,6 @@ class FsdpEngine : public std::enable_shared_from_this<FsdpEngine> {
     bool ran_forward = false;       // ran forward with grad this step (a backward may come again)
     bool ran = false;               // its forward ran this step (any grad mode, outside backward)
     bool slot_done = false;         // its place in this backward's collectives is passed
-    bool kept = false;              // left gathered by a backward that did not sync it (above)
   };
   struct InFlight {                 // the reduce-scatter running
     int64_t unit = -1;
@@ -160,6 +164,8 @@ class FsdpEngine : public std::enable_shared_from_this<FsdpEngine> {
   // At the end of u's backward: free it, or keep it gathered (see "Kept gathered").
   void release_after_backward_locked(int64_t unit);
   bool keeps_after_backward(int64_t unit) const;
+  // At a step's start: which gathered units every rank keeps (see "Kept gathered").
+  std::vector<bool> agree_kept_locked();
   void finish_reduce_scatter_locked();
   void begin_step_locked();
   void record(FsdpEvent::Kind kind, int64_t unit);

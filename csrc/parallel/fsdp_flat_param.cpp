@@ -148,6 +148,7 @@ void FlatParam::start_gather() {
     return;
   }
   allocate_storage(full_, static_cast<size_t>(padded_numel()) * full_.element_size());
+  gathered_version_ = static_cast<int64_t>(shard_._version());
   gather_input_ = compute_dtype_ == shard_.scalar_type() ? shard_ : shard_.to(compute_dtype_);
   gather_work_ = group_->_allgather_base(gather_target_, gather_input_);
 }
@@ -159,6 +160,10 @@ void FlatParam::wait_gather() {
   auto work = std::move(gather_work_);
   work->wait();
   gather_input_.reset();
+}
+
+bool FlatParam::gathered_and_current() const {
+  return !gather_work_ && gathered() && static_cast<int64_t>(shard_._version()) == gathered_version_;
 }
 
 void FlatParam::free_full() {

@@ -81,6 +81,10 @@ class FlatParam {
   bool gather_in_flight() const { return static_cast<bool>(gather_work_); }
   void wait_gather();
   void free_full();                       // release the full storage (reshard)
+  // Gathered, and the shard not written since its gather started (the optimizer's step, a
+  // checkpoint load, any in-place write that bumps the shard's version counter; not a write
+  // through `.data`, which has a counter of its own).
+  bool gathered_and_current() const;
 
   // ---- gradients ----
   // The unit's unsharded gradients packed in the reduce dtype (padded, zeros where a parameter
@@ -153,6 +157,7 @@ class FlatParam {
   at::Tensor gather_target_;  // full_'s storage through its own TensorImpl (see start_gather)
   at::Tensor gather_input_;   // the shard in the compute dtype, alive while the gather runs
   c10::intrusive_ptr<c10d::Work> gather_work_;
+  int64_t gathered_version_ = -1;  // shard_'s version counter when the last gather started
   at::Tensor accumulator_;    // no_sync's local gradient sum, [padded_numel], reduce dtype
   std::vector<at::Tensor> sharded_, unsharded_;
 };

@@ -57,16 +57,18 @@ class FSDPModule:
         micro-batches) leaves each unit gathered, so the next forward and backward skip its
         all-gathers, at the memory of the gathered unit in between. Unlike torch's FSDP2, a
         backward that syncs frees the units whatever this says: the optimizer step after it
-        changes the shards, and a copy kept gathered would be stale. ``reshard()`` frees a kept
-        unit at once."""
+        changes the shards, and a copy kept gathered would be stale. A unit is kept into a
+        forward only where every rank has it gathered from shards not written since (the ranks
+        agree with one small all-reduce at each forward while some unit asks for keeping;
+        csrc/parallel/fsdp_engine.h, "Kept gathered"). Set it alike on every rank. ``reshard()``
+        frees a kept unit at once."""
         for m in self.modules() if recurse else [self]:
             if isinstance(m, FSDPModule):
                 m._fsdp.flat.reshard_after_backward = bool(reshard_after_backward)
 
     def reshard(self):
-        """Free this unit's gathered parameters now (not recursive, as torch's). Every rank of the
-        group must do the same before the next forward: whether a unit is gathered decides
-        whether that forward all-gathers it."""
+        """Free this unit's gathered parameters now (not recursive, as torch's). A rank may do it
+        alone: the ranks agree at the next forward which units they keep."""
         unit = self._fsdp
         if unit.engine is not None:
             unit.engine.reshard(unit.index)

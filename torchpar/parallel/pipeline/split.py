@@ -20,11 +20,16 @@ layer); with ``split_points=["3", "6"]`` (names of the layers that *start* a new
 where the user says.
 
 Tracing fixes the Python control flow of the code around the blocks at split time (the blocks
-run their own ``forward``, branches included); code that branches on tensor values cannot be
-traced, and such a model is refused with the reason (build its stages by hand). A parameter
-used in two stages (weights tied between the embedding and the head) is refused too: each
-stage's copy would be trained apart; ``torchpar.models.ParallelGPT`` shows how to tie them
-across stages.
+run their own ``forward``, branches included): ``self.training`` read there (write
+``nn.Dropout`` modules, not ``F.dropout(x, p, self.training)``), and arguments compared with
+``None`` (traced as given). Code that branches on tensor values cannot be traced, and such a
+model is refused with the reason (build its stages by hand), as are blocks that forward runs
+out of their list's order, twice, or not at all. A trained parameter used in two stages
+(weights tied between the embedding and the head), or a module with state that two stages
+call, is refused too: each stage's rank would keep its own copy;
+``torchpar.models.ParallelGPT`` shows how to tie weights across stages. Buffers the code around
+the blocks reads are copied into each stage that reads them (a rotary table handed to every
+block), so they must not be written in forward.
 """
 import torch
 from torch import fx, nn
@@ -99,61 +104,93 @@ class _BlocksAsLeaves(fx.Tracer):
 
 
 def _traced_stage(model, stage_of_block, num_stages, stage_index):
+    before = set(vars(model))
+    tracer = _BlocksAsLeaves(set(stage_of_block))
     try:
-        graph = _BlocksAsLeaves(set(stage_of_block)).trace(model)
+        graph = tracer.trace(model)
     except Exception as e:  # noqa: BLE001 - torch.fx raises several kinds; all mean "cannot trace"
         raise TypeError(f"split: cannot trace {type(model).__name__}.forward with torch.fx around its blocks "
                         f"({type(e).__name__}: {e}); build the stages by hand (a PipelineStage takes any "
                         "module)") from e
-    stage = _assign_stages(graph, stage_of_block)
-    _refuse_shared_parameters(model, graph, stage)
-    return _stage_module(model, graph, stage, num_stages, stage_index)
+    finally:
+        # Tensor constants of the traced code (torch.tensor(...) in forward) are stored on the
+        # traced module; they are the stage's, not the user's model's (review).
+        constants = {name: model.__dict__.pop(name) for name in set(vars(model)) - before}
+    stage = _assign_stages(graph, stage_of_block, num_stages)
+    _refuse_shared_state(model, constants, graph, stage)
+    return _stage_module(model, constants, graph, stage, num_stages, stage_index)
 
 
-def _assign_stages(graph, stage_of_block):
+def _assign_stages(graph, stage_of_block, num_stages):
     """node -> stage. A block's call is its stage's; any other computing node goes with the last
     block before it (the first stage before any block); a parameter or buffer read
-    (``get_attr``) goes with each stage that reads it (copied, see _stage_module)."""
-    stage, current = {}, 0
+    (``get_attr``) goes with each stage that reads it (copied, see _stage_module). The blocks
+    must run once each, in their list's order: the cut follows that order."""
+    stage, current, called = {}, 0, []
     for node in graph.nodes:
         if node.op == "call_module" and node.target in stage_of_block:
+            if node.target in called:
+                raise ValueError(f"split: block '{node.target}' runs twice in forward; the stages follow the "
+                                 "blocks' order, each block once: build the stages by hand")
+            if stage_of_block[node.target] < current or (called and _index(node.target) < _index(called[-1])):
+                raise ValueError(f"split: block '{node.target}' runs after '{called[-1]}'; the stages follow the "
+                                 "blocks' list order, and forward must run them in it")
+            called.append(node.target)
             current = stage_of_block[node.target]
-        if node.op in ("placeholder",):
+        if node.op == "placeholder":
             stage[node] = 0
         elif node.op != "get_attr":
             stage[node] = current
+    missing = [b for b in stage_of_block if b not in called]
+    if missing:
+        raise ValueError(f"split: forward does not run the blocks {missing}; each stage must run its blocks "
+                         "(cut only the blocks forward runs, or build the stages by hand)")
     return stage
+
+
+def _index(block_name):
+    return int(block_name.rsplit(".", 1)[1]) if block_name.rsplit(".", 1)[1].isdigit() else 0
 
 
 def _stages_using(node, stage):
     return {stage[u] for u in node.users}
 
 
-def _refuse_shared_parameters(model, graph, stage):
-    """A parameter two stages use would be two parameters trained apart, one per rank."""
-    where = {}  # id(parameter) -> (name, stages using it)
+def _refuse_shared_state(model, constants, graph, stage):
+    """A trained parameter two stages use would be two parameters trained apart, one per rank;
+    a module two stages call would keep two states (a BatchNorm's running statistics). Buffers
+    the code around the blocks reads (a rotary table handed to every block) are copied into each
+    stage that reads them: they must not be written in forward."""
     names = {}
     for n, p in model.named_parameters(remove_duplicate=False):
         names[id(p)] = f"{names[id(p)]}' = '{n}" if id(p) in names else n
+    where, modules = {}, {}  # id(parameter) -> (name, stages); module name -> stages
     for node in graph.nodes:
         if node.op == "call_module":
-            params = [p for p in model.get_submodule(node.target).parameters()]
+            module = model.get_submodule(node.target)
+            params = list(module.parameters())
             used = {stage[node]}
+            if params or any(True for _ in module.buffers()):
+                modules.setdefault(node.target, set()).add(stage[node])
         elif node.op == "get_attr":
-            value = _attr(model, node.target)
+            value = constants[node.target] if node.target in constants else _attr(model, node.target)
             params = [value] if isinstance(value, nn.Parameter) else []
             used = _stages_using(node, stage)
         else:
             continue
         for p in params:
-            name, stages = where.setdefault(id(p), (names.get(id(p), node.target), set()))
-            stages |= used
+            if p.requires_grad:
+                where.setdefault(id(p), (names.get(id(p), node.target), set()))[1].update(used)
+    for name, stages in modules.items():
+        if len(stages) > 1:
+            raise ValueError(f"split: module '{name}' runs in stages {sorted(stages)}; its parameters and buffers "
+                             "would be kept apart on each stage's rank. Call it in one stage only")
     for name, stages in where.values():
         if len(stages) > 1:
-            raise ValueError(f"split: parameter '{name}' is used by stages {sorted(stages)} (weights tied "
-                             "across stages); each stage would train its own copy. Keep the modules that "
-                             "share it in one stage (split_points), or untie them and sum their gradients "
-                             "over the stages that hold them, as torchpar.models.ParallelGPT does")
+            raise ValueError(f"split: parameter '{name}' is used by stages {sorted(stages)} (weights shared "
+                             "across stages); each stage would train its own copy. Keep what uses it in one stage "
+                             "(split_points), or give each stage its own copy and sum their gradients over the "
+                             "stages that hold them, as torchpar.models.ParallelGPT does for tied embeddings")
 
 
 def _attr(model, target):
@@ -167,10 +204,12 @@ def _check_tensors(values, names, stage_index):
     """Inserted before a stage's output: what crosses a stage boundary must be tensors."""
     for v, name in zip(values, names):
         if not isinstance(v, torch.Tensor):
+            hint = (" If it is an argument of forward left at None, the code around the blocks was traced as "
+                    "if it were given (torch.fx sees every argument): pass it." if v is None else "")
             raise TypeError(f"split: stage {stage_index} hands '{name}' to a later stage, but it is a "
                             f"{type(v).__name__}, not a tensor; pipeline stages exchange tensors only. "
                             "Compute it in the stage that reads it (or from a tensor there), or move the "
-                            "cut (split_points)")
+                            f"cut (split_points).{hint}")
     return values
 
 
@@ -182,7 +221,7 @@ def _describe(node):
     return f"{node.name} = {what}({', '.join(str(a) for a in node.args)})" if node.op != "placeholder" else node.name
 
 
-def _stage_module(model, graph, stage, num_stages, stage_index):
+def _stage_module(model, constants, graph, stage, num_stages, stage_index):
     """The GraphModule of one stage: its nodes, with placeholders for the values earlier stages
     computed and it (or a later stage) reads, and the values later stages read as its output,
     in the order of the model's graph (so every rank agrees on the positions)."""
@@ -218,6 +257,21 @@ def _stage_module(model, graph, stage, num_stages, stage_index):
         values = out.call_function(_check_tensors, (tuple(env[n] for n in live), tuple(_describe(n) for n in live),
                                                     stage_index))
         out.output(values)
-    module = fx.GraphModule(model, out, class_name=f"{type(model).__name__}Stage{stage_index}")
-    module.train(model.training)
+    targets = {n.target for n in out.nodes if n.op in ("get_attr", "call_module")}
+    attrs = {t: constants[t] if t in constants else _attr(model, t) for t in targets}
+    module = fx.GraphModule(attrs, out, class_name=f"{type(model).__name__}Stage{stage_index}")
+    for t, value in attrs.items():  # a buffer is in state_dict as in the model; constants are not
+        if isinstance(value, torch.Tensor) and not isinstance(value, nn.Parameter) and not _persistent(model, t):
+            owner, _, field = t.rpartition(".")
+            module.get_submodule(owner)._non_persistent_buffers_set.add(field)
+    module.training = model.training  # its submodules keep their own modes (a frozen BatchNorm)
     return module
+
+
+def _persistent(model, target):
+    owner, _, field = target.rpartition(".")
+    try:
+        module = model.get_submodule(owner)
+    except AttributeError:
+        return False
+    return field in module._buffers and field not in module._non_persistent_buffers_set

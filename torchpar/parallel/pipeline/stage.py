@@ -114,8 +114,14 @@ class PipelineStage:
         st = self._mbs[mb]
         if self.is_last:
             return [st.loss * scale], [None]
-        pairs = [(o, g) for o, g in zip(st.outputs, output_grads) if o.requires_grad]
-        return [o for o, _ in pairs], [g for _, g in pairs]
+        # One gradient arrives per output that requires one, in the outputs' order: outputs that
+        # need none (token ids passed on to a later stage) have no place in the list (review).
+        outs = [o for o in st.outputs if o.requires_grad]
+        grads = list(output_grads or [])
+        if len(grads) != len(outs):
+            raise RuntimeError(f"pipeline stage {self.stage_index}: {len(grads)} output gradients for "
+                               f"{len(outs)} outputs that require one")
+        return outs, grads
 
     def backward(self, mb, output_grads=None, scale=1.0):
         """Full backward of ``mb``; returns the gradients of the inputs that require one."""
