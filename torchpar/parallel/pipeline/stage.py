@@ -23,6 +23,7 @@ Backward, two ways:
 """
 import torch
 import torch.distributed as dist
+from torch import nn
 
 
 def _as_tuple(x):
@@ -31,6 +32,45 @@ def _as_tuple(x):
     if isinstance(x, (tuple, list)) and all(isinstance(t, torch.Tensor) for t in x):
         return tuple(x)
     raise TypeError(f"pipeline stage outputs must be a tensor or a tuple of tensors, got {type(x).__name__}")
+
+
+def _linear_weight_grads(module, calls, params):
+    """W of a plain ``nn.Linear`` called once, as its matmuls: dW = dy^T x and db = sum(dy)
+    over the flattened leading dimensions, the products autograd's backward of the Linear would
+    compute, without a backward call (which first walks the whole graph below the output) per
+    module: Megatron-LM's zero-bubble runs its deferred weight-gradient GEMMs this way. Returns
+    False where autograd must do it: a module called more than once, an input written since
+    forward (autograd would refuse it), other dtypes (autocast), parameters with hooks or of a
+    tensor subclass."""
+    if len(calls) != 1:
+        return False
+    _, dy, x, version = calls[0]
+    if x is None or x._version != version or x.dtype != dy.dtype:
+        return False
+    if any(type(p) is not nn.Parameter or p.dtype != dy.dtype or p._backward_hooks
+           or getattr(p, "_post_accumulate_grad_hooks", None) for p in params):
+        return False
+    with torch.no_grad():
+        dy2, x2 = dy.reshape(-1, dy.shape[-1]), x.reshape(-1, x.shape[-1])
+        for p in params:
+            weight = p is module.weight
+            acc = p.grad
+            if acc is not None and acc.is_contiguous() and acc.dtype == p.dtype and acc.shape == p.shape:
+                # Accumulated into by the GEMM itself (Megatron's gradient-accumulation fusion).
+                if weight:
+                    acc.addmm_(dy2.t(), x2)
+                else:
+                    acc.add_(dy2.sum(0))
+            else:
+                g = dy2.t().mm(x2) if weight else dy2.sum(0)
+                p.grad = g if acc is None else acc + g
+    return True
+
+
+def _own_params(module):
+    """``module.parameters(recurse=False)`` without the generator machinery (W asks every
+    micro-batch)."""
+    return [p for p in module._parameters.values() if p is not None]
 
 
 class _MicroBatch:
@@ -84,9 +124,13 @@ class PipelineStage:
         """Runs the module on micro-batch ``mb``'s ``args`` and keeps what backward needs."""
         hooks, captured = [], []
         if capture and torch.is_grad_enabled():
-            def keep(module, _inputs, output):
+            direct = not torch.is_autocast_enabled()
+
+            def keep(module, inputs, output):
                 if isinstance(output, torch.Tensor) and output.requires_grad:
-                    captured.append((module, output))
+                    # A plain Linear's input, for W to compute its weight gradient directly.
+                    x = inputs[0] if direct and type(module) is nn.Linear and len(inputs) == 1 else None
+                    captured.append((module, output, x, None if x is None else x._version))
             hooks = [m.register_forward_hook(keep) for m in self._owners]
         try:
             outputs = _as_tuple(self.submod(*args))
@@ -137,7 +181,7 @@ class PipelineStage:
         """B of the split: input gradients now, the weight gradients' inputs kept for W."""
         st = self._mbs[mb]
         roots, grads = self._roots(mb, output_grads, scale)
-        wanted = [x for x in st.inputs if x.requires_grad] + [y for _, y in st.captured]
+        wanted = [x for x in st.inputs if x.requires_grad] + [c[1] for c in st.captured]
         if wanted:
             got = torch.autograd.grad(roots, wanted, grads, retain_graph=True, allow_unused=True)
         else:
@@ -155,16 +199,18 @@ class PipelineStage:
         covered = set()
         by_module = {}
         single = self._single_path_params(st)
-        for (module, y), g in zip(st.captured, st.captured_grads):
+        for (module, y, x, version), g in zip(st.captured, st.captured_grads):
             if g is not None:
-                ys, gs = by_module.setdefault(module, ([], []))
-                ys.append(y)
-                gs.append(g)
-        for module, (ys, gs) in by_module.items():
-            params = [p for p in module.parameters(recurse=False) if p.requires_grad and id(p) in single]
-            if params:
-                torch.autograd.backward(ys, gs, inputs=params, retain_graph=True)
-                covered.update(id(p) for p in params)
+                calls = by_module.setdefault(module, [])
+                calls.append((y, g, x, version))
+        for module, calls in by_module.items():
+            params = [p for p in _own_params(module) if p.requires_grad and id(p) in single]
+            if not params:
+                continue
+            if not _linear_weight_grads(module, calls, params):
+                torch.autograd.backward([c[0] for c in calls], [c[1] for c in calls], inputs=params,
+                                        retain_graph=True)
+            covered.update(id(p) for p in params)
         rest = [p for p in self.submod.parameters() if p.requires_grad and id(p) not in covered]
         roots, grads = st.outputs, st.loss
         if rest and roots:
@@ -187,11 +233,11 @@ class PipelineStage:
         """
         owners = {}  # id(param) -> modules holding it directly
         for m in self._owners:
-            for p in m.parameters(recurse=False):
+            for p in _own_params(m):
                 owners.setdefault(id(p), set()).add(m)
         calls = {}
         node_modules = {}  # grad_fn of a captured output -> the modules that produced it
-        for module, y in st.captured:
+        for module, y, _, _ in st.captured:
             calls[module] = calls.get(module, 0) + 1
             if y.grad_fn is not None:
                 node_modules.setdefault(y.grad_fn, set()).add(module)
