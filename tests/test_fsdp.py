@@ -363,7 +363,7 @@ def test_reshard_after_backward_false_keeps_units_between_micro_batches(backend,
     _pool(backend, world_size).run(_kept_between_micro_batches, reshard_after_forward)
 
 
-def _kept_units_are_never_stale(ctx):
+def _kept_units_are_never_stale(ctx, fused):
     """Kept units (set_reshard_after_backward(False)) are kept only while every rank has them
     gathered from the current shards: a forward with grad and no backward, then the optimizer's
     step; a checkpoint loaded between micro-batches; a backward that raised on one rank only
@@ -372,7 +372,8 @@ def _kept_units_are_never_stale(ctx):
     model = _shard_model(Net(), ctx.pg, reshard_after_forward=False)
     model.set_reshard_after_backward(False)
     units = [m for m in model.modules() if isinstance(m, FSDPModule)]
-    opt = torch.optim.SGD(model.parameters(), lr=0.5)
+    # A fused optimizer writes the shards without bumping their version counters (review).
+    opt = torch.optim.SGD(model.parameters(), lr=0.5, **({"fused": True} if fused else {"foreach": False}))
     x, y = _batch(0, 2 * ctx.world_size)
     x, y = _part(x, ctx), _part(y, ctx)
 
@@ -410,10 +411,26 @@ def _kept_units_are_never_stale(ctx):
     assert gathers() == len(units)
     torch.testing.assert_close(got.detach(), fresh_output(), rtol=0, atol=0)
 
+    # The same failure, then a forward under no_grad: the rank that raised must not count its
+    # backward as pending, or only the other rank would begin a step (and agree).
+    _loss(model(x), y).backward()
+    out = model(x)
+    if ctx.rank == 0:
+        out.register_hook(lambda g: (_ for _ in ()).throw(RuntimeError("injected")))
+    with pytest.raises(RuntimeError, match="injected") if ctx.rank == 0 else contextlib.nullcontext():
+        _loss(out, y).backward()
+    with torch.no_grad():
+        got = model(x)
+    total = torch.ones(1)
+    torch.distributed.all_reduce(total, group=ctx.pg)  # pairs with the peer's, not with an agreement
+    assert total.item() == ctx.world_size
+    torch.testing.assert_close(got, fresh_output(), rtol=0, atol=0)
+
 
 @on_backends
-def test_kept_units_are_never_stale_and_agree_across_ranks(backend):
-    _pool(backend, 2).run(_kept_units_are_never_stale, timeout=60)
+@pytest.mark.parametrize("fused", [False, True], ids=["loop", "fused"])
+def test_kept_units_are_never_stale_and_agree_across_ranks(backend, fused):
+    _pool(backend, 2).run(_kept_units_are_never_stale, fused, timeout=60)
 
 
 def _assert_shard_grads(model, ref, step):

@@ -159,7 +159,10 @@ void FsdpEngine::pre_forward(int64_t unit, bool grad_enabled) {
   std::lock_guard<std::mutex> lock(mutex_);
   // A no_grad forward between a forward and its backward (an evaluation, a metric) starts no step:
   // the pending backward still has its units to reduce.
-  const bool pending = std::any_of(units_.begin(), units_.end(), [](const Unit& u) { return u.needs_backward; });
+  // A backward that began and never finished (it raised, maybe on this rank only) is no longer
+  // pending: the step begins as on the ranks whose backward completed (review finding).
+  const bool pending = !backward_queued_ &&
+                       std::any_of(units_.begin(), units_.end(), [](const Unit& u) { return u.needs_backward; });
   if (unit == root_ && !in_backward()) {
     step_forward_ = grad_enabled || !pending;
     if (step_forward_) begin_step_locked();

@@ -25,6 +25,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.optim.optimizer import register_optimizer_step_post_hook
 from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
 from torchpar import _C
@@ -130,11 +131,26 @@ class _Unit:
         self.engine = None
         self.index = None
         self.sharded_form = False
+        self.steps_seen = _OPTIMIZER_STEPS[0]  # the root's: optimizer steps when it last ran forward
 
     def register(self, params):
         for module, attr, i, _ in self.sites:
             module._parameters[attr] = params[i]
 
+
+# Optimizer steps taken by any torch.optim optimizer in this process. A unit kept gathered
+# (set_reshard_after_backward(False), reshard_after_forward=False) must not outlive a step of its
+# shards: the engine checks the shards' version counters too, but fused optimizers
+# (fused=True) write without bumping them (review finding), so the root's next forward
+# reshards everything after any step. Every rank steps alike, so every rank reshards alike.
+_OPTIMIZER_STEPS = [0]
+
+
+def _count_optimizer_step(optimizer, args, kwargs):
+    _OPTIMIZER_STEPS[0] += 1
+
+
+register_optimizer_step_post_hook(_count_optimizer_step)
 
 _CLASSES = {}
 # id of every original parameter a unit has flattened -> (weak reference, where it went). A unit
@@ -230,6 +246,9 @@ def _pre_forward(module, args, kwargs):
     unit = module._fsdp
     if unit.engine is None:
         _lazy_init(module)
+    if unit.index == 0 and unit.steps_seen != _OPTIMIZER_STEPS[0]:  # the root, after an optimizer step
+        unit.steps_seen = _OPTIMIZER_STEPS[0]
+        unit.engine.reshard_all()
     grad = torch.is_grad_enabled()
     unit.engine.pre_forward(unit.index, grad)
     unit.register(unit.unsharded)

@@ -44,8 +44,10 @@ def _linear_weight_grads(module, calls, params):
     tensor subclass."""
     if len(calls) != 1:
         return False
-    _, dy, x, version = calls[0]
-    if x is None or x._version != version or x.dtype != dy.dtype:
+    y, dy, x, versions = calls[0]
+    # The output as the Linear made it (not written in place since: a ReLU(inplace=True) after
+    # it), its input as forward read it; real dtypes (a complex weight's gradient conjugates).
+    if x is None or (x._version, y._version) != versions or x.dtype != dy.dtype or dy.is_complex():
         return False
     if any(type(p) is not nn.Parameter or p.dtype != dy.dtype or p._backward_hooks
            or getattr(p, "_post_accumulate_grad_hooks", None) for p in params):
@@ -65,6 +67,17 @@ def _linear_weight_grads(module, calls, params):
                 g = dy2.t().mm(x2) if weight else dy2.sum(0)
                 p.grad = g if acc is None else acc + g
     return True
+
+
+def _plain_linear(module):
+    """An ``nn.Linear`` whose output is ``F.linear(input, weight, bias)``: its own class's
+    forward, no hook but the stage's capture (hooks run in registration order, so one before it
+    could have replaced the output), no parameter besides weight and bias (review findings).
+    Gradient-accumulator hooks on its parameters are not seen (docs/pipeline.md)."""
+    m = nn.modules.module
+    return (type(module) is nn.Linear and "forward" not in module.__dict__ and not module._forward_pre_hooks
+            and len(module._forward_hooks) == 1 and set(module._parameters) <= {"weight", "bias"}
+            and not (m._global_forward_hooks or m._global_forward_pre_hooks))
 
 
 def _own_params(module):
@@ -129,8 +142,8 @@ class PipelineStage:
             def keep(module, inputs, output):
                 if isinstance(output, torch.Tensor) and output.requires_grad:
                     # A plain Linear's input, for W to compute its weight gradient directly.
-                    x = inputs[0] if direct and type(module) is nn.Linear and len(inputs) == 1 else None
-                    captured.append((module, output, x, None if x is None else x._version))
+                    x = inputs[0] if direct and len(inputs) == 1 and _plain_linear(module) else None
+                    captured.append((module, output, x, None if x is None else (x._version, output._version)))
             hooks = [m.register_forward_hook(keep) for m in self._owners]
         try:
             outputs = _as_tuple(self.submod(*args))
