@@ -411,20 +411,24 @@ def _kept_units_are_never_stale(ctx, fused):
     assert gathers() == len(units)
     torch.testing.assert_close(got.detach(), fresh_output(), rtol=0, atol=0)
 
-    # The same failure, then a forward under no_grad: the rank that raised must not count its
-    # backward as pending, or only the other rank would begin a step (and agree).
-    _loss(model(x), y).backward()
-    out = model(x)
-    if ctx.rank == 0:
-        out.register_hook(lambda g: (_ for _ in ()).throw(RuntimeError("injected")))
-    with pytest.raises(RuntimeError, match="injected") if ctx.rank == 0 else contextlib.nullcontext():
-        _loss(out, y).backward()
-    with torch.no_grad():
-        got = model(x)
-    total = torch.ones(1)
-    torch.distributed.all_reduce(total, group=ctx.pg)  # pairs with the peer's, not with an agreement
-    assert total.item() == ctx.world_size
-    torch.testing.assert_close(got, fresh_output(), rtol=0, atol=0)
+    # The same failure, in the model's backward or before it reaches the model (in the loss),
+    # then a forward under no_grad: the rank that raised still counts its backward as pending
+    # while the others do not; they agree whether a step begins (review findings).
+    for where in ("model", "loss"):
+        _loss(model(x), y).backward()
+        out = model(x)
+        loss = _loss(out, y)
+        if ctx.rank == 0:
+            (out if where == "model" else loss).register_hook(
+                lambda g: (_ for _ in ()).throw(RuntimeError("injected")))
+        with pytest.raises(RuntimeError, match="injected") if ctx.rank == 0 else contextlib.nullcontext():
+            loss.backward()
+        with torch.no_grad():
+            got = model(x)
+        total = torch.ones(1)
+        torch.distributed.all_reduce(total, group=ctx.pg)  # pairs with the peer's, not with an agreement
+        assert total.item() == ctx.world_size, where
+        torch.testing.assert_close(got, fresh_output(), rtol=0, atol=0)
 
 
 @on_backends

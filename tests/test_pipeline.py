@@ -974,11 +974,18 @@ def _hooked(replace):
     return m
 
 
+def _old_style_backward_hook():
+    m = nn.Sequential(nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 8))
+    m[0].register_backward_hook(lambda mod, gin, gout: tuple(None if g is None else 2 * g for g in gin))
+    return m
+
+
 W_SPLIT_CASES = {
     "mlp": lambda: nn.Sequential(nn.Linear(8, 8), nn.GELU(), nn.Linear(8, 8), nn.LayerNorm(8)),
     "inplace_relu_after_linear": lambda: nn.Sequential(nn.Linear(8, 8), nn.ReLU(inplace=True), nn.Linear(8, 8)),
     "hook_replaces_output": lambda: _hooked(True),
     "hook_writes_output": lambda: _hooked(False),
+    "backward_hook_rewrites_gradients": _old_style_backward_hook,
     "tied": _Tied,
     "called_twice": _Twice,
     "3d_bfloat16": lambda: nn.Sequential(nn.Linear(8, 8), nn.GELU(), nn.Linear(8, 8)).to(torch.bfloat16),

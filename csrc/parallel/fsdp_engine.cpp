@@ -52,7 +52,7 @@ void FsdpEngine::record(FsdpEvent::Kind kind, int64_t unit) {
   }
 }
 
-void FsdpEngine::begin_step_locked() {
+void FsdpEngine::begin_step_locked(const std::vector<bool>& keep) {
   trace_.clear();
   // What a backward that raised left behind (its finalize never ran): a reduce-scatter in flight,
   // gradients on the gathered parameters, units still gathered. Its gradients are dropped (the
@@ -62,7 +62,6 @@ void FsdpEngine::begin_step_locked() {
     in_flight_.work->wait();
     in_flight_ = InFlight{};
   }
-  const std::vector<bool> keep = agree_kept_locked();
   for (size_t v = 0; v < units_.size(); ++v) {
     units_[v].flat->discard_unsharded_grads();
     if (!keep[v]) reshard_locked(static_cast<int64_t>(v));
@@ -113,35 +112,42 @@ void FsdpEngine::reshard_locked(int64_t unit) {
   }
 }
 
-std::vector<bool> FsdpEngine::agree_kept_locked() {
-  std::vector<bool> keep(units_.size(), false);
-  // Only where the program asks for it (a unit set not to reshard after backward), the same on
-  // every rank: then every rank runs this all-reduce, and otherwise the step begins sharded as
-  // it always did.
+FsdpEngine::StepStart FsdpEngine::agree_step_start_locked(bool grad_enabled, bool pending) {
+  StepStart start;
+  start.keep.assign(units_.size(), false);
+  start.begin = grad_enabled || !pending;
+  // Only where the program asks for keeping (a unit set not to reshard after backward), the same
+  // on every rank: then every rank runs this all-reduce; otherwise the decisions stay local and a
+  // step begins sharded, as it always did.
   const bool asked = std::any_of(units_.begin(), units_.end(),
                                  [](const Unit& u) { return !u.flat->reshard_after_backward; });
   if (!asked) {
-    return keep;
+    return start;
   }
-  // A backward that raised (its finalize never ran) keeps nothing here; it may have raised on
-  // this rank only, so the MIN over the ranks decides for all.
-  const bool clean = !backward_queued_;
+  // One MIN all-reduce of [the units this rank offers to keep..., whether its backward is still
+  // pending]. A unit is kept where every rank offers it. A no_grad forward begins no step while
+  // a backward is pending, but "pending" is local: a backward that raised on one rank before
+  // reaching the model leaves it pending there only, so a step begins if any rank's backward
+  // completed (review finding).
+  const bool clean = !backward_queued_;  // a backward that raised on this rank keeps nothing
   const int64_t n = static_cast<int64_t>(units_.size());
-  at::Tensor mine = at::zeros({n}, at::TensorOptions().dtype(at::kInt));
+  at::Tensor mine = at::zeros({n + 1}, at::TensorOptions().dtype(at::kInt));
   for (int64_t v = 0; v < n; ++v) {
     const FlatParam& flat = *units_[v].flat;
     if (clean && !flat.reshard_after_backward && flat.padded_numel() > 0 && flat.gathered_and_current()) {
       mine[v] = 1;
     }
   }
+  mine[n] = pending ? 1 : 0;
   const auto& root = *units_[root_].flat;
   std::vector<at::Tensor> tensors{mine.to(root.device())};
   c10d::AllreduceOptions opts;
   opts.reduceOp = c10d::ReduceOp::MIN;
   root.group()->allreduce(tensors, opts)->wait();
   at::Tensor agreed = tensors[0].cpu();
-  for (int64_t v = 0; v < n; ++v) keep[v] = agreed[v].item<int>() != 0;
-  return keep;
+  for (int64_t v = 0; v < n; ++v) start.keep[v] = agreed[v].item<int>() != 0;
+  start.begin = grad_enabled || agreed[n].item<int>() == 0;
+  return start;
 }
 
 bool FsdpEngine::keeps_after_backward(int64_t unit) const {
@@ -164,8 +170,9 @@ void FsdpEngine::pre_forward(int64_t unit, bool grad_enabled) {
   const bool pending = !backward_queued_ &&
                        std::any_of(units_.begin(), units_.end(), [](const Unit& u) { return u.needs_backward; });
   if (unit == root_ && !in_backward()) {
-    step_forward_ = grad_enabled || !pending;
-    if (step_forward_) begin_step_locked();
+    const StepStart start = agree_step_start_locked(grad_enabled, pending);
+    step_forward_ = start.begin;
+    if (step_forward_) begin_step_locked(start.keep);
     cursor_ = 0;
   }
   record(FsdpEvent::kPreForward, unit);

@@ -60,10 +60,13 @@
 // (reshard_after_forward false, or the root) is kept the same way. At the start of each step
 // (the root's forward), where some unit asks for this, the ranks agree which units they keep:
 // each offers the units it has gathered whose shard was not written since their gather began
-// (FlatParam::gathered_and_current: the shard's version counter, bumped by the optimizer's step
-// and by a checkpoint load), unless its last backward raised, and one all-reduce (MIN) keeps
-// those every rank offered; the others are freed, so the forward all-gathers pair and never
-// compute with stale parameters. A syncing backward frees the unit whatever the flag says
+// (FlatParam::gathered_and_current: the shard's version counter, bumped by a checkpoint load and
+// by loop or foreach optimizers, and the count of optimizer steps over the unit's parameters,
+// which fused optimizers need: they do not bump the counter), unless its last backward raised,
+// and one all-reduce (MIN) keeps those every rank offered; the others are freed, so the forward
+// all-gathers pair and never compute with stale parameters. The same all-reduce decides whether
+// a no_grad forward begins a step (pre_forward), so that ranks whose "backward pending" differ
+// (one raised before reaching the model) still agree. A syncing backward frees the unit whatever the flag says
 // (unlike torch's): the optimizer step follows it.
 
 #pragma once
@@ -164,10 +167,15 @@ class FsdpEngine : public std::enable_shared_from_this<FsdpEngine> {
   // At the end of u's backward: free it, or keep it gathered (see "Kept gathered").
   void release_after_backward_locked(int64_t unit);
   bool keeps_after_backward(int64_t unit) const;
-  // At a step's start: which gathered units every rank keeps (see "Kept gathered").
-  std::vector<bool> agree_kept_locked();
+  // At the root's forward: whether a step begins, and which gathered units every rank keeps
+  // (see "Kept gathered").
+  struct StepStart {
+    bool begin = false;
+    std::vector<bool> keep;
+  };
+  StepStart agree_step_start_locked(bool grad_enabled, bool pending);
   void finish_reduce_scatter_locked();
-  void begin_step_locked();
+  void begin_step_locked(const std::vector<bool>& keep);
   void record(FsdpEvent::Kind kind, int64_t unit);
   FsdpMemory memory_locked() const;
   // The unit after `unit` in backward order (before it in the agreed forward order, the root

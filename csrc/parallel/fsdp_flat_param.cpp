@@ -149,6 +149,7 @@ void FlatParam::start_gather() {
   }
   allocate_storage(full_, static_cast<size_t>(padded_numel()) * full_.element_size());
   gathered_version_ = static_cast<int64_t>(shard_._version());
+  gathered_steps_ = optimizer_steps;
   gather_input_ = compute_dtype_ == shard_.scalar_type() ? shard_ : shard_.to(compute_dtype_);
   gather_work_ = group_->_allgather_base(gather_target_, gather_input_);
 }
@@ -163,7 +164,8 @@ void FlatParam::wait_gather() {
 }
 
 bool FlatParam::gathered_and_current() const {
-  return !gather_work_ && gathered() && static_cast<int64_t>(shard_._version()) == gathered_version_;
+  return !gather_work_ && gathered() && static_cast<int64_t>(shard_._version()) == gathered_version_ &&
+         optimizer_steps == gathered_steps_;
 }
 
 void FlatParam::free_full() {

@@ -81,9 +81,9 @@ class FlatParam {
   bool gather_in_flight() const { return static_cast<bool>(gather_work_); }
   void wait_gather();
   void free_full();                       // release the full storage (reshard)
-  // Gathered, and the shard not written since its gather started (the optimizer's step, a
-  // checkpoint load, any in-place write that bumps the shard's version counter; not a write
-  // through `.data`, which has a counter of its own).
+  // Gathered, and the shard not written since its gather started: no optimizer step over it
+  // (optimizer_steps), no in-place write that bumps its version counter (a checkpoint load); a
+  // write through `.data`, which has a counter of its own, is not seen.
   bool gathered_and_current() const;
 
   // ---- gradients ----
@@ -118,6 +118,9 @@ class FlatParam {
   // leaves the unit gathered for the next forward and backward, which then skip its all-gather
   // (fsdp_engine.h, "Kept gathered"). A syncing backward frees it whatever this says.
   bool reshard_after_backward = true;
+  // Optimizer steps taken over this unit's sharded parameters (counted by a torch.optim step
+  // hook, torchpar/parallel/fsdp.py): a gathered copy from before a step is not current.
+  int64_t optimizer_steps = 0;
 
   // ---- checkpoints ----
   // Every parameter full-shaped in the master dtype (a collective: every rank calls it).
@@ -158,6 +161,7 @@ class FlatParam {
   at::Tensor gather_input_;   // the shard in the compute dtype, alive while the gather runs
   c10::intrusive_ptr<c10d::Work> gather_work_;
   int64_t gathered_version_ = -1;  // shard_'s version counter when the last gather started
+  int64_t gathered_steps_ = -1;    // optimizer_steps then
   at::Tensor accumulator_;    // no_sync's local gradient sum, [padded_numel], reduce dtype
   std::vector<at::Tensor> sharded_, unsharded_;
 };

@@ -79,6 +79,7 @@ TORCHPAR_PYBIND(fsdp) {
       .def("gathered", &FlatParam::gathered)
       .def_readwrite("requires_grad_sync", &FlatParam::requires_grad_sync)
       .def_readwrite("reshard_after_backward", &FlatParam::reshard_after_backward)
+      .def_readwrite("optimizer_steps", &FlatParam::optimizer_steps)
       .def_property(
           "reshard_after_forward", [](const FlatParam& f) { return f.options().reshard_after_forward; },
           &FlatParam::set_reshard_after_forward)

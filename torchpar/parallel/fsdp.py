@@ -131,23 +131,31 @@ class _Unit:
         self.engine = None
         self.index = None
         self.sharded_form = False
-        self.steps_seen = _OPTIMIZER_STEPS[0]  # the root's: optimizer steps when it last ran forward
+        for p in sharded:
+            _UNIT_OF[id(p)] = self
 
     def register(self, params):
         for module, attr, i, _ in self.sites:
             module._parameters[attr] = params[i]
 
 
-# Optimizer steps taken by any torch.optim optimizer in this process. A unit kept gathered
+# Sharded parameter (by id) -> its unit, for the optimizer step hook below. A unit kept gathered
 # (set_reshard_after_backward(False), reshard_after_forward=False) must not outlive a step of its
-# shards: the engine checks the shards' version counters too, but fused optimizers
-# (fused=True) write without bumping them (review finding), so the root's next forward
-# reshards everything after any step. Every rank steps alike, so every rank reshards alike.
-_OPTIMIZER_STEPS = [0]
+# shards; fused optimizers (fused=True) write them without bumping their version counters (review
+# finding), so every torch.optim step counts itself on the units whose parameters it holds, and
+# the engine keeps only units gathered since (fsdp_engine.h, "Kept gathered").
+_UNIT_OF = weakref.WeakValueDictionary()
 
 
 def _count_optimizer_step(optimizer, args, kwargs):
-    _OPTIMIZER_STEPS[0] += 1
+    units = {}
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            unit = _UNIT_OF.get(id(p))
+            if unit is not None:
+                units[id(unit)] = unit
+    for unit in units.values():
+        unit.flat.optimizer_steps += 1
 
 
 register_optimizer_step_post_hook(_count_optimizer_step)
@@ -246,9 +254,6 @@ def _pre_forward(module, args, kwargs):
     unit = module._fsdp
     if unit.engine is None:
         _lazy_init(module)
-    if unit.index == 0 and unit.steps_seen != _OPTIMIZER_STEPS[0]:  # the root, after an optimizer step
-        unit.steps_seen = _OPTIMIZER_STEPS[0]
-        unit.engine.reshard_all()
     grad = torch.is_grad_enabled()
     unit.engine.pre_forward(unit.index, grad)
     unit.register(unit.unsharded)

@@ -72,12 +72,15 @@ def _linear_weight_grads(module, calls, params):
 def _plain_linear(module):
     """An ``nn.Linear`` whose output is ``F.linear(input, weight, bias)``: its own class's
     forward, no hook but the stage's capture (hooks run in registration order, so one before it
-    could have replaced the output), no parameter besides weight and bias (review findings).
+    could have replaced the output; a backward hook could rewrite the weight's gradient), no
+    parameter besides weight and bias (review findings).
     Gradient-accumulator hooks on its parameters are not seen (docs/pipeline.md)."""
     m = nn.modules.module
     return (type(module) is nn.Linear and "forward" not in module.__dict__ and not module._forward_pre_hooks
             and len(module._forward_hooks) == 1 and set(module._parameters) <= {"weight", "bias"}
-            and not (m._global_forward_hooks or m._global_forward_pre_hooks))
+            and not (module._backward_hooks or module._backward_pre_hooks)
+            and not (m._global_forward_hooks or m._global_forward_pre_hooks or m._global_backward_hooks
+                     or m._global_backward_pre_hooks))
 
 
 def _own_params(module):
