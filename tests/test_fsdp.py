@@ -430,6 +430,19 @@ def _kept_units_are_never_stale(ctx, fused):
         assert total.item() == ctx.world_size, where
         torch.testing.assert_close(got, fresh_output(), rtol=0, atol=0)
 
+    # A forward with grad whose backward never runs, the optimizer's step, then a forward under
+    # no_grad: it begins no step (a backward is pending) and must still not use the copies
+    # gathered before the step, with keeping asked for or not (review finding).
+    for keep in (False, True):
+        model.set_reshard_after_backward(not keep)
+        model.set_requires_gradient_sync(True)
+        _loss(model(x), y).backward()
+        model(x)
+        opt.step()
+        with torch.no_grad():
+            got = model(x)
+        torch.testing.assert_close(got, fresh_output(), rtol=0, atol=0, msg=lambda m: f"keep={keep}: {m}")
+
 
 @on_backends
 @pytest.mark.parametrize("fused", [False, True], ids=["loop", "fused"])

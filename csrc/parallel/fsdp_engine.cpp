@@ -172,7 +172,19 @@ void FsdpEngine::pre_forward(int64_t unit, bool grad_enabled) {
   if (unit == root_ && !in_backward()) {
     const StepStart start = agree_step_start_locked(grad_enabled, pending);
     step_forward_ = start.begin;
-    if (step_forward_) begin_step_locked(start.keep);
+    if (step_forward_) {
+      begin_step_locked(start.keep);
+    } else {
+      // A no_grad forward while a backward is pending computes with what is gathered; not with a
+      // copy from before an optimizer step or a checkpoint load (review finding). Every rank of a
+      // pending backward ran the same program, so every rank frees the same units.
+      for (size_t v = 0; v < units_.size(); ++v) {
+        const FlatParam& flat = *units_[v].flat;
+        if (flat.padded_numel() > 0 && flat.gathered() && !flat.gather_in_flight() && !flat.gathered_and_current()) {
+          reshard_locked(static_cast<int64_t>(v));
+        }
+      }
+    }
     cursor_ = 0;
   }
   record(FsdpEvent::kPreForward, unit);

@@ -68,8 +68,8 @@ class FSDPModule:
                 m._fsdp.flat.reshard_after_backward = bool(reshard_after_backward)
 
     def reshard(self):
-        """Free this unit's gathered parameters now (not recursive, as torch's). A rank may do it
-        alone: the ranks agree at the next forward which units they keep."""
+        """Free this unit's gathered parameters now (not recursive, as torch's). Every rank of the
+        group must do the same before the next forward, whose all-gathers depend on it."""
         unit = self._fsdp
         if unit.engine is not None:
             unit.engine.reshard(unit.index)
