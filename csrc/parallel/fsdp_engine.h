@@ -66,8 +66,8 @@
 // and one all-reduce (MIN) keeps those every rank offered; the others are freed, so the forward
 // all-gathers pair and never compute with stale parameters. The same all-reduce decides whether
 // a no_grad forward begins a step (pre_forward), so that ranks whose "backward pending" differ
-// (one raised before reaching the model) still agree. A syncing backward frees the unit whatever the flag says
-// (unlike torch's): the optimizer step follows it.
+// (one raised before reaching the model) still agree. A syncing backward frees the unit whatever
+// the flag says (unlike torch's): the optimizer step follows it.
 
 #pragma once
 

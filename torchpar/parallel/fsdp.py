@@ -148,13 +148,8 @@ _UNIT_OF = weakref.WeakValueDictionary()
 
 
 def _count_optimizer_step(optimizer, args, kwargs):
-    units = {}
-    for group in optimizer.param_groups:
-        for p in group["params"]:
-            unit = _UNIT_OF.get(id(p))
-            if unit is not None:
-                units[id(unit)] = unit
-    for unit in units.values():
+    units = {_UNIT_OF.get(id(p)) for group in optimizer.param_groups for p in group["params"]}
+    for unit in units - {None}:
         unit.flat.optimizer_steps += 1
 
 

@@ -31,6 +31,8 @@ call, is refused too: each stage's rank would keep its own copy;
 the blocks reads are copied into each stage that reads them (a rotary table handed to every
 block), so they must not be written in forward.
 """
+from operator import attrgetter
+
 import torch
 from torch import fx, nn
 
@@ -116,26 +118,28 @@ def _traced_stage(model, stage_of_block, num_stages, stage_index):
         # Tensor constants of the traced code (torch.tensor(...) in forward) are stored on the
         # traced module; they are the stage's, not the user's model's (review).
         constants = {name: model.__dict__.pop(name) for name in set(vars(model)) - before}
-    stage = _assign_stages(graph, stage_of_block, num_stages)
+    stage = _assign_stages(graph, stage_of_block)
     _refuse_shared_state(model, constants, graph, stage)
     return _stage_module(model, constants, graph, stage, num_stages, stage_index)
 
 
-def _assign_stages(graph, stage_of_block, num_stages):
+def _assign_stages(graph, stage_of_block):
     """node -> stage. A block's call is its stage's; any other computing node goes with the last
     block before it (the first stage before any block); a parameter or buffer read
     (``get_attr``) goes with each stage that reads it (copied, see _stage_module). The blocks
-    must run once each, in their list's order: the cut follows that order."""
-    stage, current, called = {}, 0, []
+    must run once each, in their list's order (``stage_of_block``'s): the cut follows that order."""
+    position = {name: i for i, name in enumerate(stage_of_block)}
+    stage, current, called, previous = {}, 0, set(), None
     for node in graph.nodes:
         if node.op == "call_module" and node.target in stage_of_block:
             if node.target in called:
                 raise ValueError(f"split: block '{node.target}' runs twice in forward; the stages follow the "
                                  "blocks' order, each block once: build the stages by hand")
-            if stage_of_block[node.target] < current or (called and _index(node.target) < _index(called[-1])):
-                raise ValueError(f"split: block '{node.target}' runs after '{called[-1]}'; the stages follow the "
+            if previous is not None and position[node.target] < position[previous]:
+                raise ValueError(f"split: block '{node.target}' runs after '{previous}'; the stages follow the "
                                  "blocks' list order, and forward must run them in it")
-            called.append(node.target)
+            called.add(node.target)
+            previous = node.target
             current = stage_of_block[node.target]
         if node.op == "placeholder":
             stage[node] = 0
@@ -146,10 +150,6 @@ def _assign_stages(graph, stage_of_block, num_stages):
         raise ValueError(f"split: forward does not run the blocks {missing}; each stage must run its blocks "
                          "(cut only the blocks forward runs, or build the stages by hand)")
     return stage
-
-
-def _index(block_name):
-    return int(block_name.rsplit(".", 1)[1]) if block_name.rsplit(".", 1)[1].isdigit() else 0
 
 
 def _stages_using(node, stage):
@@ -173,7 +173,7 @@ def _refuse_shared_state(model, constants, graph, stage):
             if params or any(True for _ in module.buffers()):
                 modules.setdefault(node.target, set()).add(stage[node])
         elif node.op == "get_attr":
-            value = constants[node.target] if node.target in constants else _attr(model, node.target)
+            value = constants[node.target] if node.target in constants else attrgetter(node.target)(model)
             params = [value] if isinstance(value, nn.Parameter) else []
             used = _stages_using(node, stage)
         else:
@@ -191,13 +191,6 @@ def _refuse_shared_state(model, constants, graph, stage):
                              "across stages); each stage would train its own copy. Keep what uses it in one stage "
                              "(split_points), or give each stage its own copy and sum their gradients over the "
                              "stages that hold them, as torchpar.models.ParallelGPT does for tied embeddings")
-
-
-def _attr(model, target):
-    obj = model
-    for part in target.split("."):
-        obj = getattr(obj, part)
-    return obj
 
 
 def _check_tensors(values, names, stage_index):
@@ -258,7 +251,7 @@ def _stage_module(model, constants, graph, stage, num_stages, stage_index):
                                                     stage_index))
         out.output(values)
     targets = {n.target for n in out.nodes if n.op in ("get_attr", "call_module")}
-    attrs = {t: constants[t] if t in constants else _attr(model, t) for t in targets}
+    attrs = {t: constants[t] if t in constants else attrgetter(t)(model) for t in targets}
     module = fx.GraphModule(attrs, out, class_name=f"{type(model).__name__}Stage{stage_index}")
     for t, value in attrs.items():  # a buffer is in state_dict as in the model; constants are not
         if isinstance(value, torch.Tensor) and not isinstance(value, nn.Parameter) and not _persistent(model, t):

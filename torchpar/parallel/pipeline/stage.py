@@ -132,7 +132,7 @@ class PipelineStage:
         self._mbs = {}
         self.live = 0          # micro-batches whose activations are held now
         self.peak_live = 0
-        self._owners = [m for m in module.modules() if any(True for _ in m.parameters(recurse=False))]
+        self._owners = [m for m in module.modules() if _own_params(m)]
 
     # ---- forward ----
 
