@@ -728,8 +728,33 @@ def _run_pattern(model, x, y, pattern):
         for p in model.parameters():
             p.grad = None
         _loss(model(x), y).backward()
+    elif pattern == "after_failed_forward":  # e.g. a batch skipped when the model raised on it
+        def fail(module, args):
+            raise RuntimeError("forward failed on purpose")
+
+        # Raised inside block 1's forward on every rank, after its unit was gathered and
+        # registered: the pieces must be registered again all the same (review finding).
+        handle = model.blocks[1].register_forward_pre_hook(fail)
+        with pytest.raises(RuntimeError, match="on purpose"):
+            model(x)
+        handle.remove()
+        if isinstance(model, FSDPModule):  # (the reference runs this pattern too)
+            _assert_pieces_registered(model)
+        with torch.no_grad():  # an evaluation in between
+            model(x)
+        _loss(model(x), y).backward()
     else:
         _loss(model(x), y).backward()
+
+
+def _assert_pieces_registered(model, with_grads=False):
+    """Outside forward the modules hold the pieces, not the gathered parameters (what the
+    optimizer was built on, what ``clip_grad_norm_(model.parameters())`` reads)."""
+    pieces = {id(p) for m in model.modules() if isinstance(m, FSDPModule) for p in m._fsdp.sharded}
+    registered = list(model.parameters())
+    assert {id(p) for p in registered} == pieces
+    if with_grads:
+        assert all(p.grad is not None for p in registered)
 
 
 def _pattern_grads_match(ctx, pattern, steps=2):
@@ -750,6 +775,7 @@ def _pattern_grads_match(ctx, pattern, steps=2):
         ref_opt.zero_grad()
         _run_pattern(model, _part(x, ctx), _part(y, ctx), pattern)
         _run_pattern(ref, x, y, pattern)
+        _assert_pieces_registered(model, with_grads=True)
         _assert_shard_grads(model, ref, step)
         opt.step()
         ref_opt.step()
@@ -758,7 +784,7 @@ def _pattern_grads_match(ctx, pattern, steps=2):
 
 @on_backends
 @pytest.mark.parametrize("pattern", ["checkpoint", "checkpoint_reentrant", "checkpoint_no_early_stop",
-                                     "backward_twice", "after_failed_backward",
+                                     "backward_twice", "after_failed_backward", "after_failed_forward",
                                      "no_grad_forward_before_backward"])
 def test_forward_backward_patterns_equal_single_process(backend, pattern):
     _pool(backend, 2).run(_pattern_grads_match, pattern)

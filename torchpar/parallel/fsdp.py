@@ -219,6 +219,7 @@ def fully_shard(module, group=None, reshard_after_forward=True, mixed_precision=
     module._fsdp = unit
     module.register_forward_pre_hook(_pre_forward, prepend=True, with_kwargs=True)
     module.register_forward_hook(_post_forward)
+    module.register_forward_hook(_restore_pieces, always_call=True)
     module.register_state_dict_post_hook(_state_dict_hook)
     module.register_load_state_dict_pre_hook(_load_state_dict_pre_hook)
     return module
@@ -301,6 +302,17 @@ def _post_forward(module, args, output):
         torch.autograd.graph.register_multi_grad_hook(
             tensors, lambda grads: engine.pre_backward(index), mode="any")
     return output
+
+
+def _restore_pieces(module, args, output):
+    """The pieces registered again after every forward, also one that raised (``always_call``):
+    an error in the model, or non-reentrant checkpointing's recomputation, which stops by raising
+    once it has recomputed what backward needs (before ``_post_forward``). Otherwise the module
+    keeps the gathered parameter objects, and ``model.parameters()`` lists those, without the
+    ``.grad`` the optimizer and ``clip_grad_norm_`` read. After ``_post_forward`` it does nothing
+    new; the engine's own state after a raised forward is settled at the next root forward."""
+    unit = module._fsdp
+    unit.register(unit.sharded)
 
 
 def _state_dict_hook(module, state_dict, prefix, local_metadata):
