@@ -5,6 +5,7 @@ Each rank trains on its shard of a batch; the reference trains on the whole batc
 process (every rank computes it locally, from the same seeds). Runs on the torchpar backend
 and on gloo, at world sizes 2 and 4.
 """
+import contextlib
 import copy
 
 import pytest
@@ -511,6 +512,87 @@ def test_zero2_accumulates_under_no_sync_and_skips_unused_parameters(backend):
     _pool(backend, 2).run(_zero2_no_sync_and_unused, backend)
 
 
+ACCUMULATION = {  # per step: how each of its micro-batches' backward runs
+    "synced": ["sync", "sync"],               # torch's DDP adds each averaged gradient into .grad
+    "no_sync_then_synced": ["sync", "no_sync", "sync"],
+    "zero_grad_to_zeros": ["sync", "sync"],   # zero_grad(set_to_none=False) between steps
+    "one_grad_reset_by_hand": ["sync", "reset", "sync"],
+    "reduced_in_float64": ["sync", "sync"],   # .grad a cast copy of the float64 shard
+    # The gated layer: used everywhere, then nowhere, then on rank 0's rows only.
+    "partly_unused": ["sync", "sync_gate_off", "sync_gate_rank0"],
+}
+
+
+class _Gated(nn.Module):
+    """_mlp, then a Linear applied only to the rows ``gate`` selects (not called at all when
+    it selects none: its parameters get no gradient on that rank)."""
+
+    def __init__(self):
+        super().__init__()
+        self.body = _mlp()
+        self.gated = nn.Linear(3, 3)
+
+    def forward(self, x, gate):
+        out = self.body(x)
+        if gate.any():
+            out = out.clone()
+            out[gate] = self.gated(out[gate])
+        return out
+
+
+def _zero2_accumulation(ctx, backend, how):
+    """Gradient accumulation over several backwards that each synchronise, without zero_grad()
+    between them (torch's DDP adds each backward's averaged gradient into .grad), alone and
+    mixed with no_sync() backwards, with zero_grad(set_to_none=False), with one .grad set to
+    None by hand in between (that parameter starts its sum again), reduced in another dtype,
+    and with a layer some backwards do not reach."""
+    torch.set_num_threads(1)
+    group = _group(ctx, backend)
+    model = _Gated()
+    ref = copy.deepcopy(model)
+    ddp = DDP(model, process_group=group, bucket_cap_mb=0.0002, shard_gradients=True,
+              grad_reduce_dtype=torch.float64 if how == "reduced_in_float64" else None,
+              find_unused_parameters=how == "partly_unused")
+    opt = ZeroRedundancyOptimizer(ddp.parameters(), torch.optim.AdamW, group, lr=1e-2, bucket_cap_mb=0.0002)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+    owned = {id(p) for p in opt.optim.param_groups[0]["params"]}
+    n = 2 * ctx.world_size
+    for step in range(3):
+        to_none = how != "zero_grad_to_zeros"
+        opt.zero_grad(set_to_none=to_none)
+        ref_opt.zero_grad(set_to_none=to_none)
+        for micro, kind in enumerate(ACCUMULATION[how]):
+            if kind == "reset":  # the first weight's gradient dropped on every rank and in the reference
+                model.body[0].weight.grad = None
+                ref.body[0].weight.grad = None
+                continue
+            x, y = _batch(10 * step + micro, n)
+            gate = torch.full((n,), kind != "sync_gate_off")
+            if kind == "sync_gate_rank0":
+                gate[2:] = False
+            with ddp.no_sync() if kind == "no_sync" else contextlib.nullcontext():
+                _loss(ddp(_shard(x, ctx), _shard(gate, ctx)), _shard(y, ctx)).backward()
+            _loss(ref(x, gate), y).backward()
+            if kind == "no_sync":
+                continue
+            for (name, p), q in zip(model.named_parameters(), ref.parameters()):
+                if id(p) in owned:
+                    torch.testing.assert_close(p.grad, q.grad, rtol=1e-5, atol=1e-6,
+                                               msg=lambda m: f"step {step}, micro {micro}, {name}: {m}")
+                elif name.startswith("body"):  # (gated: None where no rank used it since the sum began)
+                    assert p.grad is None, name
+        opt.step()
+        ref_opt.step()
+        _assert_close(model, ref, step)
+
+
+@on_backends
+@multi_rank
+@pytest.mark.parametrize("how", sorted(ACCUMULATION))
+def test_zero2_accumulates_over_synchronised_backwards_like_ddp(backend, world_size, how):
+    _pool(backend, world_size).run(_zero2_accumulation, backend, how)
+
+
 def _o2_load_when_a_rank_owns_nothing(ctx, backend):
     """Review finding: load_state_dict all-gathered only on ranks owning an O2 master, so a
     rank owning no parameter (2 parameters, 4 ranks) skipped the collective the others ran."""
@@ -589,6 +671,7 @@ def _train_uneven_reference(ctx, ref, steps_of, clips_at=None):
 @pytest.mark.parametrize("how", ["ddp.join()", "model first", "optimizer first", "model only"])
 def test_uneven_inputs_under_join_train_like_one_process(backend, world_size, stage, how):
     _pool(backend, world_size).run(_train_uneven, backend, stage, how, timeout=60)
+
 
 
 def _optimizer_joined_without_its_ddp(ctx, backend):

@@ -10,12 +10,30 @@
 #include <torch/csrc/autograd/variable.h>
 
 #include <algorithm>
+#include <functional>
 #include <sstream>
 #include <unordered_set>
 
 namespace torchpar::parallel {
 
 namespace autograd = torch::autograd;
+
+namespace {
+
+// A pre-hook of a parameter's AccumulateGrad: runs before the new gradient is added into .grad.
+class BeforeAccumulation : public autograd::FunctionPreHook {
+ public:
+  explicit BeforeAccumulation(std::function<void()> fn) : fn_(std::move(fn)) {}
+  autograd::variable_list operator()(const autograd::variable_list& grads) override {
+    fn_();
+    return grads;
+  }
+
+ private:
+  std::function<void()> fn_;
+};
+
+}  // namespace
 
 Reducer::Reducer(std::vector<at::Tensor> params, std::vector<std::string> names,
                  std::vector<std::vector<int64_t>> buckets,
@@ -56,8 +74,14 @@ Reducer::Reducer(std::vector<at::Tensor> params, std::vector<std::string> names,
           return outputs;
         });
     hook_keys_.push_back(acc->add_post_hook(std::move(hook)));
+    if (options_.shard_gradients) {
+      auto before = std::make_unique<BeforeAccumulation>([this, i] { before_accumulation(static_cast<int64_t>(i)); });
+      pre_hooks_.push_back(before.get());
+      acc->add_pre_hook(std::move(before));
+    }
     accumulators_.push_back(std::move(acc));
   }
+  handed_.resize(n);
 }
 
 void Reducer::allocate(Bucket& b) {
@@ -142,7 +166,28 @@ Reducer::~Reducer() {
   // call into freed memory.
   for (size_t i = 0; i < accumulators_.size(); ++i) {
     accumulators_[i]->del_post_hook(hook_keys_[i]);
+    if (!pre_hooks_.empty()) {  // Node has no del_pre_hook: erased by address
+      auto& hooks = accumulators_[i]->pre_hooks();
+      hooks.erase(std::remove_if(hooks.begin(), hooks.end(),
+                                 [&](const auto& h) { return h.get() == pre_hooks_[i]; }),
+                  hooks.end());
+    }
   }
+}
+
+void Reducer::before_accumulation(int64_t index) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  at::NoGradGuard no_grad;
+  const at::Tensor& grad = params_[index].grad();
+  if (grad.defined() && handed_locked(index, grad)) {
+    grad.mul_(static_cast<double>(group_->getSize()));
+  }
+  handed_[index].reset();
+}
+
+bool Reducer::handed_locked(int64_t index, const at::Tensor& grad) const {
+  const auto& handed = handed_[index];
+  return handed && !handed->expired() && handed->_unsafe_get_target() == grad.unsafeGetTensorImpl();
 }
 
 void Reducer::reset_step() {
@@ -361,7 +406,13 @@ void Reducer::mark_ready(int64_t index, bool has_gradient) {
   allocate(b);
   at::Tensor view = b.views[slot.offset];  // a handle: mul_out takes a mutable out
   if (!has_gradient || !grad.defined()) {
-    view.zero_();
+    if (b.shard_numel && grad.defined() && handed_locked(index, grad)) {
+      // The owner's average from an earlier synchronised backward, nothing added since: counted
+      // once in the sum, as before_accumulation's scaling makes it count when a gradient is added.
+      view.copy_(grad);
+    } else {
+      view.zero_();
+    }
   } else if (b.grads_are_views) {
     if (!grad.is_alias_of(view)) {
       // zero_grad(set_to_none=True) or the first step: autograd made a fresh tensor.
@@ -670,6 +721,7 @@ void Reducer::write_back_shard(Bucket& b, const std::vector<int32_t>& used_anywh
     }
     at::Tensor g = b.shard.narrow(0, b.offsets[k] - rank * b.shard_numel, param.numel()).view(param.sizes());
     param.mutable_grad() = g.scalar_type() == param.scalar_type() ? g : g.to(param.scalar_type());
+    handed_[i].emplace(param.grad().getIntrusivePtr());
   }
 }
 

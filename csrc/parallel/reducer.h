@@ -67,7 +67,8 @@ struct ReducerOptions {
   // synchronised backward a parameter this rank owns has .grad (a view of its bucket's
   // shard, or a cast copy with a reduce dtype); every other parameter's .grad is None: a
   // gradient is dropped as soon as it is copied into its bucket. Buckets are never rebuilt
-  // (the optimizer steps the shards of this layout), and there is no comm hook.
+  // (the optimizer steps the shards of this layout), and there is no comm hook. Backwards
+  // without zero_grad() in between accumulate as with torch's DDP (see before_accumulation).
   bool shard_gradients = false;
 };
 
@@ -181,6 +182,16 @@ class Reducer {
   void allocate(Bucket& b);
   void rebuild_in_observed_order();
   void on_gradient(int64_t index);
+  // shard_gradients, before autograd adds a new gradient into parameter `index`'s .grad. torch's
+  // DDP accumulates across backwards that each synchronise by averaging whatever .grad holds:
+  // after a synchronised backward every rank holds the same average A, so the next one gives
+  // A + the average of the new gradients. Under ZeRO-2 only the owner holds A (the others'
+  // copies were dropped), so the owner multiplies it by the group size before the new gradient
+  // is added: the reduction, which divides each rank's contribution by the group size and sums,
+  // then counts A once. Only the .grad a synchronised backward handed out (handed_), once.
+  void before_accumulation(int64_t index);
+  // Whether `grad` is the .grad write_back_shard gave parameter `index`, untouched since.
+  bool handed_locked(int64_t index, const at::Tensor& grad) const;
   void mark_ready(int64_t index, bool has_gradient);
   void launch_ready_buckets();
   bool reduces_in_place(const Bucket& b) const;
@@ -223,6 +234,11 @@ class Reducer {
       decltype(torch::autograd::impl::grad_accumulator(std::declval<const at::Tensor&>()));
   std::vector<AccumulatorPtr> accumulators_;
   std::vector<uintptr_t> hook_keys_;
+  std::vector<const torch::autograd::FunctionPreHook*> pre_hooks_;  // shard_gradients: before_accumulation's
+  // shard_gradients: per parameter, the .grad a synchronised backward handed this rank (it owns
+  // the parameter) until a later backward takes it in. Weak: it holds no memory, and the
+  // TensorImpl's address cannot be reused by another tensor while it is recorded.
+  std::vector<std::optional<c10::weak_intrusive_ptr<c10::TensorImpl, c10::UndefinedTensorImpl>>> handed_;
 
   // Step state, guarded by mutex_ (hooks run on autograd device threads).
   mutable std::mutex mutex_;

@@ -62,8 +62,12 @@ class DistributedDataParallel(nn.Module, Joinable):
     The buckets are split into whole-parameter shards (torchpar/optim/shard_layout.py says why
     DDP decides the layout) and a ``torchpar.optim.ZeroRedundancyOptimizer`` built on this
     module's parameters adopts it and steps exactly those shards; training without one raises.
-    Call ``zero_grad()`` between steps (accumulate with ``no_sync()``): a rank that owns a
-    parameter would otherwise add its last averaged gradient into the next sum.
+    Backwards without ``zero_grad()`` between them add up as with torch's DDP (each one's
+    average into ``.grad``), ``no_sync()`` or not: the owner of a parameter, the only rank that
+    still holds its average, counts it once in the next reduction (csrc/parallel/reducer.h,
+    ``before_accumulation``). Between such backwards, an owner's ``.grad`` reads W times that
+    average plus its own new gradients (W the group size); after each synchronised backward it is
+    the true sum again.
     """
 
     def __init__(self, module, device_ids=None, output_device=None, dim=0, broadcast_buffers=True,
