@@ -709,6 +709,9 @@ def _run_pattern(model, x, y, pattern):
         loss = _loss(model(x), y)
         loss.backward(retain_graph=True)
         loss.backward()
+    elif pattern == "two_synced_backwards":  # accumulation without no_sync: each backward reduces
+        for _ in range(2):
+            _loss(model(x), y).backward()
     elif pattern == "no_grad_forward_before_backward":  # e.g. a metric between forward and backward
         loss = _loss(model(x), y)
         with torch.no_grad():
@@ -784,7 +787,8 @@ def _pattern_grads_match(ctx, pattern, steps=2):
 
 @on_backends
 @pytest.mark.parametrize("pattern", ["checkpoint", "checkpoint_reentrant", "checkpoint_no_early_stop",
-                                     "backward_twice", "after_failed_backward", "after_failed_forward",
+                                     "backward_twice", "two_synced_backwards", "after_failed_backward",
+                                     "after_failed_forward",
                                      "no_grad_forward_before_backward"])
 def test_forward_backward_patterns_equal_single_process(backend, pattern):
     _pool(backend, 2).run(_pattern_grads_match, pattern)
