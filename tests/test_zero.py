@@ -540,7 +540,7 @@ class _Gated(nn.Module):
         return out
 
 
-def _zero2_accumulation(ctx, backend, how):
+def _accumulation(ctx, backend, stage, how):
     """Gradient accumulation over several backwards that each synchronise, without zero_grad()
     between them (torch's DDP adds each backward's averaged gradient into .grad), alone and
     mixed with no_sync() backwards, with zero_grad(set_to_none=False), with one .grad set to
@@ -550,12 +550,12 @@ def _zero2_accumulation(ctx, backend, how):
     group = _group(ctx, backend)
     model = _Gated()
     ref = copy.deepcopy(model)
-    ddp = DDP(model, process_group=group, bucket_cap_mb=0.0002, shard_gradients=True,
+    ddp = DDP(model, process_group=group, bucket_cap_mb=0.0002, shard_gradients=stage == 2,
               grad_reduce_dtype=torch.float64 if how == "reduced_in_float64" else None,
               find_unused_parameters=how == "partly_unused")
     opt = ZeroRedundancyOptimizer(ddp.parameters(), torch.optim.AdamW, group, lr=1e-2, bucket_cap_mb=0.0002)
     ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
-    owned = {id(p) for p in opt.optim.param_groups[0]["params"]}
+    owned = {id(p) for p in (opt.optim.param_groups[0]["params"] if stage == 2 else model.parameters())}
     n = 2 * ctx.world_size
     for step in range(3):
         to_none = how != "zero_grad_to_zeros"
@@ -588,9 +588,11 @@ def _zero2_accumulation(ctx, backend, how):
 
 @on_backends
 @multi_rank
+@STAGES
 @pytest.mark.parametrize("how", sorted(ACCUMULATION))
-def test_zero2_accumulates_over_synchronised_backwards_like_ddp(backend, world_size, how):
-    _pool(backend, world_size).run(_zero2_accumulation, backend, how)
+def test_accumulation_over_synchronised_backwards_equals_one_process(backend, world_size, stage, how):
+    """ZeRO-2 (stage 2) and our DDP's all-reduce under ZeRO-1 (stage 1)."""
+    _pool(backend, world_size).run(_accumulation, backend, stage, how)
 
 
 def _o2_load_when_a_rank_owns_nothing(ctx, backend):

@@ -405,14 +405,16 @@ void Reducer::mark_ready(int64_t index, bool has_gradient) {
   }
   allocate(b);
   at::Tensor view = b.views[slot.offset];  // a handle: mul_out takes a mutable out
-  if (!has_gradient || !grad.defined()) {
-    if (b.shard_numel && grad.defined() && handed_locked(index, grad)) {
-      // The owner's average from an earlier synchronised backward, nothing added since: counted
-      // once in the sum, as before_accumulation's scaling makes it count when a gradient is added.
-      view.copy_(grad);
-    } else {
-      view.zero_();
-    }
+  // A parameter this backward did not reach (find_unused_parameters, static_graph) keeps what
+  // .grad holds, as with torch's DDP: an earlier synchronised backward's average, the same on
+  // every rank, so averaging it again gives it back and a rank that did reach it adds its share
+  // (the sum of several backwards without zero_grad). Under ZeRO-2 only the owner holds it: counted
+  // once, as before_accumulation's scaling makes it count where a gradient is added.
+  const bool sharded_kept = b.shard_numel && !has_gradient && grad.defined() && handed_locked(index, grad);
+  if (!grad.defined() || (b.shard_numel && !has_gradient && !sharded_kept)) {
+    view.zero_();
+  } else if (sharded_kept) {
+    view.copy_(grad);
   } else if (b.grads_are_views) {
     if (!grad.is_alias_of(view)) {
       // zero_grad(set_to_none=True) or the first step: autograd made a fresh tensor.
