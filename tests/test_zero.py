@@ -520,6 +520,10 @@ ACCUMULATION = {  # per step: how each of its micro-batches' backward runs
     "reduced_in_float64": ["sync", "sync"],   # .grad a cast copy of the float64 shard
     # The gated layer: used everywhere, then nowhere, then on rank 0's rows only.
     "partly_unused": ["sync", "sync_gate_off", "sync_gate_rank0"],
+    # A backward outside DDP's forward (a penalty on the weights) after the synchronised one: .grad
+    # is the average plus the penalty's gradient, as with torch's DDP (review finding).
+    "penalty_after_sync": ["sync", "penalty", "sync", "penalty"],
+    "penalty_after_sync_zero_grad_to_zeros": ["sync", "penalty"],
 }
 
 
@@ -558,13 +562,21 @@ def _accumulation(ctx, backend, stage, how):
     owned = {id(p) for p in (opt.optim.param_groups[0]["params"] if stage == 2 else model.parameters())}
     n = 2 * ctx.world_size
     for step in range(3):
-        to_none = how != "zero_grad_to_zeros"
+        to_none = not how.endswith("zero_grad_to_zeros")
         opt.zero_grad(set_to_none=to_none)
         ref_opt.zero_grad(set_to_none=to_none)
         for micro, kind in enumerate(ACCUMULATION[how]):
             if kind == "reset":  # the first weight's gradient dropped on every rank and in the reference
                 model.body[0].weight.grad = None
                 ref.body[0].weight.grad = None
+                continue
+            if kind == "penalty":  # the same on every rank: a local gradient, not averaged
+                for m in (model, ref):
+                    (0.1 * sum((p ** 2).sum() for p in m.body.parameters())).backward()
+                for (name, p), q in zip(model.named_parameters(), ref.parameters()):
+                    if id(p) in owned:
+                        torch.testing.assert_close(p.grad, q.grad, rtol=1e-5, atol=1e-6,
+                                                   msg=lambda m: f"step {step}, micro {micro}, {name}: {m}")
                 continue
             x, y = _batch(10 * step + micro, n)
             gate = torch.full((n,), kind != "sync_gate_off")

@@ -82,6 +82,8 @@ Reducer::Reducer(std::vector<at::Tensor> params, std::vector<std::string> names,
     accumulators_.push_back(std::move(acc));
   }
   handed_.resize(n);
+  kept_.resize(n);
+  kept_version_.assign(n, 0);
 }
 
 void Reducer::allocate(Bucket& b) {
@@ -178,16 +180,42 @@ Reducer::~Reducer() {
 void Reducer::before_accumulation(int64_t index) {
   std::lock_guard<std::mutex> lock(mutex_);
   at::NoGradGuard no_grad;
-  const at::Tensor& grad = params_[index].grad();
-  if (grad.defined() && handed_locked(index, grad)) {
-    grad.mul_(static_cast<double>(group_->getSize()));
+  at::Tensor& grad = params_[index].mutable_grad();
+  if (!grad.defined() || !is_recorded(handed_[index], grad)) {
+    return;
   }
   handed_[index].reset();
+  at::Tensor shard = shard_slice(index);
+  if (grad.is_alias_of(shard)) {
+    grad = grad.clone();  // autograd adds into the copy; the shard keeps A
+  } else {
+    shard.copy_(grad.reshape(-1));  // a cast copy: A as .grad holds it now
+  }
+  kept_[index].emplace(grad.getIntrusivePtr());
+  kept_version_[index] = static_cast<int64_t>(grad._version());
 }
 
-bool Reducer::handed_locked(int64_t index, const at::Tensor& grad) const {
-  const auto& handed = handed_[index];
-  return handed && !handed->expired() && handed->_unsafe_get_target() == grad.unsafeGetTensorImpl();
+void Reducer::check_kept_locked(int64_t index) {
+  if (!kept_[index]) {
+    return;
+  }
+  const at::Tensor& grad = params_[index].grad();
+  if (grad.defined() && is_recorded(kept_[index], grad) &&
+      static_cast<int64_t>(grad._version()) == kept_version_[index] + 1) {
+    kept_version_[index] += 1;
+  } else {
+    kept_[index].reset();
+  }
+}
+
+bool Reducer::is_recorded(const WeakTensorRef& ref, const at::Tensor& grad) {
+  return ref && !ref->expired() && ref->_unsafe_get_target() == grad.unsafeGetTensorImpl();
+}
+
+at::Tensor Reducer::shard_slice(int64_t index) {
+  const Bucket& b = buckets_[slots_[index].bucket];
+  const size_t k = slots_[index].offset;
+  return b.shard.narrow(0, b.offsets[k] - group_->getRank() * b.shard_numel, params_[index].numel());
 }
 
 void Reducer::reset_step() {
@@ -301,6 +329,7 @@ void Reducer::on_gradient(int64_t index) {
   std::lock_guard<std::mutex> lock(mutex_);
   at::NoGradGuard no_grad;
   used_since_sync_[index] = 1;
+  check_kept_locked(index);
   if (!expect_backward_) {
     return;  // no_sync(): the gradient just accumulates in .grad
   }
@@ -409,12 +438,19 @@ void Reducer::mark_ready(int64_t index, bool has_gradient) {
   // .grad holds, as with torch's DDP: an earlier synchronised backward's average, the same on
   // every rank, so averaging it again gives it back and a rank that did reach it adds its share
   // (the sum of several backwards without zero_grad). Under ZeRO-2 only the owner holds it: counted
-  // once, as before_accumulation's scaling makes it count where a gradient is added.
-  const bool sharded_kept = b.shard_numel && !has_gradient && grad.defined() && handed_locked(index, grad);
-  if (!grad.defined() || (b.shard_numel && !has_gradient && !sharded_kept)) {
+  // once, as where a gradient was added into it (before_accumulation).
+  const bool handed = b.shard_numel && !has_gradient && grad.defined() && is_recorded(handed_[index], grad);
+  const bool kept = b.shard_numel && has_gradient && grad.defined() && is_recorded(kept_[index], grad) &&
+                    static_cast<int64_t>(grad._version()) == kept_version_[index];
+  kept_[index].reset();
+  if (!grad.defined() || (b.shard_numel && !has_gradient && !handed)) {
     view.zero_();
-  } else if (sharded_kept) {
+  } else if (handed) {
     view.copy_(grad);
+  } else if (kept) {  // (A + new gradients) / W + (W - 1) A / W
+    view.copy_(grad);
+    view.mul_(scale);
+    view.add_(shard_slice(index).view(view.sizes()), 1.0 - scale);
   } else if (b.grads_are_views) {
     if (!grad.is_alias_of(view)) {
       // zero_grad(set_to_none=True) or the first step: autograd made a fresh tensor.

@@ -183,15 +183,24 @@ class Reducer {
   void rebuild_in_observed_order();
   void on_gradient(int64_t index);
   // shard_gradients, before autograd adds a new gradient into parameter `index`'s .grad. torch's
-  // DDP accumulates across backwards that each synchronise by averaging whatever .grad holds:
-  // after a synchronised backward every rank holds the same average A, so the next one gives
-  // A + the average of the new gradients. Under ZeRO-2 only the owner holds A (the others'
-  // copies were dropped), so the owner multiplies it by the group size before the new gradient
-  // is added: the reduction, which divides each rank's contribution by the group size and sums,
-  // then counts A once. Only the .grad a synchronised backward handed out (handed_), once.
+  // DDP accumulates across backwards without zero_grad by averaging whatever .grad holds: after
+  // a synchronised backward every rank holds the same average A, so the next synchronised one
+  // gives A + the average of the new gradients. Under ZeRO-2 only the owner holds A (the others'
+  // copies were dropped). So when a backward first adds into the .grad the reducer handed out,
+  // the owner keeps A aside in its shard (the .grad a view of the shard becomes a copy that
+  // autograd adds into; a cast copy's value is written into the shard), and the next
+  // synchronised backward's reduction gets (.grad + (W - 1) A) / W from it: A counted as if every
+  // rank held it. .grad itself reads A + the new gradients throughout, as with torch's DDP.
   void before_accumulation(int64_t index);
-  // Whether `grad` is the .grad write_back_shard gave parameter `index`, untouched since.
-  bool handed_locked(int64_t index, const at::Tensor& grad) const;
+  // Whether `grad` is the tensor `ref` records (a weak reference: the address cannot be reused).
+  static bool is_recorded(const std::optional<c10::weak_intrusive_ptr<c10::TensorImpl, c10::UndefinedTensorImpl>>& ref,
+                          const at::Tensor& grad);
+  // The shard slice holding parameter `index`'s average (this rank owns it).
+  at::Tensor shard_slice(int64_t index);
+  // After each accumulation into parameter `index`'s .grad: A stays counted only while .grad is
+  // the tensor it was kept for and nothing but autograd's accumulation changed it (a version
+  // bump each); zero_grad(set_to_none=False), a replaced .grad or create_graph drop it.
+  void check_kept_locked(int64_t index);
   void mark_ready(int64_t index, bool has_gradient);
   void launch_ready_buckets();
   bool reduces_in_place(const Bucket& b) const;
@@ -235,10 +244,14 @@ class Reducer {
   std::vector<AccumulatorPtr> accumulators_;
   std::vector<uintptr_t> hook_keys_;
   std::vector<const torch::autograd::FunctionPreHook*> pre_hooks_;  // shard_gradients: before_accumulation's
-  // shard_gradients: per parameter, the .grad a synchronised backward handed this rank (it owns
-  // the parameter) until a later backward takes it in. Weak: it holds no memory, and the
-  // TensorImpl's address cannot be reused by another tensor while it is recorded.
-  std::vector<std::optional<c10::weak_intrusive_ptr<c10::TensorImpl, c10::UndefinedTensorImpl>>> handed_;
+  // shard_gradients, per parameter this rank owns: the .grad a synchronised backward handed out,
+  // until a later backward adds into it; then the .grad that holds the average kept aside in the
+  // shard (before_accumulation) and its version after the last accumulation. Weak: no memory
+  // held, and a TensorImpl's address cannot be reused by another tensor while it is recorded.
+  using WeakTensorRef = std::optional<c10::weak_intrusive_ptr<c10::TensorImpl, c10::UndefinedTensorImpl>>;
+  std::vector<WeakTensorRef> handed_;
+  std::vector<WeakTensorRef> kept_;
+  std::vector<int64_t> kept_version_;
 
   // Step state, guarded by mutex_ (hooks run on autograd device threads).
   mutable std::mutex mutex_;

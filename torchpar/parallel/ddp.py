@@ -63,11 +63,11 @@ class DistributedDataParallel(nn.Module, Joinable):
     DDP decides the layout) and a ``torchpar.optim.ZeroRedundancyOptimizer`` built on this
     module's parameters adopts it and steps exactly those shards; training without one raises.
     Backwards without ``zero_grad()`` between them add up as with torch's DDP (each one's
-    average into ``.grad``), ``no_sync()`` or not: the owner of a parameter, the only rank that
-    still holds its average, counts it once in the next reduction (csrc/parallel/reducer.h,
-    ``before_accumulation``). Between such backwards, an owner's ``.grad`` reads W times that
-    average plus its own new gradients (W the group size); after each synchronised backward it is
-    the true sum again.
+    average into ``.grad``), ``no_sync()`` or not, and a backward outside this module's forward
+    (a penalty on the weights) adds its local gradient: the owner of a parameter, the only rank
+    that still holds its average, keeps it aside and counts it once in the next reduction
+    (csrc/parallel/reducer.h, ``before_accumulation``). Changing an owner's ``.grad`` in place
+    between two such backwards other than zeroing it (clipping each micro-batch) is not followed.
     """
 
     def __init__(self, module, device_ids=None, output_device=None, dim=0, broadcast_buffers=True,
