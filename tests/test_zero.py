@@ -688,6 +688,26 @@ def test_uneven_inputs_under_join_train_like_one_process(backend, world_size, st
 
 
 
+def _zero2_accumulating_under_join(ctx, backend):
+    """ZeRO-2 backwards accumulating without zero_grad() while a rank has joined: only the owner
+    holds a parameter's average and a joined rank contributes zeros, so torch's DDP result
+    (the average counted once per rank still training) cannot be given; every rank raises, at
+    the same collective (review finding: wrong gradients on the owners)."""
+    from torch.distributed.algorithms.join import Join
+
+    ddp, opt = _wrap(ctx, _group(ctx, backend), _mlp(), 2)
+    with pytest.raises(RuntimeError, match="while a rank has joined"):
+        with Join([ddp, opt]):
+            for step in range(_uneven_steps(ctx.rank)):
+                x, y = _batch(100 * ctx.rank + step, 4)
+                _loss(ddp(x), y).backward()  # no zero_grad(): the steps' gradients add up
+
+
+@on_backends
+def test_zero2_accumulation_under_join_raises_on_every_rank(backend):
+    _pool(backend, 2).run(_zero2_accumulating_under_join, backend)
+
+
 def _optimizer_joined_without_its_ddp(ctx, backend):
     """Join([optimizer]) without the DDP that reduces its gradients cannot work (the joined rank
     would not shadow the backward's collectives): every rank raises, at the same collective."""
