@@ -524,6 +524,7 @@ ACCUMULATION = {  # per step: how each of its micro-batches' backward runs
     # is the average plus the penalty's gradient, as with torch's DDP (review finding).
     "penalty_after_sync": ["sync", "penalty", "sync", "penalty"],
     "penalty_after_sync_zero_grad_to_zeros": ["sync", "penalty"],
+    "create_graph": ["sync_create_graph", "sync_create_graph"],  # autograd adds out of place
 }
 
 
@@ -582,9 +583,10 @@ def _accumulation(ctx, backend, stage, how):
             gate = torch.full((n,), kind != "sync_gate_off")
             if kind == "sync_gate_rank0":
                 gate[2:] = False
+            create_graph = kind == "sync_create_graph"
             with ddp.no_sync() if kind == "no_sync" else contextlib.nullcontext():
-                _loss(ddp(_shard(x, ctx), _shard(gate, ctx)), _shard(y, ctx)).backward()
-            _loss(ref(x, gate), y).backward()
+                _loss(ddp(_shard(x, ctx), _shard(gate, ctx)), _shard(y, ctx)).backward(create_graph=create_graph)
+            _loss(ref(x, gate), y).backward(create_graph=create_graph)
             if kind == "no_sync":
                 continue
             for (name, p), q in zip(model.named_parameters(), ref.parameters()):

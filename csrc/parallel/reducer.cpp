@@ -84,6 +84,7 @@ Reducer::Reducer(std::vector<at::Tensor> params, std::vector<std::string> names,
   handed_.resize(n);
   kept_.resize(n);
   kept_version_.assign(n, 0);
+  replaced_by_autograd_.assign(n, false);
 }
 
 void Reducer::allocate(Bucket& b) {
@@ -179,8 +180,11 @@ Reducer::~Reducer() {
 
 void Reducer::before_accumulation(int64_t index) {
   std::lock_guard<std::mutex> lock(mutex_);
+  const bool create_graph = at::GradMode::is_enabled();  // (read before the guard below)
   at::NoGradGuard no_grad;
   at::Tensor& grad = params_[index].mutable_grad();
+  replaced_by_autograd_[index] = create_graph && grad.defined() && is_recorded(kept_[index], grad) &&
+                                 static_cast<int64_t>(grad._version()) == kept_version_[index];
   if (!grad.defined() || !is_recorded(handed_[index], grad)) {
     return;
   }
@@ -193,6 +197,7 @@ void Reducer::before_accumulation(int64_t index) {
   }
   kept_[index].emplace(grad.getIntrusivePtr());
   kept_version_[index] = static_cast<int64_t>(grad._version());
+  replaced_by_autograd_[index] = create_graph;
 }
 
 bool Reducer::holds_kept_average() const {
@@ -211,6 +216,15 @@ void Reducer::check_kept_locked(int64_t index) {
     return;
   }
   const at::Tensor& grad = params_[index].grad();
+  if (replaced_by_autograd_[index]) {
+    // create_graph=True: autograd replaced the kept .grad by its sum with the new gradient.
+    replaced_by_autograd_[index] = false;
+    if (grad.defined() && !is_recorded(kept_[index], grad)) {
+      kept_[index].emplace(grad.getIntrusivePtr());
+      kept_version_[index] = static_cast<int64_t>(grad._version());
+      return;
+    }
+  }
   if (grad.defined() && is_recorded(kept_[index], grad) &&
       static_cast<int64_t>(grad._version()) == kept_version_[index] + 1) {
     kept_version_[index] += 1;

@@ -204,7 +204,8 @@ class Reducer {
   at::Tensor shard_slice(int64_t index);
   // After each accumulation into parameter `index`'s .grad: A stays counted only while .grad is
   // the tensor it was kept for and nothing but autograd's accumulation changed it (a version
-  // bump each); zero_grad(set_to_none=False), a replaced .grad or create_graph drop it.
+  // bump each; under create_graph=True, the new tensor autograd puts in its place);
+  // zero_grad(set_to_none=False) or a .grad replaced by hand drop it.
   void check_kept_locked(int64_t index);
   void mark_ready(int64_t index, bool has_gradient);
   void launch_ready_buckets();
@@ -257,6 +258,7 @@ class Reducer {
   std::vector<WeakTensorRef> handed_;
   std::vector<WeakTensorRef> kept_;
   std::vector<int64_t> kept_version_;
+  std::vector<bool> replaced_by_autograd_;  // a create_graph backward is adding into a kept .grad
 
   // Step state, guarded by mutex_ (hooks run on autograd device threads).
   mutable std::mutex mutex_;
