@@ -200,17 +200,6 @@ void Reducer::before_accumulation(int64_t index) {
   replaced_by_autograd_[index] = create_graph;
 }
 
-bool Reducer::holds_kept_average() const {
-  std::lock_guard<std::mutex> lock(mutex_);
-  for (size_t i = 0; i < params_.size(); ++i) {
-    const at::Tensor& grad = params_[i].grad();
-    if (grad.defined() && (is_recorded(handed_[i], grad) || is_recorded(kept_[i], grad))) {
-      return true;
-    }
-  }
-  return false;
-}
-
 void Reducer::check_kept_locked(int64_t index) {
   if (!kept_[index]) {
     return;

@@ -129,11 +129,6 @@ class Reducer {
   // share, and leaves the result in .grad as a synchronised backward does (the others' average:
   // a ZeRO optimizer steps this rank's shard with it).
   void join_shadow_backward();
-  // shard_gradients: whether some .grad of this rank still holds an earlier synchronised
-  // backward's average (handed out, or kept by before_accumulation): backwards accumulating
-  // without zero_grad. A rank that has joined cannot count its share of that as torch's DDP
-  // does (it contributes zeros), so DDP refuses the combination (torchpar/parallel/ddp.py).
-  bool holds_kept_average() const;
 
   // The events of the last synchronised step, in order.
   std::vector<TraceEvent> trace() const;

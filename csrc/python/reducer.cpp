@@ -97,9 +97,6 @@ TORCHPAR_PYBIND(reducer) {
            "the forward's outputs: the outermost backward).")
       .def("records_static_graph", &Reducer::records_static_graph,
            "static_graph, and this rank's gradient counts are still to be recorded.")
-      .def("holds_kept_average", &Reducer::holds_kept_average,
-           "shard_gradients: whether a .grad of this rank still holds an earlier synchronised backward's "
-           "average (backwards accumulating without zero_grad)")
       .def("join_shadow_backward", &Reducer::join_shadow_backward,
            py::call_guard<py::gil_scoped_release>(),
            "The collectives of one synchronised backward with zeros as this rank's share "

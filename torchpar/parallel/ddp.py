@@ -145,8 +145,7 @@ class DistributedDataParallel(nn.Module, Joinable):
                 Join.notify_join_context(joinable)
             if not self._join_config.enable:
                 raise shard_layout.joined_without_ddp_error()
-            accumulating = self.shard_gradients and self.reducer.holds_kept_average()
-            sync, buffer_src = _join_vote(sync, True, self.process_group, self.join_device, accumulating)
+            sync, buffer_src = _join_vote(sync, True, self.process_group, self.join_device)
         if sync and self.broadcast_buffers:
             with torch.no_grad():
                 _broadcast_from_rank0(list(self.module.buffers()), self.process_group, buffer_src)
@@ -319,23 +318,12 @@ def _single_device(module, device_ids, output_device):
     return device, device if output_device is None else as_device(output_device)
 
 
-def _join_vote(sync, active, group, device, accumulating=False):
+def _join_vote(sync, active, group, device):
     """One all-reduce per step inside join(): whether any rank synchronises this step, and
     the highest rank still training, whose buffers are the ones to broadcast (a joined
-    rank's have stopped being updated). ``accumulating``: a ZeRO-2 rank whose ``.grad`` still
-    holds an earlier synchronised backward's average; with a rank joined, every rank raises."""
-    t = torch.tensor([int(sync), dist.get_rank(group) if active else -1, int(accumulating), int(not active)],
-                     device=device)
+    rank's have stopped being updated)."""
+    t = torch.tensor([int(sync), dist.get_rank(group) if active else -1], device=device)
     dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
-    if t[2] and t[3]:
-        # Only the owner of a parameter holds its average under ZeRO-2, and a rank that has
-        # joined contributes zeros: torch's DDP counts the average once per rank still training,
-        # which no rank here can reproduce (review finding: wrong gradients on the owners).
-        raise RuntimeError(
-            "torchpar DDP(shard_gradients=True): gradients accumulate over synchronised backwards "
-            "without zero_grad() while a rank has joined (join()); its share of the kept average "
-            "cannot be counted. Call zero_grad() before each step's first backward, or accumulate "
-            "micro-batches under no_sync()")
     return bool(t[0]), int(t[1])
 
 
