@@ -545,12 +545,18 @@ class _Gated(nn.Module):
         return out
 
 
+def _assert_owned_grads(model, ref, owned, where):
+    for (name, p), q in zip(model.named_parameters(), ref.parameters()):
+        if id(p) in owned:
+            torch.testing.assert_close(p.grad, q.grad, rtol=1e-5, atol=1e-6, msg=lambda m: f"{where}, {name}: {m}")
+
+
 def _accumulation(ctx, backend, stage, how):
     """Gradient accumulation over several backwards that each synchronise, without zero_grad()
-    between them (torch's DDP adds each backward's averaged gradient into .grad), alone and
-    mixed with no_sync() backwards, with zero_grad(set_to_none=False), with one .grad set to
-    None by hand in between (that parameter starts its sum again), reduced in another dtype,
-    and with a layer some backwards do not reach."""
+    between them (torch's DDP adds each backward's averaged gradient into .grad), in each of the
+    ways ACCUMULATION lists: mixed with no_sync() backwards and local ones (a penalty), with
+    zero_grad(set_to_none=False), one .grad set to None by hand, another reduce dtype, a layer
+    some backwards do not reach, create_graph=True."""
     torch.set_num_threads(1)
     group = _group(ctx, backend)
     model = _Gated()
@@ -574,10 +580,7 @@ def _accumulation(ctx, backend, stage, how):
             if kind == "penalty":  # the same on every rank: a local gradient, not averaged
                 for m in (model, ref):
                     (0.1 * sum((p ** 2).sum() for p in m.body.parameters())).backward()
-                for (name, p), q in zip(model.named_parameters(), ref.parameters()):
-                    if id(p) in owned:
-                        torch.testing.assert_close(p.grad, q.grad, rtol=1e-5, atol=1e-6,
-                                                   msg=lambda m: f"step {step}, micro {micro}, {name}: {m}")
+                _assert_owned_grads(model, ref, owned, f"step {step}, micro {micro}")
                 continue
             x, y = _batch(10 * step + micro, n)
             gate = torch.full((n,), kind != "sync_gate_off")
@@ -589,12 +592,9 @@ def _accumulation(ctx, backend, stage, how):
             _loss(ref(x, gate), y).backward(create_graph=create_graph)
             if kind == "no_sync":
                 continue
-            for (name, p), q in zip(model.named_parameters(), ref.parameters()):
-                if id(p) in owned:
-                    torch.testing.assert_close(p.grad, q.grad, rtol=1e-5, atol=1e-6,
-                                               msg=lambda m: f"step {step}, micro {micro}, {name}: {m}")
-                elif name.startswith("body"):  # (gated: None where no rank used it since the sum began)
-                    assert p.grad is None, name
+            _assert_owned_grads(model, ref, owned, f"step {step}, micro {micro}")
+            for name, p in model.body.named_parameters():  # (gated: None where no rank used it since the sum began)
+                assert id(p) in owned or p.grad is None, name
         opt.step()
         ref_opt.step()
         _assert_close(model, ref, step)
@@ -693,7 +693,6 @@ def _train_uneven_reference(ctx, ref, steps_of, clips_at=None):
                                  "zero_grad after forward"])
 def test_uneven_inputs_under_join_train_like_one_process(backend, world_size, stage, how):
     _pool(backend, world_size).run(_train_uneven, backend, stage, how, timeout=60)
-
 
 
 def _optimizer_joined_without_its_ddp(ctx, backend):

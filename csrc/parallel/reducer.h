@@ -192,9 +192,11 @@ class Reducer {
   // synchronised backward's reduction gets (.grad + (W - 1) A) / W from it: A counted as if every
   // rank held it. .grad itself reads A + the new gradients throughout, as with torch's DDP.
   void before_accumulation(int64_t index);
-  // Whether `grad` is the tensor `ref` records (a weak reference: the address cannot be reused).
-  static bool is_recorded(const std::optional<c10::weak_intrusive_ptr<c10::TensorImpl, c10::UndefinedTensorImpl>>& ref,
-                          const at::Tensor& grad);
+  // A weak reference to a .grad: it holds no memory, and the TensorImpl's address cannot be
+  // reused by another tensor while it is held.
+  using WeakTensorRef = std::optional<c10::weak_intrusive_ptr<c10::TensorImpl, c10::UndefinedTensorImpl>>;
+  // Whether `grad` is the tensor `ref` records.
+  static bool is_recorded(const WeakTensorRef& ref, const at::Tensor& grad);
   // The shard slice holding parameter `index`'s average (this rank owns it).
   at::Tensor shard_slice(int64_t index);
   // After each accumulation into parameter `index`'s .grad: A stays counted only while .grad is
@@ -247,9 +249,7 @@ class Reducer {
   std::vector<const torch::autograd::FunctionPreHook*> pre_hooks_;  // shard_gradients: before_accumulation's
   // shard_gradients, per parameter this rank owns: the .grad a synchronised backward handed out,
   // until a later backward adds into it; then the .grad that holds the average kept aside in the
-  // shard (before_accumulation) and its version after the last accumulation. Weak: no memory
-  // held, and a TensorImpl's address cannot be reused by another tensor while it is recorded.
-  using WeakTensorRef = std::optional<c10::weak_intrusive_ptr<c10::TensorImpl, c10::UndefinedTensorImpl>>;
+  // shard (before_accumulation) and its version after the last accumulation.
   std::vector<WeakTensorRef> handed_;
   std::vector<WeakTensorRef> kept_;
   std::vector<int64_t> kept_version_;

@@ -292,8 +292,7 @@ def _register_post_backward(unit, args, kwargs):
 def _post_forward(module, args, output):
     unit = module._fsdp
     grad = torch.is_grad_enabled()
-    unit.engine.post_forward(unit.index, grad)
-    unit.register(unit.sharded)
+    unit.engine.post_forward(unit.index, grad)  # (the pieces are registered back by _restore_pieces)
     tensors = [t for t in tree_flatten(output)[0] if isinstance(t, torch.Tensor) and t.requires_grad]
     if grad and tensors:
         # Runs when the first gradient reaches the unit's outputs, before its backward: gather
@@ -305,12 +304,13 @@ def _post_forward(module, args, output):
 
 
 def _restore_pieces(module, args, output):
-    """The pieces registered again after every forward, also one that raised (``always_call``):
-    an error in the model, or non-reentrant checkpointing's recomputation, which stops by raising
-    once it has recomputed what backward needs (before ``_post_forward``). Otherwise the module
-    keeps the gathered parameter objects, and ``model.parameters()`` lists those, without the
-    ``.grad`` the optimizer and ``clip_grad_norm_`` read. After ``_post_forward`` it does nothing
-    new; the engine's own state after a raised forward is settled at the next root forward."""
+    """The pieces registered again after every forward (it runs right after ``_post_forward``),
+    also one that raised (``always_call``): an error in the model, or non-reentrant
+    checkpointing's recomputation, which stops by raising once it has recomputed what backward
+    needs (before ``_post_forward``). Otherwise the module would keep the gathered parameter
+    objects, and ``model.parameters()`` list those, without the ``.grad`` the optimizer and
+    ``clip_grad_norm_`` read. The engine's own state after a raised forward is settled at the
+    next root forward."""
     unit = module._fsdp
     unit.register(unit.sharded)
 
