@@ -28,3 +28,5 @@ def test_gpt_bench_writes_its_report(tmp_path):
         assert row["torchpar"]["tokens_per_s"] > 0 and min(row["torchpar"]["peak_bytes_per_rank"]) > 0
         assert "error" not in row["torch"], row["torch"]
         assert row["torch"]["tokens_per_s"] > 0
+        paired = row["torchpar"]["paired_speedup"]  # one round: its ratio is the quartiles too
+        assert paired["rounds"] == 1 and paired["q1"] == paired["median"] == paired["q3"] > 0

@@ -20,7 +20,9 @@ is stack against stack, not optimizer loop against fused kernel:
 
 A layout a system cannot run is recorded with its error, and the other layouts go on.
 Throughput: global tokens per step / the median step time over ``--steps`` rounds (each round
-runs both systems, in alternating order, so drift in machine load hits both). Peak memory:
+runs both systems, in alternating order, so drift in machine load hits both). Beside the ratio
+of the two throughputs, the ratio of the two steps round by round (median and quartiles) shows
+how far the spread between rounds reaches. Peak memory:
 rank 0's highest bytes live during one step (torch's profiler's allocation events plus the
 parameters, gradients and optimizer state live at its start), as in ``bench fsdp``.
 """
@@ -247,12 +249,15 @@ def _measure(rank, args):
                 t0 = time.perf_counter()
                 made[system][0](*batch)
                 times[system].append(time.perf_counter() - t0)
+        slowest = {}
         for system, ts in times.items():
-            slowest = torch.tensor(ts, dtype=torch.float64)
-            dist.all_reduce(slowest, op=dist.ReduceOp.MAX)  # a step ends when its last rank does
-            median = statistics.median(slowest.tolist())
-            row[system].update(step_ms=median * 1e3, min_ms=min(slowest.tolist()) * 1e3,
+            slowest[system] = torch.tensor(ts, dtype=torch.float64)
+            dist.all_reduce(slowest[system], op=dist.ReduceOp.MAX)  # a step ends when its last rank does
+            median = statistics.median(slowest[system].tolist())
+            row[system].update(step_ms=median * 1e3, min_ms=min(slowest[system].tolist()) * 1e3,
                                tokens_per_s=args.batch * args.seq / median)
+        if set(slowest) == set(SYSTEMS):
+            row["torchpar"]["paired_speedup"] = paired((slowest["torch"] / slowest["torchpar"]).tolist())
         results[name] = row
         del made
         if rank == 0:
@@ -260,6 +265,14 @@ def _measure(rank, args):
                                                      else r["error"][:60]) for s, r in row.items()),
                   file=sys.stderr, flush=True)
     return results
+
+
+def paired(ratios):
+    """Median and quartiles of per-round ratios (torch's step over torchpar's in the same round,
+    the two run back to back): the spread between rounds, which a ratio of medians hides."""
+    ratios = sorted(ratios)
+    q1, med, q3 = statistics.quantiles(ratios, n=4, method="inclusive") if len(ratios) > 1 else ratios * 3
+    return {"median": med, "q1": q1, "q3": q3, "rounds": len(ratios)}
 
 
 # ---- report ----
@@ -280,17 +293,23 @@ def _ratio(r, ref, key):
     return f"{max(r['peak_bytes_per_rank']) / max(ref['peak_bytes_per_rank']):.2f}x"
 
 
+def _paired_cell(r):
+    q = (r or {}).get("paired_speedup")
+    return "-" if q is None else f"{q['median']:.2f}x ({q['q1']:.2f}-{q['q3']:.2f})"
+
+
 def report_rows(results):
     rows = []
     for name, row in results.items():
         tp_, th = row.get("torchpar"), row.get("torch")
         rows.append([name, *_cells(tp_, th), *_cells(th, tp_), _ratio(tp_, th, "tokens_per_s"),
-                     _ratio(tp_, th, "peak")])
+                     _paired_cell(tp_), _ratio(tp_, th, "peak")])
     return rows
 
 
 HEADERS = ["layout (dp x tp x pp)", "torchpar tok/s", "torchpar peak MiB/rank", "torch tok/s",
-           "torch peak MiB/rank", "tok/s torchpar / torch", "peak torchpar / torch"]
+           "torch peak MiB/rank", "tok/s torchpar / torch", "per round: median (quartiles)",
+           "peak torchpar / torch"]
 
 
 def target_summary(results, target=1.2):
