@@ -358,6 +358,56 @@ def test_ddp_stage_works_after_its_armed_backward_raised():
     spawn(_ddp_after_a_raising_armed_backward, 4, "torchpar", timeout=BOUND)
 
 
+def _data_parallel_peers_of_a_failed_pipeline(rank, world_size, init_file, dp_backend):
+    """pp=2 x dp=2 (pipelines {0,1}, {2,3}; data parallel {0,2}, {1,3}), each stage in our DDP
+    averaged after the step: only rank 1's stage raises, in its second forward. Ranks 0 and 1
+    raise the pipeline's error; ranks 2 and 3, whose own pipeline finished, raise that their
+    data-parallel peer failed instead of waiting in the average for it (until its process
+    exits, or the group's timeout). Then every rank goes on, with new pipeline groups over the
+    same DDP modules and data-parallel groups, and the next step's gradients are one process's."""
+    _init(rank, world_size, init_file, "torchpar")
+    try:
+        from torchpar.parallel import DistributedDataParallel as DDP
+        pps = [dist.new_group([0, 1]), dist.new_group([2, 3])]
+        dps = [dist.new_group([0, 2], backend=dp_backend), dist.new_group([1, 3], backend=dp_backend)]
+        dp_rank, stage_index, m = rank // 2, rank % 2, 4
+        torch.manual_seed(0)
+        whole = nn.Sequential(nn.Sequential(nn.Linear(8, 8), nn.Tanh()), _FailsOnCall(0, "forward"))  # 0: never
+        ddp = DDP(copy.deepcopy(whole[stage_index]), process_group=dps[stage_index])
+        if rank == 1:
+            ddp.module.n = 2
+        x, y = torch.randn(16, 8), torch.randn(16, 8)
+        xs, ys = x.chunk(2)[dp_rank], y.chunk(2)[dp_rank]
+        args, kw = ((xs,) if stage_index == 0 else ()), {"target": ys if stage_index == 1 else None}
+        sched = Schedule1F1B(PipelineStage(ddp, stage_index, 2, group=pps[dp_rank]), m, loss_fn=_mse)
+        with pytest.raises(RuntimeError) as raised:
+            sched.step(*args, **kw)
+        if rank in (0, 1):
+            assert "boom in forward" in str(raised.value), raised.value
+        else:
+            assert f"the step failed on its data-parallel peer(s) rank {rank - 2}" in str(raised.value), raised.value
+        if rank == 1:
+            ddp.module.n = 0
+        ddp.zero_grad(set_to_none=True)
+        pps = [dist.new_group([0, 1]), dist.new_group([2, 3])]  # the failed step aborted the first
+        sched = Schedule1F1B(PipelineStage(ddp, stage_index, 2, group=pps[dp_rank]), m, loss_fn=_mse)
+        sched.step(*args, **kw)
+        ref = copy.deepcopy(whole)
+        _mse(ref(x), y).backward()
+        for (name, p), q in zip(ddp.module.named_parameters(), ref[stage_index].parameters()):
+            torch.testing.assert_close(p.grad, q.grad, rtol=1e-5, atol=1e-6, msg=lambda msg: f"{name}: {msg}")
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.timeout(BOUND)
+@pytest.mark.parametrize("dp_backend", BACKENDS)
+def test_data_parallel_peers_of_a_failed_pipeline_raise_and_go_on(dp_backend):
+    """Review finding (docs/pipeline.md): a failure in one pipeline left the same stage's
+    replicas in the other pipelines waiting in their data-parallel average."""
+    spawn(_data_parallel_peers_of_a_failed_pipeline, 4, dp_backend, timeout=BOUND)
+
+
 def _fully_shard_after_a_failed_step(rank, world_size, init_file):
     """pp=2 x dp=2 as above, each stage fully_shard over its data-parallel pair: its units
     accumulate the micro-batches' gradients and reduce in the stage's last backward. Stage 1's

@@ -30,13 +30,7 @@ class Executor:
         self.first_mbs = first_mbs
         self.targets = targets
         self.train = train
-        split = sched.schedule.split_backward and train
-        # The B/W split differentiates by the module's registered parameters; under fully_shard
-        # those are the shards, not the gathered parameters the graph used, and W's gradients
-        # would bypass the reduce-scatter. Such a stage runs its whole backward at B and W is
-        # a no-op: exact, with 1F1B's bubble for that stage.
-        self.split_stages = {i for i, st in sched._by_index.items()
-                             if split and not any(isinstance(m, FSDPModule) for m in st.submod.modules())}
+        self.split_stages = split_stages(sched, train)
         self.scale = 1.0 / sched.n_microbatches if sched.scale_grads else 1.0
         self.tag_base = _comm.tag_base(sched._steps, sched.num_stages)
         self.recv_known = sched._recv_cache.get(key, {})
@@ -51,8 +45,7 @@ class Executor:
         self.outputs, self.losses, self.events = [], [], []
         # Stage -> its module, when it is our DDP and its backward is not split: armed just
         # before the stage's last B, which then reduces as it runs (schedules.py says why).
-        self.sync_in_last_backward = {i: m for i, m in (ddp or {}).items()
-                                      if _armable(m) and i not in self.split_stages}
+        self.sync_in_last_backward = _synced_in_last_backward(ddp or {}, self.split_stages)
         self.last_b = {}
         # Stage -> its fully_shard units that reduce-scatter in the stage's last B only.
         self.fsdp = fsdp or {}
@@ -323,6 +316,27 @@ class Executor:
         if stage in self.split_stages:
             self.s._by_index[stage].backward_weight(mb)
         return t_wait
+
+
+def split_stages(sched, train):
+    """The stages whose backward runs as B then W. The B/W split differentiates by the module's
+    registered parameters; under fully_shard those are the shards, not the gathered parameters
+    the graph used, and W's gradients would bypass the reduce-scatter. Such a stage runs its
+    whole backward at B and W is a no-op: exact, with 1F1B's bubble for that stage."""
+    if not (sched.schedule.split_backward and train):
+        return set()
+    return {i for i, st in sched._by_index.items() if not any(isinstance(m, FSDPModule) for m in st.submod.modules())}
+
+
+def _synced_in_last_backward(ddp, split):
+    return {i: m for i, m in ddp.items() if _armable(m) and i not in split}
+
+
+def armed_stages(sched, actions, ddp, train):
+    """The DDP stages whose module the executor arms before their last backward, which then
+    reduces their gradients; the other DDP stages are averaged after the step."""
+    synced = _synced_in_last_backward(ddp, split_stages(sched, train))
+    return {stage for name, _, stage in actions if name == "B" and stage in synced}
 
 
 def _armable(module):

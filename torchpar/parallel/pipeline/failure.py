@@ -24,10 +24,20 @@ differs between ranks that made different numbers of them, and the reason was lo
 The group is unusable afterwards: make a new one. The one exception is a shape mismatch
 between the two ranks of a two-rank pipeline: both raise by themselves (the header carries
 the shapes), nobody is left waiting, and the group goes on.
+
+Under pipeline x data parallelism the failure reaches the same stage's replicas in the other
+pipelines too: a stage whose DDP averages after the step first tells its data-parallel peers
+whether its step ended (``agree_on_outcome``: one all-gather of a flag over the DP group, which
+the failed rank joins from its error path), and every peer of a failed rank raises instead of
+waiting in the average for a rank that will not come, until that rank's process exits or the
+group's timeout. Nothing is aborted, so the DDP modules and their groups go on with the next
+step. Not covered: a stage reducing inside its last backward (our DDP armed, fully_shard): a
+peer waits there for the failed rank's buckets (docs/pipeline.md).
 """
 import secrets
 from datetime import timedelta
 
+import torch
 import torch.distributed as dist
 
 from torchpar.parallel.pipeline import _comm
@@ -125,3 +135,17 @@ class StepFailure:
 
 def _stopped_waiting(sched, me, reason):
     return RuntimeError(f"{type(sched).__name__}: {me} stopped waiting for its peers because {reason}")
+
+
+def agree_on_outcome(groups, failed):
+    """Tells the data-parallel peers in ``groups`` whether this rank's step failed, and learns
+    whether theirs did: the global ranks that failed. Every rank of each group calls it once per
+    step whose stage averages after the step, from the error path or after the schedule ran,
+    with the groups in the same order."""
+    failed_ranks = []
+    for group in groups:
+        flag = torch.tensor([int(failed)], dtype=torch.int64)
+        flags = [torch.empty_like(flag) for _ in range(dist.get_world_size(group))]
+        dist.all_gather(flags, flag, group=group)
+        failed_ranks += [dist.get_global_rank(group, i) for i, f in enumerate(flags) if f.item()]
+    return sorted(set(failed_ranks))

@@ -35,8 +35,8 @@ import torch.distributed as dist
 from torchpar import _C
 from torchpar.parallel.pipeline import _comm
 from torchpar.parallel.fsdp import FSDPModule
-from torchpar.parallel.pipeline.executor import Executor
-from torchpar.parallel.pipeline.failure import StepFailure
+from torchpar.parallel.pipeline.executor import Executor, armed_stages
+from torchpar.parallel.pipeline.failure import StepFailure, agree_on_outcome
 from torchpar.parallel.pipeline.stage import PipelineStage
 
 _KIND_IDS = {"gpipe": 0, "1f1b": 1, "interleaved_1f1b": 2, "zb_h1": 3, "custom": 4}
@@ -151,6 +151,31 @@ class _PipelineSchedule:
                 targets = _split_batch([target], m, "target")
         except (ValueError, TypeError) as e:
             err = str(e)
+        # DDP only (it has a process_group): a fully_shard module has no_sync too, but it
+        # reduce-scatters in a backward, not in _average_gradients: its units are below.
+        ddp = {s.stage_index: s.submod for s in self.stages
+               if train and hasattr(s.submod, "no_sync") and hasattr(s.submod, "process_group")}
+        armed = armed_stages(self, actions, ddp, train)
+        after_step = {i: m for i, m in ddp.items() if i not in armed}
+        # A rank that also reduces inside a backward (an armed DDP, fully_shard) may leave its
+        # peers waiting there, where they could not answer the agreement: no agreement then.
+        reduces_in_backward = bool(armed) or any(isinstance(m, FSDPModule) for s in self.stages
+                                                 for m in s.submod.modules())
+        with _data_parallel_outcome(self, {} if reduces_in_backward else after_step):
+            out = self._run_actions(actions, first_mbs, targets, err, train, ddp)
+        for module in after_step.values():
+            _average_gradients(module)
+        outputs, step_losses, stats, events = out
+        self.last_stats = stats
+        self.last_events = events
+        if losses is not None:
+            losses.extend(step_losses)
+        if trace:
+            _write_trace(trace, events, stats["start"], self.rank, self.group)
+        return outputs
+
+    def _run_actions(self, actions, first_mbs, targets, err, train, ddp):
+        """Agrees on the step with the other pipeline ranks and runs this rank's actions."""
         try:
             key = self._agree(first_mbs, err, train)
         except RuntimeError as e:  # the group failed: on another rank, in this step or the last?
@@ -161,10 +186,6 @@ class _PipelineSchedule:
         self._steps += 1
         for s in self.stages:
             s.reset()
-        # DDP only (it has a process_group): a fully_shard module has no_sync too, but it
-        # reduce-scatters in a backward, not in _average_gradients: its units are below.
-        ddp = {s.stage_index: s.submod for s in self.stages
-               if train and hasattr(s.submod, "no_sync") and hasattr(s.submod, "process_group")}
         # fully_shard units that reduce (a user's set_requires_gradient_sync(False) is kept): off
         # until their stage's last backward, and back on after the step, whatever happened.
         fsdp_modules = {s.stage_index: mods for s in self.stages
@@ -179,26 +200,39 @@ class _PipelineSchedule:
                     no_sync.push(_reduce_in_last_backward(modules))
                 executor = Executor(self, key, first_mbs, targets, train, ddp, fsdp)
                 try:
-                    out = executor.run(actions)
+                    return executor.run(actions)
                 except BaseException as e:  # KeyboardInterrupt too: the peers must not wait for the timeout
                     failure = self._failure.fail(self, self._steps, e, executor.action, executor.waiting)
                     if failure is e:
                         raise
                     raise failure from e
-            for i, module in ddp.items():
-                if i not in executor.last_b:  # not armed (or no backward of it in this rank's list)
-                    _average_gradients(module)
         finally:
             for s in self.stages:
                 s._mbs.clear()
-        outputs, step_losses, stats, events = out
-        self.last_stats = stats
-        self.last_events = events
-        if losses is not None:
-            losses.extend(step_losses)
-        if trace:
-            _write_trace(trace, events, stats["start"], self.rank, self.group)
-        return outputs
+
+
+@contextlib.contextmanager
+def _data_parallel_outcome(sched, after_step):
+    """Around a step whose DDP stages ``after_step`` average after it: the data-parallel peers
+    learn whether each other's step ended (failure.agree_on_outcome), so that a failure in one
+    pipeline raises in the other pipelines' replicas too instead of leaving them waiting in the
+    average. A KeyboardInterrupt or SystemExit does not wait for the peers: its process usually
+    ends, which releases them."""
+    groups = list({id(m.process_group): m.process_group for m in after_step.values()}.values())
+    if not groups:
+        yield
+        return
+    try:
+        yield
+    except Exception:
+        with contextlib.suppress(Exception):  # a broken data-parallel group: its own error comes later
+            agree_on_outcome(groups, failed=True)
+        raise
+    failed = agree_on_outcome(groups, failed=False)
+    if failed:
+        raise RuntimeError(f"{type(sched).__name__}: pipeline rank {sched.rank}: the step failed on its data-parallel "
+                           f"peer(s) {', '.join(f'rank {r}' for r in failed)} (their error says why), so this rank's "
+                           f"gradients were not averaged; zero them before the next step")
 
 
 def _reduce_in_last_backward(modules):
