@@ -89,15 +89,32 @@ def _own_params(module):
     return [p for p in module._parameters.values() if p is not None]
 
 
+def _param_ids(module):
+    """The tensors the module holds as parameters now: during a ``torch.func.functional_call``
+    those are the substitutes, not its registered parameters (review finding)."""
+    return tuple(id(p) for p in module._parameters.values() if p is not None)
+
+
+class _Call:
+    """One forward of a parameter-owning module, captured for W: its output, its input where
+    W may compute a plain Linear's gradients directly (with the versions both had), and the
+    parameters it ran with."""
+    __slots__ = ("module", "y", "x", "versions", "param_ids")
+
+    def __init__(self, module, y, x, versions, param_ids):
+        self.module, self.y, self.x, self.versions, self.param_ids = module, y, x, versions, param_ids
+
+
 class _MicroBatch:
-    __slots__ = ("inputs", "outputs", "loss", "captured", "input_grads", "captured_grads")
+    __slots__ = ("inputs", "outputs", "loss", "captured", "input_grads", "captured_grads", "whole")
 
     def __init__(self, inputs, outputs):
         self.inputs, self.outputs = inputs, outputs
         self.loss = None
-        self.captured = []        # [(module, output)] for the B/W split
+        self.captured = []        # [_Call] for the B/W split
         self.input_grads = None
         self.captured_grads = None
+        self.whole = False        # B ran the whole backward: W has nothing left to do
 
 
 class PipelineStage:
@@ -133,6 +150,7 @@ class PipelineStage:
         self.live = 0          # micro-batches whose activations are held now
         self.peak_live = 0
         self._owners = [m for m in module.modules() if _own_params(m)]
+        self._whole_backward = False  # a reentrant checkpoint refused B's autograd.grad (backward_input)
 
     # ---- forward ----
 
@@ -146,7 +164,8 @@ class PipelineStage:
                 if isinstance(output, torch.Tensor) and output.requires_grad:
                     # A plain Linear's input, for W to compute its weight gradient directly.
                     x = inputs[0] if direct and len(inputs) == 1 and _plain_linear(module) else None
-                    captured.append((module, output, x, None if x is None else (x._version, output._version)))
+                    captured.append(_Call(module, output, x, None if x is None else (x._version, output._version),
+                                          _param_ids(module)))
             hooks = [m.register_forward_hook(keep) for m in self._owners]
         try:
             outputs = _as_tuple(self.submod(*args))
@@ -197,11 +216,23 @@ class PipelineStage:
         """B of the split: input gradients now, the weight gradients' inputs kept for W."""
         st = self._mbs[mb]
         roots, grads = self._roots(mb, output_grads, scale)
-        wanted = [x for x in st.inputs if x.requires_grad] + [c[1] for c in st.captured]
-        if wanted:
-            got = torch.autograd.grad(roots, wanted, grads, retain_graph=True, allow_unused=True)
-        else:
-            got = []
+        wanted = [x for x in st.inputs if x.requires_grad] + [c.y for c in st.captured]
+        got = []
+        if wanted and not self._whole_backward:
+            try:
+                got = torch.autograd.grad(roots, wanted, grads, retain_graph=True, allow_unused=True)
+            except RuntimeError as e:
+                # A reentrant torch.utils.checkpoint refuses autograd.grad (review finding): such a
+                # stage runs its whole backward at B from now on, with 1F1B's bubble, as a
+                # fully_shard stage does.
+                if "use_reentrant=True" not in str(e):
+                    raise
+                self._whole_backward = True
+        if self._whole_backward:
+            if roots:
+                torch.autograd.backward(roots, grads)
+            st.whole = True
+            return self._input_grads(st)
         n_in = len(wanted) - len(st.captured)
         st.input_grads = list(got[:n_in])
         st.captured_grads = list(got[n_in:])
@@ -212,18 +243,23 @@ class PipelineStage:
     def backward_weight(self, mb):
         """W of the split: parameter gradients, then the micro-batch is freed."""
         st = self._mbs[mb]
+        if st.whole:
+            self._free(mb)
+            return
         covered = set()
         by_module = {}
-        single = self._single_path_params(st)
-        for (module, y, x, version), g in zip(st.captured, st.captured_grads):
+        single, indirect = self._single_path_params(st)
+        for c, g in zip(st.captured, st.captured_grads):
             if g is not None:
-                calls = by_module.setdefault(module, [])
-                calls.append((y, g, x, version))
+                by_module.setdefault(c.module, []).append((c.y, g, c.x, c.versions, c.param_ids))
         for module, calls in by_module.items():
+            if any(ids != _param_ids(module) for *_, ids in calls):
+                continue  # it ran with other tensors than its parameters: the fallback below
             params = [p for p in _own_params(module) if p.requires_grad and id(p) in single]
             if not params:
                 continue
-            if not _linear_weight_grads(module, calls, params):
+            calls = [call[:4] for call in calls]
+            if module in indirect or not _linear_weight_grads(module, calls, params):
                 torch.autograd.backward([c[0] for c in calls], [c[1] for c in calls], inputs=params,
                                         retain_graph=True)
             covered.update(id(p) for p in params)
@@ -234,37 +270,40 @@ class PipelineStage:
             reach = torch.autograd.grad(roots, rest, grads, retain_graph=True, allow_unused=True)
             for p, g in zip(rest, reach):
                 if g is not None:
-                    p.grad = g if p.grad is None else p.grad + g
+                    # autograd.grad may hand two parameters one tensor, or pass an incoming
+                    # gradient through: a copy, as autograd's own accumulation would make.
+                    p.grad = g.clone() if p.grad is None else p.grad + g
         self._free(mb)
 
     def _single_path_params(self, st):
-        """Ids of the parameters whose per-module W is exact for this micro-batch.
+        """Ids of the parameters whose per-module W is exact for this micro-batch, and the
+        plain Linears whose W must go through autograd rather than the direct products.
 
         ``backward(y, dy, inputs=p)`` adds p's gradient along every path below y. Summed over
         the captured outputs of p's modules, that is p's gradient only if every path from the
         stage outputs to p crosses exactly one of them. It crosses none when p is also used
         outside its module, and two when its module runs twice or p is tied to a second
         module that feeds the first; such parameters take W's fallback (one backward from
-        the stage outputs restricted to them), which counts every path once.
+        the stage outputs restricted to them), which counts every path once. A path crosses a
+        captured output only through that output: one of several outputs of an autograd node
+        (a split) is not the others (review finding). A plain Linear's direct products cover
+        only the Linear's own op, so one whose parameters also reach its input (a tied
+        autoencoder's decoder, review finding) is left to autograd.
         """
         owners = {}  # id(param) -> modules holding it directly
         for m in self._owners:
             for p in _own_params(m):
                 owners.setdefault(id(p), set()).add(m)
         calls = {}
-        node_modules = {}  # grad_fn of a captured output -> the modules that produced it
-        for module, y, _, _ in st.captured:
-            calls[module] = calls.get(module, 0) + 1
-            if y.grad_fn is not None:
-                node_modules.setdefault(y.grad_fn, set()).add(module)
-        bad = {pid for pid, ms in owners.items() if sum(calls.get(m, 0) for m in ms) > 1}
-        # Walk each region of the graph: from the outputs, and from each captured output, down
-        # to the next captured output. A parameter reached in a region that is not its own
-        # module's has a path whose last captured output (if any) is not one of its modules.
-        regions = [([o.grad_fn for o in st.outputs if o.grad_fn not in node_modules], set())]
-        regions += [([node], modules) for node, modules in node_modules.items()]
-        for starts, modules in regions:
-            seen, stack = set(), [n for n in starts if n is not None]
+        boundary = {}  # (grad_fn, output_nr) of a captured output -> the modules that produced it
+        for c in st.captured:
+            calls[c.module] = calls.get(c.module, 0) + 1
+            if c.y.grad_fn is not None:
+                boundary.setdefault((c.y.grad_fn, c.y.output_nr), set()).add(c.module)
+
+        def below(starts):
+            """The leaves (parameters, inputs) reached from `starts` without crossing a captured output."""
+            leaves, seen, stack = set(), set(), list(starts)
             while stack:
                 node = stack.pop()
                 if node in seen:
@@ -272,11 +311,36 @@ class PipelineStage:
                 seen.add(node)
                 var = getattr(node, "variable", None)  # AccumulateGrad of a leaf
                 if var is not None:
-                    if not owners.get(id(var), set()) & modules:
-                        bad.add(id(var))
+                    leaves.add(id(var))
                     continue
-                stack += [n for n, _ in node.next_functions if n is not None and n not in node_modules]
-        return {pid for pid in owners if pid not in bad}
+                stack += [n for n, nr in node.next_functions if n is not None and (n, nr) not in boundary]
+            return leaves
+
+        bad = {pid for pid, ms in owners.items() if sum(calls.get(m, 0) for m in ms) > 1}
+        # Each region of the graph: from the outputs, and from below each captured output, down
+        # to the next captured outputs. A parameter reached in a region that is not its own
+        # module's has a path whose last captured output (if any) is not one of its modules.
+        regions = {}
+        for o in st.outputs:
+            if o.grad_fn is not None and (o.grad_fn, o.output_nr) not in boundary:
+                regions.setdefault(o.grad_fn, set())
+        for (node, _), modules in boundary.items():
+            regions.setdefault(node, set()).update(modules)
+        for node, modules in regions.items():
+            bad.update(pid for pid in below([node]) if pid in owners and not owners[pid] & modules)
+        indirect = set()
+        for c in st.captured:
+            if c.x is None or c.module in indirect:
+                continue
+            if c.x.grad_fn is None:
+                reached = {id(c.x)}
+            elif (c.x.grad_fn, c.x.output_nr) in boundary:
+                reached = set()
+            else:
+                reached = below([c.x.grad_fn])
+            if reached & {id(p) for p in _own_params(c.module)}:
+                indirect.add(c.module)
+        return {pid for pid in owners if pid not in bad}, indirect
 
     def _input_grads(self, st):
         return [(x.grad if x.requires_grad else None) for x in st.inputs]
