@@ -3,6 +3,7 @@
 same ranks and write their reports, and what they report exactly (bytes) is what the systems
 hold. The timings are the benchmarks' business, not a test's."""
 import json
+import os
 
 import pytest
 
@@ -16,6 +17,7 @@ pytestmark = pytest.mark.timeout(180)
 @pytest.mark.parametrize("transport", ["shm", "tcp"])
 def test_bench_collectives_times_both_backends(tmp_path, transport):
     out = tmp_path / "collectives.json"
+    before = os.environ.get("TORCHPAR_TRANSPORT")
     ops = ["all_reduce", "all_gather_into_tensor", "broadcast"]
     assert bench_collectives.main(["--world-sizes", "2", "--sizes", "4096,65536", "--ops", ",".join(ops),
                                    "--budget", "0.05", "--batches", "2", "--transport", transport, "--quiet",
@@ -27,6 +29,9 @@ def test_bench_collectives_times_both_backends(tmp_path, transport):
         assert r["transport"] == transport and r["world_size"] == 2
         assert r["torchpar"] > 0 and r["gloo"] > 0 and r["speedup"] > 0, r
     assert (tmp_path / "c.png").stat().st_size > 0 and "all_reduce" in (tmp_path / "c.md").read_text()
+    # --transport applies to the ranks it spawns, not to the rest of this process (it did, and
+    # the tests after this one ran over TCP).
+    assert os.environ.get("TORCHPAR_TRANSPORT") == before
 
 
 def test_bench_zero_reports_the_sharded_bytes(tmp_path):

@@ -244,6 +244,89 @@ def _send_to_an_exited_peer(rank, world_size, init_file):
     return True
 
 
+def _messages_of_an_exited_peer(rank, world_size, init_file):
+    """Rank 1 sends two messages and exits; rank 0's progress thread is held up (a callback on
+    the first receive's future sleeps in it), so the second message waits unread in the pipe
+    while rank 0 sends to rank 1 (over TCP that send fails on the closed connection). The second
+    message must still arrive: over TCP a failed write used to stop reading the socket (review
+    finding)."""
+    _init(rank, world_size, init_file, 60)
+    dist.barrier()
+    if rank == 1:
+        dist.send(torch.ones(4), dst=0, tag=1)
+        dist.send(torch.arange(256.0), dst=0, tag=2)
+        time.sleep(0.05)
+        os._exit(0)
+    first, second = torch.empty(4), torch.empty(256)
+    work = dist.irecv(first, src=1, tag=1)
+    held = work.get_future().then(lambda f: time.sleep(1.0))
+    last = dist.irecv(second, src=1, tag=2)
+    time.sleep(0.4)  # rank 1 has sent both and exited; the progress thread sleeps in the callback
+    for _ in range(3):
+        try:
+            dist.isend(torch.ones(1024), dst=1, tag=9)
+        except Exception:  # noqa: BLE001 - the failure itself is test_send_to_an_exited_peer's
+            pass
+    last.wait()
+    held.wait()
+    assert torch.equal(second, torch.arange(256.0))
+    return True
+
+
+def _stalled_peer_then_drained(rank, world_size, init_file, side):
+    """Rank 1 is stopped (SIGSTOP) while rank 0 fills the pipe with empty sends until the one
+    in front expires before a byte of it was written; rank 1 is resumed and drains the pipe.
+    Rank 0's progress thread must then sleep, not spin (review finding: over TCP it kept asking
+    poll() for room it had nothing to write into)."""
+    import signal
+    _init(rank, world_size, init_file, 3)
+    if rank == 1:
+        with open(side + ".pid", "w") as f:
+            f.write(str(os.getpid()))
+        while not os.path.exists(side + ".done"):
+            time.sleep(0.05)
+        return True
+    while not os.path.exists(side + ".pid"):
+        time.sleep(0.01)
+    time.sleep(0.1)
+    peer = int(open(side + ".pid").read())
+    os.kill(peer, signal.SIGSTOP)
+    works = []
+    try:
+        for _ in range(100):
+            works += [dist.isend(torch.empty(0), dst=1) for _ in range(10000)]
+            time.sleep(0.2)
+            if not works[-1].is_completed():
+                break  # the socket is full
+        expect_error(lambda: works[-1].wait(), "timed out")
+    finally:
+        os.kill(peer, signal.SIGCONT)
+    time.sleep(1.5)  # rank 1 drains the socket
+    spent = _p2p_thread_cpu()
+    time.sleep(1.0)
+    spent = _p2p_thread_cpu() - spent
+    with open(side + ".done", "w") as f:
+        f.write("1")
+    assert spent < 0.3, f"the point-to-point progress thread used {spent:.2f} s of CPU in 1 s while idle"
+    return True
+
+
+def _p2p_thread_cpu():
+    """CPU seconds of this process's point-to-point progress threads."""
+    ticks = 0
+    for tid in os.listdir("/proc/self/task"):
+        try:
+            with open(f"/proc/self/task/{tid}/comm") as f:
+                if f.read().strip() != "torchpar-p2p":
+                    continue
+            with open(f"/proc/self/task/{tid}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+            ticks += int(fields[11]) + int(fields[12])  # utime, stime
+        except FileNotFoundError:
+            continue
+    return ticks / os.sysconf("SC_CLK_TCK")
+
+
 def _p2p_timeout(rank, world_size, init_file):
     _init(rank, world_size, init_file, 2)
     if rank == 0:
@@ -334,6 +417,19 @@ def test_send_to_an_exited_peer_fails_naming_it(transport, send_path):
     env = transport_env(transport, {**SMALL_BUFFERS, "TORCHPAR_P2P_FAST_SEND": "1" if send_path == "fast" else "0"})
     results = spawn(_send_to_an_exited_peer, 2, timeout=60, env=env)
     assert results[0] is True and results[1] == "died"
+
+
+@pytest.mark.parametrize("send_path", ["fast", "queued"])
+def test_messages_of_an_exited_peer_arrive_after_a_failed_send(transport, send_path):
+    env = transport_env(transport, {"TORCHPAR_P2P_FAST_SEND": "1" if send_path == "fast" else "0"})
+    results = spawn(_messages_of_an_exited_peer, 2, timeout=60, env=env)
+    assert results[0] is True
+
+
+@pytest.mark.slow
+def test_progress_thread_sleeps_after_a_send_expired_on_a_full_pipe(transport, tmp_path):
+    assert spawn(_stalled_peer_then_drained, 2, str(tmp_path / "side"), timeout=110,
+                 env=transport_env(transport)) == [True, True]
 
 
 def test_recv_without_a_sender_times_out(transport):

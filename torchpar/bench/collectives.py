@@ -328,8 +328,21 @@ def main(argv=None):
         dist.destroy_process_group()
         return 0
 
+    # Read by every rank's group, in this process (torchrun) or the ranks it spawns; put back
+    # afterwards, so that a caller of main() (the tests) keeps its own setting.
+    previous = os.environ.get("TORCHPAR_TRANSPORT")
     if args.transport:
-        os.environ["TORCHPAR_TRANSPORT"] = args.transport  # read by every rank's group
+        os.environ["TORCHPAR_TRANSPORT"] = args.transport
+    try:
+        return _run(args)
+    finally:
+        if previous is None:
+            os.environ.pop("TORCHPAR_TRANSPORT", None)
+        else:
+            os.environ["TORCHPAR_TRANSPORT"] = previous
+
+
+def _run(args):
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:  # under torchrun
         import torchpar  # noqa: F401
         dist.init_process_group("torchpar", timeout=timedelta(seconds=600))

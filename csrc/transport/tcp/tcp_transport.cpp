@@ -98,10 +98,11 @@ struct TcpTransport::Pending {
 TcpTransport::TcpTransport(int rank, int size, Rendezvous& rendezvous, const Config& config,
                            std::chrono::milliseconds timeout, std::vector<char> remote, bool own_engine)
     : rank_(rank), size_(size), remote_(remote.empty() ? std::vector<char>(size, 1) : std::move(remote)),
-      rendezvous_(rendezvous), sockets_(size), want_write_(size), broken_(size), lost_(size) {
+      rendezvous_(rendezvous), sockets_(size), want_write_(size), broken_(size), unwritable_(size), lost_(size) {
   TP_CHECK(static_cast<int>(remote_.size()) == size, "TcpTransport: ", remote_.size(), " peers marked for ", size,
            " ranks");
   for (auto& b : broken_) b.store(false);
+  for (auto& b : unwritable_) b.store(false);
   wakeup_ = Fd(::eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC));
   TP_CHECK_ERRNO(wakeup_.get() >= 0, "eventfd");
   connect_all(rendezvous, config, timeout);
@@ -359,21 +360,26 @@ void TcpTransport::answer(int listener, const Secret& secret, Clock::time_point 
   }
 }
 
-void TcpTransport::lost(int peer, const std::string& why) {
-  broken_[peer].store(true, std::memory_order_release);
+void TcpTransport::lost(int peer, const std::string& why, bool readable) {
+  (readable ? unwritable_ : broken_)[peer].store(true, std::memory_order_release);
   std::lock_guard<std::mutex> lock(mu_);
   if (lost_[peer].empty()) lost_[peer] = why;
 }
 
 size_t TcpTransport::write_some(int peer, const void* data, size_t n) {
-  if (n == 0 || broken_[peer].load(std::memory_order_acquire)) return 0;
+  if (n == 0 || broken_[peer].load(std::memory_order_acquire) || unwritable_[peer].load(std::memory_order_acquire)) {
+    return 0;
+  }
   ssize_t k = ::send(sockets_[peer].get(), data, n, MSG_NOSIGNAL | MSG_DONTWAIT);
   if (k < 0) {
     if (errno == EAGAIN || errno == EWOULDBLOCK || errno == EINTR) {
       want_write_[peer].store(true, std::memory_order_relaxed);
       return 0;
     }
-    lost(peer, hung_up(errno));
+    // A peer that sent its last messages and exited refuses writes, but its messages are
+    // still in this socket: it counts as lost now (check_peer), and is read to the end of its
+    // stream all the same (review finding: a send after its exit dropped a delivered message).
+    lost(peer, hung_up(errno), /*readable=*/true);
     return 0;
   }
   want_write_[peer].store(static_cast<size_t>(k) < n, std::memory_order_relaxed);
@@ -404,17 +410,29 @@ void TcpTransport::sleep_until_activity(uint32_t seen, std::chrono::microseconds
   if (activity() != seen) return;
   std::vector<pollfd>& fds = polled_;
   fds.clear();
+  polled_peers_.clear();
   fds.push_back(pollfd{wakeup_.get(), POLLIN, 0});
+  polled_peers_.push_back(-1);
   for (int peer = 0; peer < size_; ++peer) {
     if (peer == rank_ || !remote_[peer] || broken_[peer].load(std::memory_order_acquire)) continue;
     short events = POLLIN;
-    if (want_write_[peer].load(std::memory_order_relaxed)) events |= POLLOUT;
+    if (want_write_[peer].load(std::memory_order_relaxed) && !unwritable_[peer].load(std::memory_order_acquire)) {
+      events |= POLLOUT;
+    }
     fds.push_back(pollfd{sockets_[peer].get(), events, 0});
+    polled_peers_.push_back(peer);
   }
   int ms = static_cast<int>(std::max<int64_t>(1, max_sleep.count() / 1000));
-  if (::poll(fds.data(), fds.size(), ms) > 0 && (fds[0].revents & POLLIN)) {
+  if (::poll(fds.data(), fds.size(), ms) <= 0) return;
+  if (fds[0].revents & POLLIN) {
     uint64_t drained;
     [[maybe_unused]] ssize_t k = ::read(wakeup_.get(), &drained, sizeof(drained));
+  }
+  // Room again: the engine writes next and sets the flag anew if the socket fills. Left set,
+  // a send that expired before writing a byte kept asking for POLLOUT, which a drained socket
+  // answers at once, and the thread spun (review finding).
+  for (size_t i = 1; i < fds.size(); ++i) {
+    if (fds[i].revents & POLLOUT) want_write_[polled_peers_[i]].store(false, std::memory_order_relaxed);
   }
 }
 

@@ -63,8 +63,9 @@ class TcpTransport final : public Transport {
   void answer(int listener, const Secret& secret, Clock::time_point deadline, const std::atomic<bool>& stop);
   struct Pending;
   // Records why the connection to `peer` broke (first reason wins); the engine hears of it
-  // through check_peer.
-  void lost(int peer, const std::string& why);
+  // through check_peer. `readable`: only writing failed, and what the peer sent before it
+  // went is read on until the stream ends (its last messages are still owed to this rank).
+  void lost(int peer, const std::string& why, bool readable = false);
 
   const int rank_;
   const int size_;
@@ -75,7 +76,9 @@ class TcpTransport final : public Transport {
   // wrote last (the progress thread, or the caller of an isend: writable_from_any_thread).
   std::vector<std::atomic<bool>> want_write_;
   std::vector<std::atomic<bool>> broken_;  // [peer]: stop polling it
+  std::vector<std::atomic<bool>> unwritable_;  // [peer]: a write failed; reading goes on (lost())
   std::vector<pollfd> polled_;        // progress thread only: what sleep_until_activity polls
+  std::vector<int> polled_peers_;     // progress thread only: the peer of each socket in polled_
   Fd wakeup_;                          // eventfd: notify(rank_) from posting threads
   std::atomic<uint32_t> activity_{0};
 
