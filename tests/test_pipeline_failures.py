@@ -339,16 +339,23 @@ def _ddp_after_a_raising_armed_backward(rank, world_size, init_file, backend):
             failed = str(e)
         assert failed is not None and ("boom in the armed backward" in failed), failed
         _RAISE["on"] = False
-        ddp.zero_grad(set_to_none=True)
-        pps = [dist.new_group([0, 1]), dist.new_group([2, 3])]  # the failed step aborted the first
-        sched = Schedule1F1B(PipelineStage(ddp, stage_index, 2, group=pps[dp_rank]), m, loss_fn=_mse)
-        sched.step(*args, **kw)
-        ref = copy.deepcopy(whole)
-        _mse(ref(x), y).backward()
-        for (name, p), q in zip(ddp.module.named_parameters(), ref[stage_index].parameters()):
-            torch.testing.assert_close(p.grad, q.grad, rtol=1e-5, atol=1e-6, msg=lambda msg: f"{name}: {msg}")
+        _step_again_equals_one_process(ddp, whole, stage_index, dp_rank, m, x, y)
     finally:
         dist.destroy_process_group()
+
+
+def _step_again_equals_one_process(ddp, whole, stage_index, dp_rank, m, x, y):
+    """After a failed step of pp=2 x dp=2: a step with new pipeline groups (the failure aborted
+    the first) over the same DDP modules gives the gradients of ``whole`` in one process."""
+    ddp.zero_grad(set_to_none=True)
+    pps = [dist.new_group([0, 1]), dist.new_group([2, 3])]
+    xs, ys = x.chunk(2)[dp_rank], y.chunk(2)[dp_rank]
+    args, kw = ((xs,) if stage_index == 0 else ()), {"target": ys if stage_index == 1 else None}
+    Schedule1F1B(PipelineStage(ddp, stage_index, 2, group=pps[dp_rank]), m, loss_fn=_mse).step(*args, **kw)
+    ref = copy.deepcopy(whole)
+    _mse(ref(x), y).backward()
+    for (name, p), q in zip(ddp.module.named_parameters(), ref[stage_index].parameters()):
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-5, atol=1e-6, msg=lambda msg: f"{name}: {msg}")
 
 
 @pytest.mark.timeout(BOUND)
@@ -388,14 +395,7 @@ def _data_parallel_peers_of_a_failed_pipeline(rank, world_size, init_file, dp_ba
             assert f"the step failed on its data-parallel peer(s) rank {rank - 2}" in str(raised.value), raised.value
         if rank == 1:
             ddp.module.n = 0
-        ddp.zero_grad(set_to_none=True)
-        pps = [dist.new_group([0, 1]), dist.new_group([2, 3])]  # the failed step aborted the first
-        sched = Schedule1F1B(PipelineStage(ddp, stage_index, 2, group=pps[dp_rank]), m, loss_fn=_mse)
-        sched.step(*args, **kw)
-        ref = copy.deepcopy(whole)
-        _mse(ref(x), y).backward()
-        for (name, p), q in zip(ddp.module.named_parameters(), ref[stage_index].parameters()):
-            torch.testing.assert_close(p.grad, q.grad, rtol=1e-5, atol=1e-6, msg=lambda msg: f"{name}: {msg}")
+        _step_again_equals_one_process(ddp, whole, stage_index, dp_rank, m, x, y)
     finally:
         dist.destroy_process_group()
 
