@@ -1020,6 +1020,13 @@ class _SplitOutput(nn.Module):
         return self.fc(torch.tanh(self.proj(x))) * torch.sigmoid(self.proj.gate)
 
 
+class _SplitOffGateReturned(_SplitOutput):
+    """As above, the gate returned as a second stage output (review finding)."""
+
+    def forward(self, x):
+        return self.fc(torch.tanh(self.proj(x))), self.proj.gate
+
+
 class _FunctionalCall(nn.Module):
     """Linears run through torch.func.functional_call with other tensors than their weights."""
 
@@ -1070,6 +1077,7 @@ W_SPLIT_CASES = {
     "weight_feeds_own_input": _TiedAutoencoder,
     "embedding_from_head_weight": _EmbeddingFromHead,
     "one_output_of_a_split": _SplitOutput,
+    "other_output_of_a_split_returned": _SplitOffGateReturned,
     "functional_call": _FunctionalCall,
     "reentrant_checkpoint": _ReentrantCheckpoint,
     "fallback_gradients_not_shared": _OwnParamsAdded,

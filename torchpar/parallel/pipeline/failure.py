@@ -138,13 +138,14 @@ def _stopped_waiting(sched, me, reason):
 
 
 def agree_on_outcome(groups, failed):
-    """Tells the data-parallel peers in ``groups`` whether this rank's step failed, and learns
-    whether theirs did: the global ranks that failed. Every rank of each group calls it once per
-    step whose stage averages after the step, from the error path or after the schedule ran,
-    with the groups in the same order."""
+    """Tells the data-parallel peers in ``groups`` ((group, device) pairs: the flag goes on the
+    device the group reduces the stage's gradients on, which an NCCL group needs) whether this
+    rank's step failed, and learns whether theirs did: the global ranks that failed. Every rank
+    of each group calls it once per step whose stage averages after the step, from the error
+    path or after the schedule ran, with the groups in the same order."""
     failed_ranks = []
-    for group in groups:
-        flag = torch.tensor([int(failed)], dtype=torch.int64)
+    for group, device in groups:
+        flag = torch.tensor([int(failed)], dtype=torch.int64, device=device)
         flags = [torch.empty_like(flag) for _ in range(dist.get_world_size(group))]
         dist.all_gather(flags, flag, group=group)
         failed_ranks += [dist.get_global_rank(group, i) for i, f in enumerate(flags) if f.item()]

@@ -218,7 +218,11 @@ def _data_parallel_outcome(sched, after_step):
     pipeline raises in the other pipelines' replicas too instead of leaving them waiting in the
     average. A KeyboardInterrupt or SystemExit does not wait for the peers: its process usually
     ends, which releases them."""
-    groups = list({id(m.process_group): m.process_group for m in after_step.values()}.values())
+    by_group = {}  # the flag goes where the group averages the gradients (an NCCL group: the GPU)
+    for m in after_step.values():
+        device = next((q.device for q in m.parameters()), torch.device("cpu"))
+        by_group.setdefault(id(m.process_group), (m.process_group, device))
+    groups = list(by_group.values())
     if not groups:
         yield
         return

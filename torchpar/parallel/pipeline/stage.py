@@ -320,14 +320,17 @@ class PipelineStage:
         # Each region of the graph: from the outputs, and from below each captured output, down
         # to the next captured outputs. A parameter reached in a region that is not its own
         # module's has a path whose last captured output (if any) is not one of its modules.
-        regions = {}
-        for o in st.outputs:
-            if o.grad_fn is not None and (o.grad_fn, o.output_nr) not in boundary:
-                regions.setdefault(o.grad_fn, set())
+        # A stage output that is another output of a captured output's node (the gate a module
+        # split off and the stage returns) starts a region of its own, as does each node: where
+        # two modules' outputs share a node, neither owns the paths through the other's.
+        by_node = {}
         for (node, _), modules in boundary.items():
-            regions.setdefault(node, set()).update(modules)
-        for node, modules in regions.items():
-            bad.update(pid for pid in below([node]) if pid in owners and not owners[pid] & modules)
+            by_node.setdefault(node, []).append(modules)
+        regions = [([o.grad_fn for o in st.outputs
+                     if o.grad_fn is not None and (o.grad_fn, o.output_nr) not in boundary], set())]
+        regions += [([node], sets[0] if len(sets) == 1 else set()) for node, sets in by_node.items()]
+        for starts, modules in regions:
+            bad.update(pid for pid in below(starts) if pid in owners and not owners[pid] & modules)
         indirect = set()
         for c in st.captured:
             if c.x is None or c.module in indirect:
