@@ -1,6 +1,7 @@
 """Shared by the benchmark suites: formatting sizes, printing tables, writing JSON and plots."""
 import json
 import os
+import statistics
 
 
 def human_bytes(n):
@@ -44,3 +45,11 @@ def pyplot():
     except ImportError:
         print("matplotlib is not installed: no plot written (pip install matplotlib)")
         return None
+
+
+def paired_ratios(ratios):
+    """Median and quartiles of per-round ratios (the two systems of a round run back to back):
+    the spread between rounds, which a ratio of medians hides."""
+    ratios = sorted(ratios)
+    q1, med, q3 = statistics.quantiles(ratios, n=4, method="inclusive") if len(ratios) > 1 else ratios * 3
+    return {"median": med, "q1": q1, "q3": q3, "rounds": len(ratios)}

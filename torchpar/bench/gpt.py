@@ -40,7 +40,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn import functional as F
 
-from torchpar.bench._report import print_table, pyplot, write_json
+from torchpar.bench._report import paired_ratios, print_table, pyplot, write_json
 from torchpar.bench._spawn import run_ranks
 
 LAYOUTS = ["4x1x1", "2x2x1", "2x1x2", "1x2x2", "1x1x4", "fsdp-2x2x1"]
@@ -257,7 +257,7 @@ def _measure(rank, args):
             row[system].update(step_ms=median * 1e3, min_ms=min(slowest[system].tolist()) * 1e3,
                                tokens_per_s=args.batch * args.seq / median)
         if set(slowest) == set(SYSTEMS):
-            row["torchpar"]["paired_speedup"] = paired((slowest["torch"] / slowest["torchpar"]).tolist())
+            row["torchpar"]["paired_speedup"] = paired_ratios((slowest["torch"] / slowest["torchpar"]).tolist())
         results[name] = row
         del made
         if rank == 0:
@@ -265,14 +265,6 @@ def _measure(rank, args):
                                                      else r["error"][:60]) for s, r in row.items()),
                   file=sys.stderr, flush=True)
     return results
-
-
-def paired(ratios):
-    """Median and quartiles of per-round ratios (torch's step over torchpar's in the same round,
-    the two run back to back): the spread between rounds, which a ratio of medians hides."""
-    ratios = sorted(ratios)
-    q1, med, q3 = statistics.quantiles(ratios, n=4, method="inclusive") if len(ratios) > 1 else ratios * 3
-    return {"median": med, "q1": q1, "q3": q3, "rounds": len(ratios)}
 
 
 # ---- report ----

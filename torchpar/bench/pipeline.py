@@ -28,7 +28,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from torchpar.bench._report import print_table, pyplot, write_json
+from torchpar.bench._report import paired_ratios, print_table, pyplot, write_json
 from torchpar.bench._spawn import run_ranks
 
 OURS = ["gpipe", "1f1b", "interleaved", "zb_h1"]
@@ -241,10 +241,8 @@ def _paired(ranks, mode, base):
     median and the quartiles of those ratios. The ratio of the two medians, which the target is
     judged on, can hide a spread between runs larger than the gap (docs/pipeline.md)."""
     rounds = len(ranks[0]["round_ms"][mode])
-    ratios = sorted(max(r["round_ms"][base][i] for r in ranks) / max(r["round_ms"][mode][i] for r in ranks)
-                    for i in range(rounds))
-    q1, med, q3 = statistics.quantiles(ratios, n=4, method="inclusive") if rounds > 1 else ratios * 3
-    return {"median": med, "q1": q1, "q3": q3, "rounds": rounds}
+    return paired_ratios([max(r["round_ms"][base][i] for r in ranks) / max(r["round_ms"][mode][i] for r in ranks)
+                          for i in range(rounds)])
 
 
 def _targets(summary, p, m):
