@@ -336,6 +336,23 @@ def _p2p_timeout(rank, world_size, init_file):
     return True
 
 
+def _recv_pending_when_the_sender_aborts(rank, world_size, init_file):
+    """Rank 1 waits in a receive; rank 0 aborts the group instead of sending (a pipeline stage
+    that failed does) and stays alive. The receive names the abort and its rank, over either
+    transport (over TCP it used to name the connection rank 0 closed in aborting)."""
+    _init(rank, world_size, init_file, 60)
+    group = dist.distributed_c10d._get_default_group()
+    if rank == 0:
+        time.sleep(0.5)  # rank 1 is waiting by now
+        group.abort()
+        time.sleep(3)    # alive while rank 1 reads why
+    else:
+        start = time.monotonic()
+        expect_error(lambda: dist.recv(torch.empty(5), src=0, tag=3), "aborted by rank 0")
+        assert time.monotonic() - start < 20
+    return True
+
+
 def _ddp_model():
     from torch import nn
     torch.manual_seed(0)
@@ -430,6 +447,10 @@ def test_messages_of_an_exited_peer_arrive_after_a_failed_send(transport, send_p
 def test_progress_thread_sleeps_after_a_send_expired_on_a_full_pipe(transport, tmp_path):
     assert spawn(_stalled_peer_then_drained, 2, str(tmp_path / "side"), timeout=110,
                  env=transport_env(transport)) == [True, True]
+
+
+def test_a_pending_recv_names_the_senders_abort(transport):
+    assert spawn(_recv_pending_when_the_sender_aborts, 2, timeout=60, env=transport_env(transport)) == [True, True]
 
 
 def test_recv_without_a_sender_times_out(transport):

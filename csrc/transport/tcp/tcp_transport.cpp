@@ -437,12 +437,19 @@ void TcpTransport::sleep_until_activity(uint32_t seen, std::chrono::microseconds
 }
 
 void TcpTransport::check_peer(int peer) {
-  std::lock_guard<std::mutex> lock(mu_);
-  if (!aborted_.empty()) throw Error(aborted_);
-  if (!lost_[peer].empty()) {
-    throw PeerLostError(detail::message(__FILE__, __LINE__, "lost the TCP connection to rank ", peer, ": ",
-                                        lost_[peer]));
+  std::string lost;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (!aborted_.empty()) throw Error(aborted_);
+    lost = lost_[peer];
   }
+  if (lost.empty()) return;
+  // A rank that aborts the group writes why in the store before it hangs up: a pending
+  // point-to-point request names that, as a collective does (describe_failure), rather than
+  // the connection the abort closed. (The store, not this rank's lock, is asked.)
+  std::string why = abort_reason();
+  if (!why.empty()) throw Error(why);
+  throw PeerLostError(detail::message(__FILE__, __LINE__, "lost the TCP connection to rank ", peer, ": ", lost));
 }
 
 std::string TcpTransport::abort_reason() {
