@@ -408,6 +408,70 @@ def test_data_parallel_peers_of_a_failed_pipeline_raise_and_go_on(dp_backend):
     spawn(_data_parallel_peers_of_a_failed_pipeline, 4, dp_backend, timeout=BOUND)
 
 
+class _FailsOnRankOne(nn.Module):
+    """Linear, Tanh, Linear. Where ``fail`` says: "forward" raises in the second forward;
+    "armed backward" in the step's last backward, between the Linears, after the second
+    Linear's gradient hooks have fired (with a bucket per parameter, its buckets are launched)."""
+
+    def __init__(self, m):
+        super().__init__()
+        self.a, self.b = nn.Linear(8, 8), nn.Linear(8, 8)
+        self.m, self.calls, self.fail = m, 0, None
+
+    def forward(self, x):
+        self.calls += 1
+        if self.fail == "forward" and self.calls == 2:
+            raise RuntimeError("boom in forward")
+        h = torch.tanh(self.a(x))
+        if self.fail == "armed backward" and self.calls % self.m == 0:
+            h = _Raises.apply(h)
+        return self.b(h)
+
+
+def _peers_of_a_failed_armed_pipeline(rank, world_size, init_file, dp_backend, where):
+    """pp=2 x dp=2 as above, each stage our DDP with find_unused_parameters=True, so armed
+    before its last backward, which reduces bucket by bucket (one bucket per parameter here):
+    only rank 1 raises, in its second forward or inside its armed backward. Ranks 2 and 3, whose
+    own pipeline runs on into those backwards, must not be left waiting there for buckets ranks
+    0 and 1 will not send: the failed ones issue what they owe (zeros) and all four raise."""
+    _init(rank, world_size, init_file, "torchpar")
+    try:
+        from torchpar.parallel import DistributedDataParallel as DDP
+        pps = [dist.new_group([0, 1]), dist.new_group([2, 3])]
+        dps = [dist.new_group([0, 2], backend=dp_backend), dist.new_group([1, 3], backend=dp_backend)]
+        dp_rank, stage_index, m = rank // 2, rank % 2, 4
+        torch.manual_seed(0)
+        whole = nn.Sequential(nn.Sequential(nn.Linear(8, 8), nn.Tanh()), _FailsOnRankOne(m))
+        ddp = DDP(copy.deepcopy(whole[stage_index]), process_group=dps[stage_index], find_unused_parameters=True,
+                  bucket_cap_mb=1e-6)
+        if rank == 1:
+            ddp.module.fail = where
+        x, y = torch.randn(16, 8), torch.randn(16, 8)
+        xs, ys = x.chunk(2)[dp_rank], y.chunk(2)[dp_rank]
+        args, kw = ((xs,) if stage_index == 0 else ()), {"target": ys if stage_index == 1 else None}
+        sched = Schedule1F1B(PipelineStage(ddp, stage_index, 2, group=pps[dp_rank]), m, loss_fn=_mse)
+        with pytest.raises(RuntimeError) as raised:
+            sched.step(*args, **kw)
+        if rank in (0, 1):
+            assert f"boom in {where.split()[-1]}" in str(raised.value), raised.value
+        else:
+            assert f"the step failed on its data-parallel peer(s) rank {rank - 2}" in str(raised.value), raised.value
+        ddp.module.fail = None
+        _step_again_equals_one_process(ddp, whole, stage_index, dp_rank, m, x, y)
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.timeout(BOUND)
+@pytest.mark.parametrize("where", ["forward", "armed backward"])
+@pytest.mark.parametrize("dp_backend", BACKENDS)
+def test_data_parallel_peers_of_a_failed_armed_pipeline_are_not_left_in_its_reduction(dp_backend, where):
+    """Review finding (docs/pipeline.md, Missing): a stage armed before its last backward gave
+    its data-parallel peers no way to learn of a failure in another pipeline; they waited in
+    that backward's reduction until the failed process exited or the group's timeout."""
+    spawn(_peers_of_a_failed_armed_pipeline, 4, dp_backend, where, timeout=BOUND)
+
+
 def _fully_shard_after_a_failed_step(rank, world_size, init_file):
     """pp=2 x dp=2 as above, each stage fully_shard over its data-parallel pair: its units
     accumulate the micro-batches' gradients and reduce in the stage's last backward. Stage 1's

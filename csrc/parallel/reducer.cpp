@@ -329,6 +329,42 @@ void Reducer::cancel_backward() {
   reset_step();
 }
 
+void Reducer::abandon_backward() {
+  std::lock_guard<std::mutex> lock(mutex_);
+  at::NoGradGuard no_grad;
+  // Unarmed, this rank failed before its synchronised backward started: it owes every bucket.
+  const size_t first = expect_backward_ ? next_launch_ : 0;
+  wait_launched();
+  try {
+    for (size_t i = first; i < buckets_.size(); ++i) {
+      const Bucket& b = buckets_[i];
+      if (reduces_in_place(b)) {  // the same collective the peers issue for this bucket
+        std::vector<at::Tensor> zeros;
+        for (int64_t k : b.params) {
+          zeros.push_back(at::zeros_like(params_[k], at::MemoryFormat::Contiguous));
+        }
+        group_->allreduce_coalesced(zeros)->wait();
+        continue;
+      }
+      at::Tensor zeros = at::zeros({b.numel}, b.options);
+      Reduction r = start_reduction(i, zeros);
+      finish_reduction(r, zeros);
+    }
+    if (step_reduces_used_flags()) {
+      std::vector<at::Tensor> tensors{at::zeros({static_cast<int64_t>(params_.size())},
+                                                params_.front().options().dtype(at::kInt))};
+      group_->allreduce(tensors)->wait();
+    }
+    if (!rebuilt_) {
+      rebuild_in_observed_order();  // the peers rebuild in this step's finalize
+    }
+  } catch (...) {
+    reset_step();
+    throw;
+  }
+  reset_step();
+}
+
 void Reducer::wait_launched() {
   for (auto& b : buckets_) {
     try {

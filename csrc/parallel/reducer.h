@@ -107,6 +107,14 @@ class Reducer {
   // (they write into the buckets or .grad; errors ignored), nothing is written back: .grad
   // is left partly averaged and must be zeroed before the next step.
   void cancel_backward();
+  // After this rank's step failed while its data-parallel peers may be in a synchronised
+  // backward (a pipeline stage's last one, armed or not yet): issues the collectives of that
+  // backward this rank has not (the buckets not launched, with zeros, in index order; the
+  // used flags; the one-time bucket rebuild), so that the peers' reductions complete rather
+  // than wait for the timeout, then disarms as cancel_backward does. Their result is nobody's
+  // average (the peers learn the step failed from the pipeline's agreement); .grad is left as
+  // the failed step left it.
+  void abandon_backward();
 
   // Replaces each bucket's all-reduce with `hook` (c10d's interface, so torch's own hooks
   // and Python hooks through c10d::PythonCommHook both fit): it gets the bucket's summed-

@@ -72,6 +72,9 @@ TORCHPAR_PYBIND(reducer) {
            "(returns True then).")
       .def("cancel_backward", &Reducer::cancel_backward, py::call_guard<py::gil_scoped_release>(),
            "Disarm after an armed backward raised (launched reductions are waited for).")
+      .def("abandon_backward", &Reducer::abandon_backward, py::call_guard<py::gil_scoped_release>(),
+           "After this rank's step failed: issue the collectives its synchronised backward still "
+           "owes the data-parallel peers (zeros), then disarm.")
       .def("trace",
            [](const Reducer& r) {
              py::list out;

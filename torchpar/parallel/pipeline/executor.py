@@ -23,7 +23,7 @@ _CACHE_KEYS = 16  # input shapes remembered (variable sequence length)
 class Executor:
     """State of one step while the action list runs."""
 
-    def __init__(self, sched, key, first_mbs, targets, train, ddp=None, fsdp=None):
+    def __init__(self, sched, key, first_mbs, targets, train, ddp=None, fsdp=None, settled=None):
         self.s = sched
         self.group = sched.group
         self.key = key
@@ -47,6 +47,9 @@ class Executor:
         # before the stage's last B, which then reduces as it runs (schedules.py says why).
         self.sync_in_last_backward = _synced_in_last_backward(ddp or {}, self.split_stages)
         self.last_b = {}
+        # Armed stages whose last backward issued all its collectives; None: a failed armed
+        # backward disarms at once (no error path will issue what it owes its peers).
+        self.settled = settled
         # Stage -> its fully_shard units that reduce-scatter in the stage's last B only.
         self.fsdp = fsdp or {}
         self.fsdp_last_b = {}
@@ -275,13 +278,21 @@ class Executor:
         reducer.prepare_for_backward(roots)
         try:
             in_grads = backward(mb, grads, self.scale)
-        except BaseException:
-            # Armed and left so, the next step's first (no_sync) backward would reduce (review).
-            reducer.cancel_backward()
+        except BaseException as e:
+            if self.settled is None or not isinstance(e, Exception):
+                # Armed and left so, the next step's first (no_sync) backward would reduce (review).
+                reducer.cancel_backward()
+                if self.settled is not None:
+                    self.settled.add(st.stage_index)
+            # Else left armed: once the pipeline group is aborted, the step's error path issues
+            # the buckets this backward still owes its data-parallel peers, then disarms
+            # (schedules._release_data_parallel_peers).
             raise
         finally:
             for h in hooks:
                 h.remove()
+        if self.settled is not None:
+            self.settled.add(st.stage_index)
         # A backward that reached none of the stage's parameters (a conditional stage) fired no
         # gradient hook: what the earlier micro-batches accumulated is reduced now (review).
         reducer.reduce_if_unreached()
@@ -334,9 +345,11 @@ def _synced_in_last_backward(ddp, split):
 
 def armed_stages(sched, actions, ddp, train):
     """The DDP stages whose module the executor arms before their last backward, which then
-    reduces their gradients; the other DDP stages are averaged after the step."""
+    reduces their gradients, in the order of those last backwards (their collectives' order on
+    every data-parallel peer); the other DDP stages are averaged after the step."""
     synced = _synced_in_last_backward(ddp, split_stages(sched, train))
-    return {stage for name, _, stage in actions if name == "B" and stage in synced}
+    last = {stage: i for i, (name, _, stage) in enumerate(actions) if name == "B" and stage in synced}
+    return sorted(last, key=last.get)
 
 
 def _armable(module):

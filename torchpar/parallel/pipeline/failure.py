@@ -31,8 +31,10 @@ whether its step ended (``agree_on_outcome``: one all-gather of a flag over the 
 the failed rank joins from its error path), and every peer of a failed rank raises instead of
 waiting in the average for a rank that will not come, until that rank's process exits or the
 group's timeout. Nothing is aborted, so the DDP modules and their groups go on with the next
-step. Not covered: a stage reducing inside its last backward (our DDP armed, fully_shard): a
-peer waits there for the failed rank's buckets (docs/pipeline.md).
+step. A stage armed to reduce inside its last backward (our DDP with find_unused_parameters)
+agrees too: the failed rank first issues the buckets that backward still owes its peers
+(``schedules._release_data_parallel_peers``). Not covered: a fully_shard stage, whose peers may
+wait in its last backward's collectives (docs/pipeline.md).
 """
 import secrets
 from datetime import timedelta
@@ -141,8 +143,8 @@ def agree_on_outcome(groups, failed):
     """Tells the data-parallel peers in ``groups`` ((group, device) pairs: the flag goes on the
     device the group reduces the stage's gradients on, which an NCCL group needs) whether this
     rank's step failed, and learns whether theirs did: the global ranks that failed. Every rank
-    of each group calls it once per step whose stage averages after the step, from the error
-    path or after the schedule ran, with the groups in the same order."""
+    of each group calls it once per step of its DDP stages, from the error path or after the
+    schedule ran, with the groups in the same order."""
     failed_ranks = []
     for group, device in groups:
         flag = torch.tensor([int(failed)], dtype=torch.int64, device=device)

@@ -157,12 +157,14 @@ class _PipelineSchedule:
                if train and hasattr(s.submod, "no_sync") and hasattr(s.submod, "process_group")}
         armed = armed_stages(self, actions, ddp, train)
         after_step = {i: m for i, m in ddp.items() if i not in armed}
-        # A rank that also reduces inside a backward (an armed DDP, fully_shard) may leave its
-        # peers waiting there, where they could not answer the agreement: no agreement then.
-        reduces_in_backward = bool(armed) or any(isinstance(m, FSDPModule) for s in self.stages
-                                                 for m in s.submod.modules())
-        with _data_parallel_outcome(self, {} if reduces_in_backward else after_step):
-            out = self._run_actions(actions, first_mbs, targets, err, train, ddp)
+        # A fully_shard stage's peers may be waiting inside its last backward's collectives,
+        # which a failed rank cannot replay, and could not answer the agreement there: none then.
+        fsdp = any(isinstance(m, FSDPModule) for s in self.stages for m in s.submod.modules())
+        # Armed stages whose backward has issued all its collectives (run, or given up on).
+        settled = None if fsdp else set()
+        with _data_parallel_outcome(self, {} if fsdp else ddp,
+                                    lambda: _release_data_parallel_peers(ddp, armed, settled)):
+            out = self._run_actions(actions, first_mbs, targets, err, train, ddp, settled)
         for module in after_step.values():
             _average_gradients(module)
         outputs, step_losses, stats, events = out
@@ -174,7 +176,7 @@ class _PipelineSchedule:
             _write_trace(trace, events, stats["start"], self.rank, self.group)
         return outputs
 
-    def _run_actions(self, actions, first_mbs, targets, err, train, ddp):
+    def _run_actions(self, actions, first_mbs, targets, err, train, ddp, settled):
         """Agrees on the step with the other pipeline ranks and runs this rank's actions."""
         try:
             key = self._agree(first_mbs, err, train)
@@ -198,7 +200,7 @@ class _PipelineSchedule:
                     no_sync.enter_context(module.no_sync())
                 for modules in fsdp_modules.values():
                     no_sync.push(_reduce_in_last_backward(modules))
-                executor = Executor(self, key, first_mbs, targets, train, ddp, fsdp)
+                executor = Executor(self, key, first_mbs, targets, train, ddp, fsdp, settled)
                 try:
                     return executor.run(actions)
                 except BaseException as e:  # KeyboardInterrupt too: the peers must not wait for the timeout
@@ -212,14 +214,15 @@ class _PipelineSchedule:
 
 
 @contextlib.contextmanager
-def _data_parallel_outcome(sched, after_step):
-    """Around a step whose DDP stages ``after_step`` average after it: the data-parallel peers
-    learn whether each other's step ended (failure.agree_on_outcome), so that a failure in one
-    pipeline raises in the other pipelines' replicas too instead of leaving them waiting in the
-    average. A KeyboardInterrupt or SystemExit does not wait for the peers: its process usually
-    ends, which releases them."""
+def _data_parallel_outcome(sched, ddp, release):
+    """Around a step of DDP stages ``ddp``: the data-parallel peers learn whether each other's
+    step ended (failure.agree_on_outcome), so that a failure in one pipeline raises in the other
+    pipelines' replicas too instead of leaving them waiting in the average after the step, or in
+    an armed stage's last backward: a failed rank first issues what that backward owes them
+    (``release``). A KeyboardInterrupt or SystemExit does not wait for the peers: its process
+    usually ends, which releases them."""
     by_group = {}  # the flag goes where the group averages the gradients (an NCCL group: the GPU)
-    for m in after_step.values():
+    for m in ddp.values():
         device = next((q.device for q in m.parameters()), torch.device("cpu"))
         by_group.setdefault(id(m.process_group), (m.process_group, device))
     groups = list(by_group.values())
@@ -229,6 +232,7 @@ def _data_parallel_outcome(sched, after_step):
     try:
         yield
     except Exception:
+        release()
         with contextlib.suppress(Exception):  # a broken data-parallel group: its own error comes later
             agree_on_outcome(groups, failed=True)
         raise
@@ -236,7 +240,20 @@ def _data_parallel_outcome(sched, after_step):
     if failed:
         raise RuntimeError(f"{type(sched).__name__}: pipeline rank {sched.rank}: the step failed on its data-parallel "
                            f"peer(s) {', '.join(f'rank {r}' for r in failed)} (their error says why), so this rank's "
-                           f"gradients were not averaged; zero them before the next step")
+                           f"gradients are not the step's average; zero them before the next step")
+
+
+def _release_data_parallel_peers(ddp, armed, settled):
+    """After this rank's step failed (the pipeline group already aborted, so no neighbour waits
+    on this): each armed stage whose last backward did not issue all its collectives issues the
+    rest now, zeros, in the order of the stages' last backwards (its peers' order too), so that
+    a peer in another pipeline, whose step went on into that backward, is not left waiting in
+    its reduction (Reducer.abandon_backward). The peers then raise at the agreement."""
+    for stage in armed:
+        if stage not in settled:
+            settled.add(stage)
+            with contextlib.suppress(Exception):  # a broken data-parallel group fails the peers by itself
+                ddp[stage].reducer.abandon_backward()
 
 
 def _reduce_in_last_backward(modules):
