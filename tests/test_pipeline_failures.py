@@ -365,49 +365,6 @@ def test_ddp_stage_works_after_its_armed_backward_raised():
     spawn(_ddp_after_a_raising_armed_backward, 4, "torchpar", timeout=BOUND)
 
 
-def _data_parallel_peers_of_a_failed_pipeline(rank, world_size, init_file, dp_backend):
-    """pp=2 x dp=2 (pipelines {0,1}, {2,3}; data parallel {0,2}, {1,3}), each stage in our DDP
-    averaged after the step: only rank 1's stage raises, in its second forward. Ranks 0 and 1
-    raise the pipeline's error; ranks 2 and 3, whose own pipeline finished, raise that their
-    data-parallel peer failed instead of waiting in the average for it (until its process
-    exits, or the group's timeout). Then every rank goes on, with new pipeline groups over the
-    same DDP modules and data-parallel groups, and the next step's gradients are one process's."""
-    _init(rank, world_size, init_file, "torchpar")
-    try:
-        from torchpar.parallel import DistributedDataParallel as DDP
-        pps = [dist.new_group([0, 1]), dist.new_group([2, 3])]
-        dps = [dist.new_group([0, 2], backend=dp_backend), dist.new_group([1, 3], backend=dp_backend)]
-        dp_rank, stage_index, m = rank // 2, rank % 2, 4
-        torch.manual_seed(0)
-        whole = nn.Sequential(nn.Sequential(nn.Linear(8, 8), nn.Tanh()), _FailsOnCall(0, "forward"))  # 0: never
-        ddp = DDP(copy.deepcopy(whole[stage_index]), process_group=dps[stage_index])
-        if rank == 1:
-            ddp.module.n = 2
-        x, y = torch.randn(16, 8), torch.randn(16, 8)
-        xs, ys = x.chunk(2)[dp_rank], y.chunk(2)[dp_rank]
-        args, kw = ((xs,) if stage_index == 0 else ()), {"target": ys if stage_index == 1 else None}
-        sched = Schedule1F1B(PipelineStage(ddp, stage_index, 2, group=pps[dp_rank]), m, loss_fn=_mse)
-        with pytest.raises(RuntimeError) as raised:
-            sched.step(*args, **kw)
-        if rank in (0, 1):
-            assert "boom in forward" in str(raised.value), raised.value
-        else:
-            assert f"the step failed on its data-parallel peer(s) rank {rank - 2}" in str(raised.value), raised.value
-        if rank == 1:
-            ddp.module.n = 0
-        _step_again_equals_one_process(ddp, whole, stage_index, dp_rank, m, x, y)
-    finally:
-        dist.destroy_process_group()
-
-
-@pytest.mark.timeout(BOUND)
-@pytest.mark.parametrize("dp_backend", BACKENDS)
-def test_data_parallel_peers_of_a_failed_pipeline_raise_and_go_on(dp_backend):
-    """Review finding (docs/pipeline.md): a failure in one pipeline left the same stage's
-    replicas in the other pipelines waiting in their data-parallel average."""
-    spawn(_data_parallel_peers_of_a_failed_pipeline, 4, dp_backend, timeout=BOUND)
-
-
 class _FailsOnRankOne(nn.Module):
     """Linear, Tanh, Linear. Where ``fail`` says: "forward" raises in the second forward;
     "armed backward" in the step's last backward, between the Linears, after the second
@@ -428,12 +385,15 @@ class _FailsOnRankOne(nn.Module):
         return self.b(h)
 
 
-def _peers_of_a_failed_armed_pipeline(rank, world_size, init_file, dp_backend, where):
-    """pp=2 x dp=2 as above, each stage our DDP with find_unused_parameters=True, so armed
-    before its last backward, which reduces bucket by bucket (one bucket per parameter here):
-    only rank 1 raises, in its second forward or inside its armed backward. Ranks 2 and 3, whose
-    own pipeline runs on into those backwards, must not be left waiting there for buckets ranks
-    0 and 1 will not send: the failed ones issue what they owe (zeros) and all four raise."""
+def _data_parallel_peers_of_a_failed_pipeline(rank, world_size, init_file, dp_backend, where, armed):
+    """pp=2 x dp=2 (pipelines {0,1}, {2,3}; data parallel {0,2}, {1,3}), each stage in our DDP:
+    only rank 1's stage raises, in its second forward or (``where``) in its last backward.
+    Ranks 0 and 1 raise the pipeline's error; ranks 2 and 3, whose own pipeline finished, raise
+    that their data-parallel peer failed instead of waiting for it (until its process exits, or
+    the group's timeout): in the average after the step, or (``armed``: find_unused_parameters,
+    a bucket per parameter) in the reduction of their armed last backward, for buckets ranks 0
+    and 1 then issue as zeros. Then every rank goes on, with new pipeline groups over the same
+    DDP modules and data-parallel groups, and the next step's gradients are one process's."""
     _init(rank, world_size, init_file, "torchpar")
     try:
         from torchpar.parallel import DistributedDataParallel as DDP
@@ -442,8 +402,8 @@ def _peers_of_a_failed_armed_pipeline(rank, world_size, init_file, dp_backend, w
         dp_rank, stage_index, m = rank // 2, rank % 2, 4
         torch.manual_seed(0)
         whole = nn.Sequential(nn.Sequential(nn.Linear(8, 8), nn.Tanh()), _FailsOnRankOne(m))
-        ddp = DDP(copy.deepcopy(whole[stage_index]), process_group=dps[stage_index], find_unused_parameters=True,
-                  bucket_cap_mb=1e-6)
+        ddp = DDP(copy.deepcopy(whole[stage_index]), process_group=dps[stage_index], find_unused_parameters=armed,
+                  bucket_cap_mb=1e-6 if armed else None)
         if rank == 1:
             ddp.module.fail = where
         x, y = torch.randn(16, 8), torch.randn(16, 8)
@@ -463,13 +423,22 @@ def _peers_of_a_failed_armed_pipeline(rank, world_size, init_file, dp_backend, w
 
 
 @pytest.mark.timeout(BOUND)
+@pytest.mark.parametrize("dp_backend", BACKENDS)
+def test_data_parallel_peers_of_a_failed_pipeline_raise_and_go_on(dp_backend):
+    """Review finding (docs/pipeline.md): a failure in one pipeline left the same stage's
+    replicas in the other pipelines waiting in their data-parallel average."""
+    spawn(_data_parallel_peers_of_a_failed_pipeline, 4, dp_backend, "forward", False, timeout=BOUND)
+
+
+@pytest.mark.timeout(BOUND)
 @pytest.mark.parametrize("where", ["forward", "armed backward"])
 @pytest.mark.parametrize("dp_backend", BACKENDS)
 def test_data_parallel_peers_of_a_failed_armed_pipeline_are_not_left_in_its_reduction(dp_backend, where):
-    """Review finding (docs/pipeline.md, Missing): a stage armed before its last backward gave
-    its data-parallel peers no way to learn of a failure in another pipeline; they waited in
-    that backward's reduction until the failed process exited or the group's timeout."""
-    spawn(_peers_of_a_failed_armed_pipeline, 4, dp_backend, where, timeout=BOUND)
+    """A limit docs/pipeline.md listed: a stage armed before its last backward gave its
+    data-parallel peers no way to learn of a failure in another pipeline; they waited in that
+    backward's reduction until the failed process exited or the group's timeout, or completed it
+    with the failed rank's next step (mixed gradients, no error)."""
+    spawn(_data_parallel_peers_of_a_failed_pipeline, 4, dp_backend, where, True, timeout=BOUND)
 
 
 def _fully_shard_after_a_failed_step(rank, world_size, init_file):
