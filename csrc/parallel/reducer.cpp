@@ -269,6 +269,7 @@ void Reducer::prepare_for_backward(const std::vector<at::Tensor>& outputs) {
   trace_.clear();
   ready_order_.clear();
   expect_backward_ = true;
+  round_ = Round{true, 0, false, !rebuilt_};
   if (!options_.find_unused_parameters || options_.static_graph) {
     return;
   }
@@ -322,21 +323,30 @@ bool Reducer::reduce_if_unreached() {
 
 void Reducer::cancel_backward() {
   std::lock_guard<std::mutex> lock(mutex_);
+  round_.open = false;
   if (!expect_backward_) {
     return;
   }
   wait_launched();
   reset_step();
+  // The failed step's uses are not reduced; a peer that completed its backward cleared its own.
+  std::fill(used_since_sync_.begin(), used_since_sync_.end(), 0);
+}
+
+int64_t Reducer::completed_backwards() const {
+  std::lock_guard<std::mutex> lock(mutex_);
+  return completed_;
 }
 
 void Reducer::abandon_backward() {
   std::lock_guard<std::mutex> lock(mutex_);
   at::NoGradGuard no_grad;
-  // Unarmed, this rank failed before its synchronised backward started: it owes every bucket.
-  const size_t first = expect_backward_ ? next_launch_ : 0;
-  wait_launched();
+  // Not armed: this rank failed before its synchronised backward started and owes all of it.
+  const Round owed = round_.open ? round_ : Round{true, 0, false, !rebuilt_};
+  round_.open = false;
+  wait_launched();  // (a finalize that raised has let go of its reductions: they run on)
   try {
-    for (size_t i = first; i < buckets_.size(); ++i) {
+    for (size_t i = owed.launched; i < buckets_.size(); ++i) {
       const Bucket& b = buckets_[i];
       if (reduces_in_place(b)) {  // the same collective the peers issue for this bucket
         std::vector<at::Tensor> zeros;
@@ -350,19 +360,23 @@ void Reducer::abandon_backward() {
       Reduction r = start_reduction(i, zeros);
       finish_reduction(r, zeros);
     }
-    if (step_reduces_used_flags()) {
+    if (step_reduces_used_flags() && !owed.flags) {
       std::vector<at::Tensor> tensors{at::zeros({static_cast<int64_t>(params_.size())},
                                                 params_.front().options().dtype(at::kInt))};
       group_->allreduce(tensors)->wait();
     }
-    if (!rebuilt_) {
+    if (owed.rebuild) {
       rebuild_in_observed_order();  // the peers rebuild in this step's finalize
     }
   } catch (...) {
     reset_step();
+    std::fill(used_since_sync_.begin(), used_since_sync_.end(), 0);
     throw;
   }
   reset_step();
+  // The failed step's uses are not reduced; the peers' finalize cleared theirs (review: a
+  // parameter used only in the failed step later counted as used, and got zeros, not None).
+  std::fill(used_since_sync_.begin(), used_since_sync_.end(), 0);
 }
 
 void Reducer::wait_launched() {
@@ -539,6 +553,7 @@ void Reducer::launch_ready_buckets() {
     }
     trace_.push_back({TraceEvent::kLaunch, static_cast<int64_t>(next_launch_)});
     ++next_launch_;
+    if (round_.open) round_.launched = next_launch_;
   }
 }
 
@@ -735,6 +750,8 @@ void Reducer::finalize() {
   }
   std::fill(used_since_sync_.begin(), used_since_sync_.end(), 0);
   reset_step();
+  round_.open = false;
+  ++completed_;
 }
 
 void Reducer::rebuild_in_observed_order() {
@@ -756,7 +773,9 @@ void Reducer::rebuild_in_observed_order() {
   // since every rank must fill and launch the same buckets.
   at::Tensor shared = at::tensor(order, at::kLong).to(params_.front().device());
   std::vector<at::Tensor> tensors{shared};
-  group_->broadcast(tensors)->wait();
+  auto work = group_->broadcast(tensors);
+  round_.rebuild = false;  // issued
+  work->wait();
   shared = shared.cpu();
   order.assign(shared.data_ptr<int64_t>(), shared.data_ptr<int64_t>() + shared.numel());
   auto buckets = assign_buckets(params_, options_.cap_bytes, options_.first_cap_bytes,
@@ -770,7 +789,9 @@ std::vector<int32_t> Reducer::reduce_used_flags() {
   // One more small all-reduce, issued after every bucket (same order on all ranks).
   at::Tensor used = at::tensor(used_since_sync_, at::kInt).to(params_.front().device());
   std::vector<at::Tensor> tensors{used};
-  group_->allreduce(tensors)->wait();
+  auto work = group_->allreduce(tensors);
+  round_.flags = true;  // issued
+  work->wait();
   at::Tensor host = used.cpu();
   return std::vector<int32_t>(host.data_ptr<int32_t>(), host.data_ptr<int32_t>() + host.numel());
 }

@@ -111,10 +111,14 @@ class Reducer {
   // backward (a pipeline stage's last one, armed or not yet): issues the collectives of that
   // backward this rank has not (the buckets not launched, with zeros, in index order; the
   // used flags; the one-time bucket rebuild), so that the peers' reductions complete rather
-  // than wait for the timeout, then disarms as cancel_backward does. Their result is nobody's
-  // average (the peers learn the step failed from the pipeline's agreement); .grad is left as
-  // the failed step left it.
+  // than wait for the timeout, then disarms as cancel_backward does. What an armed backward
+  // issued is counted until it completes, through a finalize that raised part-way too. Their
+  // result is nobody's average (the peers learn the step failed from the pipeline's
+  // agreement); .grad is left as the failed step left it.
   void abandon_backward();
+  // Synchronised backwards completed (finalize ran through): a caller whose armed backward
+  // raised tells a failure after the reduction from one before or inside it.
+  int64_t completed_backwards() const;
 
   // Replaces each bucket's all-reduce with `hook` (c10d's interface, so torch's own hooks
   // and Python hooks through c10d::PythonCommHook both fit): it gets the bucket's summed-
@@ -272,6 +276,15 @@ class Reducer {
   std::vector<bool> reachable_;       // find_unused: parameter reached from the outputs
   std::vector<int32_t> used_since_sync_;  // got a gradient since the last reduction
   size_t next_launch_ = 0;
+  // The collectives of the armed backward now owed to the peers, from prepare_for_backward until
+  // it completes (kept through a finalize that raised, unlike the step state reset_step clears).
+  struct Round {
+    bool open = false;
+    size_t launched = 0;     // buckets, in index order
+    bool flags = false;      // the used-flags all-reduce
+    bool rebuild = false;    // the one-time rebuild's broadcast is owed
+  } round_;
+  int64_t completed_ = 0;
   std::vector<TraceEvent> trace_;
   std::vector<int64_t> ready_order_;  // hook order in the first synchronised step
   std::vector<int32_t> hooks_seen_;   // gradients per parameter this step

@@ -275,28 +275,33 @@ class Executor:
         # last stage (an output the loss ignores must not count as used), else the outputs.
         roots = [st._mbs[mb].loss] if st.is_last else list(st.outputs(mb))
         hooks, sent = self._send_input_grads_when_ready(st, mb)
+        completed = reducer.completed_backwards
         reducer.prepare_for_backward(roots)
         try:
             in_grads = backward(mb, grads, self.scale)
+            # A backward that reached none of the stage's parameters (a conditional stage) fired
+            # no gradient hook: what the earlier micro-batches accumulated is reduced now (review).
+            reducer.reduce_if_unreached()
         except BaseException as e:
-            if self.settled is None or not isinstance(e, Exception):
+            if reducer.completed_backwards > completed:
+                self._settle(st)  # raised after its reduction ran through: nothing is owed
+            elif self.settled is None or not isinstance(e, Exception):
                 # Armed and left so, the next step's first (no_sync) backward would reduce (review).
                 reducer.cancel_backward()
-                if self.settled is not None:
-                    self.settled.add(st.stage_index)
+                self._settle(st)
             # Else left armed: once the pipeline group is aborted, the step's error path issues
-            # the buckets this backward still owes its data-parallel peers, then disarms
+            # what this backward still owes its data-parallel peers, then disarms
             # (schedules._release_data_parallel_peers).
             raise
         finally:
             for h in hooks:
                 h.remove()
+        self._settle(st)
+        return in_grads, sent[0]
+
+    def _settle(self, st):
         if self.settled is not None:
             self.settled.add(st.stage_index)
-        # A backward that reached none of the stage's parameters (a conditional stage) fired no
-        # gradient hook: what the earlier micro-batches accumulated is reduced now (review).
-        reducer.reduce_if_unreached()
-        return in_grads, sent[0]
 
     def _send_input_grads_when_ready(self, st, mb):
         """An armed backward returns only after the reducer waited for its last buckets (its

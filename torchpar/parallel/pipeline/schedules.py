@@ -157,13 +157,19 @@ class _PipelineSchedule:
                if train and hasattr(s.submod, "no_sync") and hasattr(s.submod, "process_group")}
         armed = armed_stages(self, actions, ddp, train)
         after_step = {i: m for i, m in ddp.items() if i not in armed}
-        # A fully_shard stage's peers may be waiting inside its last backward's collectives,
-        # which a failed rank cannot replay, and could not answer the agreement there: none then.
+        # The data-parallel peers agree on the step's outcome, except where they may be waiting
+        # where they could not answer: inside a fully_shard stage's last backward (its
+        # collectives, which a failed rank cannot replay), or inside an armed stage's when the
+        # pipeline group cannot be aborted (gloo): there, a failed rank issuing what that backward
+        # owes would wait on peers whose pipeline waits on its own (review: an interleaved
+        # schedule on gloo then hung until the timeout).
         fsdp = any(isinstance(m, FSDPModule) for s in self.stages for m in s.submod.modules())
+        agree = not fsdp and (not armed or dist.get_backend(self.group) == "torchpar")
         # Armed stages whose backward has issued all its collectives (run, or given up on).
-        settled = None if fsdp else set()
-        with _data_parallel_outcome(self, {} if fsdp else ddp,
-                                    lambda: _release_data_parallel_peers(ddp, armed, settled)):
+        settled = set() if agree else None
+        with _data_parallel_outcome(self, ddp if agree else {},
+                                    lambda: _release_data_parallel_peers(ddp, armed, settled),
+                                    lambda: _disarm(ddp, armed, settled)):
             out = self._run_actions(actions, first_mbs, targets, err, train, ddp, settled)
         for module in after_step.values():
             _average_gradients(module)
@@ -214,28 +220,36 @@ class _PipelineSchedule:
 
 
 @contextlib.contextmanager
-def _data_parallel_outcome(sched, ddp, release):
+def _data_parallel_outcome(sched, ddp, release, disarm):
     """Around a step of DDP stages ``ddp``: the data-parallel peers learn whether each other's
     step ended (failure.agree_on_outcome), so that a failure in one pipeline raises in the other
     pipelines' replicas too instead of leaving them waiting in the average after the step, or in
     an armed stage's last backward: a failed rank first issues what that backward owes them
-    (``release``). A KeyboardInterrupt or SystemExit does not wait for the peers: its process
-    usually ends, which releases them."""
+    (``release``; it returns the groups that broke doing so, where the peers' own errors come
+    instead). A KeyboardInterrupt or SystemExit does not wait for the peers (its process usually
+    ends, which releases them): it only disarms (``disarm``), as does one arriving meanwhile."""
     by_group = {}  # the flag goes where the group averages the gradients (an NCCL group: the GPU)
     for m in ddp.values():
         device = next((q.device for q in m.parameters()), torch.device("cpu"))
         by_group.setdefault(id(m.process_group), (m.process_group, device))
-    groups = list(by_group.values())
-    if not groups:
+    if not by_group:
         yield
         return
     try:
         yield
     except Exception:
-        release()
-        with contextlib.suppress(Exception):  # a broken data-parallel group: its own error comes later
-            agree_on_outcome(groups, failed=True)
+        try:
+            broken = release()
+            groups = [g for key, g in by_group.items() if key not in broken]
+            with contextlib.suppress(Exception):  # a broken data-parallel group: its own error comes later
+                agree_on_outcome(groups, failed=True)
+        finally:
+            disarm()
         raise
+    except BaseException:
+        disarm()
+        raise
+    groups = list(by_group.values())
     failed = agree_on_outcome(groups, failed=False)
     if failed:
         raise RuntimeError(f"{type(sched).__name__}: pipeline rank {sched.rank}: the step failed on its data-parallel "
@@ -248,12 +262,33 @@ def _release_data_parallel_peers(ddp, armed, settled):
     on this): each armed stage whose last backward did not issue all its collectives issues the
     rest now, zeros, in the order of the stages' last backwards (its peers' order too), so that
     a peer in another pipeline, whose step went on into that backward, is not left waiting in
-    its reduction (Reducer.abandon_backward). The peers then raise at the agreement."""
+    its reduction (Reducer.abandon_backward). The peers then raise at the agreement. Returns the
+    groups (ids) on which that failed: nothing more goes over them (an agreement there would
+    pair with a bucket a peer still waits for); those peers get the group's own error."""
+    broken = set()
     for stage in armed:
-        if stage not in settled:
-            settled.add(stage)
-            with contextlib.suppress(Exception):  # a broken data-parallel group fails the peers by itself
-                ddp[stage].reducer.abandon_backward()
+        group = ddp[stage].process_group
+        if stage in settled:
+            continue
+        settled.add(stage)
+        if id(group) in broken:
+            ddp[stage].reducer.cancel_backward()
+            continue
+        try:
+            ddp[stage].reducer.abandon_backward()
+        except Exception:  # noqa: BLE001 - this rank's own error is the one it raises
+            broken.add(id(group))
+    return broken
+
+
+def _disarm(ddp, armed, settled):
+    """Disarms the armed stages the error path did not get to (a Ctrl-C, or no agreement): left
+    armed, a reducer makes the next step's first no_sync backward reduce (review)."""
+    for stage in armed:
+        if settled is None or stage not in settled:
+            ddp[stage].reducer.cancel_backward()
+            if settled is not None:
+                settled.add(stage)
 
 
 def _reduce_in_last_backward(modules):
