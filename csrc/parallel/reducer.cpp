@@ -324,13 +324,14 @@ bool Reducer::reduce_if_unreached() {
 void Reducer::cancel_backward() {
   std::lock_guard<std::mutex> lock(mutex_);
   round_.open = false;
+  // The failed step's uses are not reduced; a peer that completed its backward cleared its own.
+  // (Also when a finalize that raised has disarmed already: it left them set.)
+  std::fill(used_since_sync_.begin(), used_since_sync_.end(), 0);
   if (!expect_backward_) {
     return;
   }
   wait_launched();
   reset_step();
-  // The failed step's uses are not reduced; a peer that completed its backward cleared its own.
-  std::fill(used_since_sync_.begin(), used_since_sync_.end(), 0);
 }
 
 int64_t Reducer::completed_backwards() const {

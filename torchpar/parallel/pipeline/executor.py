@@ -276,8 +276,10 @@ class Executor:
         roots = [st._mbs[mb].loss] if st.is_last else list(st.outputs(mb))
         hooks, sent = self._send_input_grads_when_ready(st, mb)
         completed = reducer.completed_backwards
-        reducer.prepare_for_backward(roots)
         try:
+            # (It raises when an earlier backward left the reducer armed with gradients missing:
+            # what that one owes is then still counted, and the error path issues it.)
+            reducer.prepare_for_backward(roots)
             in_grads = backward(mb, grads, self.scale)
             # A backward that reached none of the stage's parameters (a conditional stage) fired
             # no gradient hook: what the earlier micro-batches accumulated is reduced now (review).

@@ -34,7 +34,8 @@ group's timeout. Nothing is aborted, so the DDP modules and their groups go on w
 step. A stage armed to reduce inside its last backward (our DDP with find_unused_parameters)
 agrees too: the failed rank first issues the buckets that backward still owes its peers
 (``schedules._release_data_parallel_peers``). Not covered: a fully_shard stage, whose peers may
-wait in its last backward's collectives (docs/pipeline.md).
+wait in its last backward's collectives, and an armed stage on a gloo pipeline group, which
+cannot be aborted first (docs/pipeline.md).
 """
 import secrets
 from datetime import timedelta

@@ -263,8 +263,10 @@ def _release_data_parallel_peers(ddp, armed, settled):
     rest now, zeros, in the order of the stages' last backwards (its peers' order too), so that
     a peer in another pipeline, whose step went on into that backward, is not left waiting in
     its reduction (Reducer.abandon_backward). The peers then raise at the agreement. Returns the
-    groups (ids) on which that failed: nothing more goes over them (an agreement there would
-    pair with a bucket a peer still waits for); those peers get the group's own error."""
+    groups (ids) on which that failed (a comm hook raising on this rank alone, no memory for the
+    zeros): those are aborted, so that the peers waiting for the rest fail now, and this rank's
+    next collective there fails instead of completing theirs with its next step's buckets
+    (review). A backend without abort (gloo) leaves them to the timeout."""
     broken = set()
     for stage in armed:
         group = ddp[stage].process_group
@@ -278,6 +280,8 @@ def _release_data_parallel_peers(ddp, armed, settled):
             ddp[stage].reducer.abandon_backward()
         except Exception:  # noqa: BLE001 - this rank's own error is the one it raises
             broken.add(id(group))
+            with contextlib.suppress(Exception):
+                group.abort()
     return broken
 
 
