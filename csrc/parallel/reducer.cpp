@@ -269,7 +269,7 @@ void Reducer::prepare_for_backward(const std::vector<at::Tensor>& outputs) {
   trace_.clear();
   ready_order_.clear();
   expect_backward_ = true;
-  round_ = Round{true, 0, false, !rebuilt_};
+  round_ = fresh_round();
   if (!options_.find_unused_parameters || options_.static_graph) {
     return;
   }
@@ -343,7 +343,7 @@ void Reducer::abandon_backward() {
   std::lock_guard<std::mutex> lock(mutex_);
   at::NoGradGuard no_grad;
   // Not armed: this rank failed before its synchronised backward started and owes all of it.
-  const Round owed = round_.open ? round_ : Round{true, 0, false, !rebuilt_};
+  const Round owed = round_.open ? round_ : fresh_round();
   round_.open = false;
   wait_launched();  // (a finalize that raised has let go of its reductions: they run on)
   try {
@@ -361,12 +361,12 @@ void Reducer::abandon_backward() {
       Reduction r = start_reduction(i, zeros);
       finish_reduction(r, zeros);
     }
-    if (step_reduces_used_flags() && !owed.flags) {
+    if (step_reduces_used_flags() && !owed.flags_issued) {
       std::vector<at::Tensor> tensors{at::zeros({static_cast<int64_t>(params_.size())},
                                                 params_.front().options().dtype(at::kInt))};
       group_->allreduce(tensors)->wait();
     }
-    if (owed.rebuild) {
+    if (owed.rebuild_owed) {
       rebuild_in_observed_order();  // the peers rebuild in this step's finalize
     }
   } catch (...) {
@@ -775,7 +775,7 @@ void Reducer::rebuild_in_observed_order() {
   at::Tensor shared = at::tensor(order, at::kLong).to(params_.front().device());
   std::vector<at::Tensor> tensors{shared};
   auto work = group_->broadcast(tensors);
-  round_.rebuild = false;  // issued
+  round_.rebuild_owed = false;
   work->wait();
   shared = shared.cpu();
   order.assign(shared.data_ptr<int64_t>(), shared.data_ptr<int64_t>() + shared.numel());
@@ -791,7 +791,7 @@ std::vector<int32_t> Reducer::reduce_used_flags() {
   at::Tensor used = at::tensor(used_since_sync_, at::kInt).to(params_.front().device());
   std::vector<at::Tensor> tensors{used};
   auto work = group_->allreduce(tensors);
-  round_.flags = true;  // issued
+  round_.flags_issued = true;
   work->wait();
   at::Tensor host = used.cpu();
   return std::vector<int32_t>(host.data_ptr<int32_t>(), host.data_ptr<int32_t>() + host.numel());

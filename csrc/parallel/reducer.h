@@ -105,7 +105,9 @@ class Reducer {
   // After an armed backward raised: disarms, so the next backward without
   // prepare_for_backward only accumulates again. Reductions it launched are waited for
   // (they write into the buckets or .grad; errors ignored), nothing is written back: .grad
-  // is left partly averaged and must be zeroed before the next step.
+  // is left partly averaged and must be zeroed before the next step. Armed or not, it also
+  // forgets which parameters were used since the last reduction (a failed step's uses are
+  // not reduced).
   void cancel_backward();
   // After this rank's step failed while its data-parallel peers may be in a synchronised
   // backward (a pipeline stage's last one, armed or not yet): issues the collectives of that
@@ -114,7 +116,10 @@ class Reducer {
   // than wait for the timeout, then disarms as cancel_backward does. What an armed backward
   // issued is counted until it completes, through a finalize that raised part-way too. Their
   // result is nobody's average (the peers learn the step failed from the pipeline's
-  // agreement); .grad is left as the failed step left it.
+  // agreement); .grad is left as the failed step left it (not under shard_gradients, whose
+  // reduce-scatter writes the owner's shard; a pipeline never arms such a DDP). Call it only
+  // for a backward that did not complete (see completed_backwards): it cannot tell one that
+  // completed from one that never started, and would issue all of it again.
   void abandon_backward();
   // Synchronised backwards completed (finalize ran through): a caller whose armed backward
   // raised tells a failure after the reduction from one before or inside it.
@@ -280,10 +285,11 @@ class Reducer {
   // it completes (kept through a finalize that raised, unlike the step state reset_step clears).
   struct Round {
     bool open = false;
-    size_t launched = 0;     // buckets, in index order
-    bool flags = false;      // the used-flags all-reduce
-    bool rebuild = false;    // the one-time rebuild's broadcast is owed
+    size_t launched = 0;         // buckets issued, in index order
+    bool flags_issued = false;   // the used-flags all-reduce
+    bool rebuild_owed = false;   // the one-time rebuild's broadcast
   } round_;
+  Round fresh_round() const { return Round{true, 0, false, !rebuilt_}; }
   int64_t completed_ = 0;
   std::vector<TraceEvent> trace_;
   std::vector<int64_t> ready_order_;  // hook order in the first synchronised step

@@ -75,7 +75,8 @@ TORCHPAR_PYBIND(reducer) {
       .def("abandon_backward", &Reducer::abandon_backward, py::call_guard<py::gil_scoped_release>(),
            "After this rank's step failed: issue the collectives its synchronised backward still "
            "owes the data-parallel peers (zeros), then disarm.")
-      .def_property_readonly("completed_backwards", &Reducer::completed_backwards,
+      .def_property_readonly("completed_backwards",
+                             py::cpp_function(&Reducer::completed_backwards, py::call_guard<py::gil_scoped_release>()),
                              "Synchronised backwards completed so far.")
       .def("trace",
            [](const Reducer& r) {

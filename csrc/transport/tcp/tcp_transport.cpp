@@ -446,7 +446,7 @@ void TcpTransport::check_peer(int peer) {
   if (lost.empty()) return;
   // A rank that aborts the group writes why in the store before it hangs up: a pending
   // point-to-point request names that, as a collective does (describe_failure), rather than
-  // the connection the abort closed. (The store, not this rank's lock, is asked.)
+  // the connection the abort closed. (Asked outside mu_: a store round trip must not hold it.)
   std::string why = abort_reason();
   if (!why.empty()) throw Error(why);
   throw PeerLostError(detail::message(__FILE__, __LINE__, "lost the TCP connection to rank ", peer, ": ", lost));

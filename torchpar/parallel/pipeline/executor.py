@@ -47,8 +47,9 @@ class Executor:
         # before the stage's last B, which then reduces as it runs (schedules.py says why).
         self.sync_in_last_backward = _synced_in_last_backward(ddp or {}, self.split_stages)
         self.last_b = {}
-        # Armed stages whose last backward issued all its collectives; None: a failed armed
-        # backward disarms at once (no error path will issue what it owes its peers).
+        # Armed stages whose last backward issued all its collectives; None (no agreement: a
+        # fully_shard stage, a pipeline group other than torchpar's): a failed armed backward
+        # disarms at once, as no error path will issue what it owes its peers.
         self.settled = settled
         # Stage -> its fully_shard units that reduce-scatter in the stage's last B only.
         self.fsdp = fsdp or {}

@@ -33,9 +33,10 @@ waiting in the average for a rank that will not come, until that rank's process 
 group's timeout. Nothing is aborted, so the DDP modules and their groups go on with the next
 step. A stage armed to reduce inside its last backward (our DDP with find_unused_parameters)
 agrees too: the failed rank first issues the buckets that backward still owes its peers
-(``schedules._release_data_parallel_peers``). Not covered: a fully_shard stage, whose peers may
-wait in its last backward's collectives, and an armed stage on a gloo pipeline group, which
-cannot be aborted first (docs/pipeline.md).
+(``schedules._release_data_parallel_peers``; a data-parallel group on which that fails is
+aborted). Not covered (no agreement for any DDP stage of the rank): a rank with a fully_shard
+stage, whose peers may wait in its last backward's collectives, and armed stages on a pipeline
+group other than torchpar's, which cannot be aborted first (docs/pipeline.md).
 """
 import secrets
 from datetime import timedelta

@@ -266,7 +266,8 @@ def _release_data_parallel_peers(ddp, armed, settled):
     groups (ids) on which that failed (a comm hook raising on this rank alone, no memory for the
     zeros): those are aborted, so that the peers waiting for the rest fail now, and this rank's
     next collective there fails instead of completing theirs with its next step's buckets
-    (review). A backend without abort (gloo) leaves them to the timeout."""
+    (review). That holds on torchpar; gloo's and NCCL's abort do not reach the peers, which
+    wait for the timeout (docs/pipeline.md, "Missing / limits")."""
     broken = set()
     for stage in armed:
         group = ddp[stage].process_group
@@ -286,13 +287,13 @@ def _release_data_parallel_peers(ddp, armed, settled):
 
 
 def _disarm(ddp, armed, settled):
-    """Disarms the armed stages the error path did not get to (a Ctrl-C, or no agreement): left
-    armed, a reducer makes the next step's first no_sync backward reduce (review)."""
+    """Disarms the armed stages the error path did not get to (a Ctrl-C meanwhile): left armed, a
+    reducer makes the next step's first no_sync backward reduce (review). Without an agreement
+    (``settled`` None) the executor disarms a failed armed backward itself."""
     for stage in armed:
-        if settled is None or stage not in settled:
+        if stage not in settled:
+            settled.add(stage)
             ddp[stage].reducer.cancel_backward()
-            if settled is not None:
-                settled.add(stage)
 
 
 def _reduce_in_last_backward(modules):
