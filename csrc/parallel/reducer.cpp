@@ -345,6 +345,9 @@ void Reducer::abandon_backward() {
   // Not armed: this rank failed before its synchronised backward started and owes all of it.
   const Round owed = round_.open ? round_ : fresh_round();
   round_.open = false;
+  // The failed step's uses are not reduced; the peers' finalize cleared theirs (review: a
+  // parameter used only in the failed step later counted as used, and got zeros, not None).
+  std::fill(used_since_sync_.begin(), used_since_sync_.end(), 0);
   wait_launched();  // (a finalize that raised has let go of its reductions: they run on)
   try {
     for (size_t i = owed.launched; i < buckets_.size(); ++i) {
@@ -357,27 +360,25 @@ void Reducer::abandon_backward() {
         group_->allreduce_coalesced(zeros)->wait();
         continue;
       }
-      at::Tensor zeros = at::zeros({b.numel}, b.options);
-      Reduction r = start_reduction(i, zeros);
-      finish_reduction(r, zeros);
+      reduce_zeros(i);
     }
     if (step_reduces_used_flags() && !owed.flags_issued) {
-      std::vector<at::Tensor> tensors{at::zeros({static_cast<int64_t>(params_.size())},
-                                                params_.front().options().dtype(at::kInt))};
-      group_->allreduce(tensors)->wait();
+      reduce_used_flags(/*zeros=*/true);
     }
     if (owed.rebuild_owed) {
       rebuild_in_observed_order();  // the peers rebuild in this step's finalize
     }
   } catch (...) {
     reset_step();
-    std::fill(used_since_sync_.begin(), used_since_sync_.end(), 0);
     throw;
   }
   reset_step();
-  // The failed step's uses are not reduced; the peers' finalize cleared theirs (review: a
-  // parameter used only in the failed step later counted as used, and got zeros, not None).
-  std::fill(used_since_sync_.begin(), used_since_sync_.end(), 0);
+}
+
+at::Tensor Reducer::reduce_zeros(size_t index) {
+  at::Tensor zeros = at::zeros({buckets_[index].numel}, buckets_[index].options);
+  Reduction r = start_reduction(index, zeros);
+  return finish_reduction(r, zeros);
 }
 
 void Reducer::wait_launched() {
@@ -620,17 +621,11 @@ void Reducer::join_shadow_backward() {
   reset_step();
   std::vector<at::Tensor> reduced;
   for (size_t i = 0; i < buckets_.size(); ++i) {
-    at::Tensor zeros = at::zeros({buckets_[i].numel}, buckets_[i].options);
-    Reduction r = start_reduction(i, zeros);
-    reduced.push_back(finish_reduction(r, zeros));
+    reduced.push_back(reduce_zeros(i));
   }
   std::vector<int32_t> used_anywhere(params_.size(), 1);
   if (step_reduces_used_flags()) {
-    std::vector<at::Tensor> tensors{at::zeros({static_cast<int64_t>(params_.size())},
-                                              params_.front().options().dtype(at::kInt))};
-    group_->allreduce(tensors)->wait();
-    at::Tensor used = tensors[0].cpu();
-    used_anywhere.assign(used.data_ptr<int32_t>(), used.data_ptr<int32_t>() + used.numel());
+    used_anywhere = reduce_used_flags(/*zeros=*/true);
     if (options_.static_graph && !flags_recorded_) {
       // The training ranks' first step: keep their flags, as they do. This rank's own gradient
       // counts are recorded in its first step of training, if it has one (a later epoch).
@@ -786,9 +781,10 @@ void Reducer::rebuild_in_observed_order() {
   }
 }
 
-std::vector<int32_t> Reducer::reduce_used_flags() {
+std::vector<int32_t> Reducer::reduce_used_flags(bool zeros) {
   // One more small all-reduce, issued after every bucket (same order on all ranks).
-  at::Tensor used = at::tensor(used_since_sync_, at::kInt).to(params_.front().device());
+  at::Tensor used = zeros ? at::zeros({static_cast<int64_t>(params_.size())}, params_.front().options().dtype(at::kInt))
+                          : at::tensor(used_since_sync_, at::kInt).to(params_.front().device());
   std::vector<at::Tensor> tensors{used};
   auto work = group_->allreduce(tensors);
   round_.flags_issued = true;

@@ -240,7 +240,10 @@ class Reducer {
   bool step_reduces_used_flags() const;
   void queue_finalize_locked();
   std::string params_without_gradient() const;
-  std::vector<int32_t> reduce_used_flags();
+  // `zeros`: this rank's share is zeros (join's shadow, a failed step's abandon_backward).
+  std::vector<int32_t> reduce_used_flags(bool zeros = false);
+  // Bucket `index`'s reduction with zeros as this rank's share; returns the reduced buffer.
+  at::Tensor reduce_zeros(size_t index);
   void write_back(Bucket& b, const std::vector<int32_t>& used_anywhere);
   void write_back_shard(Bucket& b, const std::vector<int32_t>& used_anywhere);
   void reset_step();
