@@ -261,6 +261,25 @@ def _inputs_released_by_wait(ctx):
         work.wait()
         del inp
         assert ref() is None, "all_gather_into_tensor's input still referenced after wait()"
+    # Nor the work's outputs: the worker that ran the work lets go of it before wait() returns,
+    # so that the caller's references are the last (they once were dropped on the worker after
+    # wait(), freeing an FSDP order all-gather's outputs there; the window is short, hence the
+    # many rounds, and both ways of waiting: the worker, and a point-to-point exchange).
+    for _ in range(300):
+        out = [torch.empty(4) for _ in range(w)]
+        refs = [weakref.ref(o) for o in out]
+        work = dist.all_gather(out, torch.ones(4), group=ctx.pg, async_op=True)
+        work.wait()
+        del work, out
+        assert all(r() is None for r in refs), "all_gather's outputs still referenced after wait()"
+        buf = torch.empty(4)
+        ref = weakref.ref(buf)
+        peer = ctx.rank ^ 1
+        ops = [dist.P2POp(dist.isend, torch.ones(4), peer, group=ctx.pg), dist.P2POp(dist.irecv, buf, peer, group=ctx.pg)]
+        for work in dist.batch_isend_irecv(ops):
+            work.wait()
+        del work, ops, buf
+        assert ref() is None, "a received tensor still referenced after wait()"
     return True
 
 

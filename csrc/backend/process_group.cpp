@@ -267,7 +267,7 @@ c10::intrusive_ptr<Work> ProcessGroupTorchpar::post_p2p(bool is_send, at::Tensor
   std::string group = group_name_;
   int rank = getRank();
   // The callback holds the staged buffer (and so the tensor) alive until the transfer ends.
-  req->on_done([work, req, s, is_send, group, rank]() {
+  req->on_done([work, req, s, is_send, group, rank]() mutable {
     std::exception_ptr error = req->error();
     if (!error) {
       try {
@@ -277,11 +277,12 @@ c10::intrusive_ptr<Work> ProcessGroupTorchpar::post_p2p(bool is_send, at::Tensor
         error = std::current_exception();
       }
     }
+    s = Staged{};  // the tensor, let go of on this thread before the waiter wakes (complete_and_release)
     if (error) {
       error = dist_backend_error(std::string("torchpar ") + (is_send ? "send" : "recv") + " failed on rank " +
                                  std::to_string(rank) + " of group '" + group + "': " + message_of(error));
     }
-    work->complete(error);
+    Work::complete_and_release(std::move(work), error);
   });
   if (coalescing_) coalesced_.push_back(work);
   return work;

@@ -201,7 +201,7 @@ void CollectiveQueue::finish(Queued& item, std::exception_ptr error) {
   // gradients into the optimizer step; issue 19).
   item.task = nullptr;
   try {
-    item.work->complete(error);
+    Work::complete_and_release(std::move(item.work), error);
   } catch (const std::exception& e) {
     TORCH_WARN("torchpar ", item.name, ": completing the operation failed: ", e.what());
   } catch (...) {

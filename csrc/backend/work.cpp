@@ -21,7 +21,36 @@ void Work::complete(std::exception_ptr error) {
   finish(error);
 }
 
+void Work::complete_and_release(c10::intrusive_ptr<Work> work, std::exception_ptr error) {
+  std::shared_ptr<Release> release = work->releases_.front();
+  release->owed.store(true, std::memory_order_relaxed);  // published by complete()'s lock
+  struct Drop {  // also when complete() throws
+    c10::intrusive_ptr<Work>& work;
+    Release& release;
+    ~Drop() {
+      work.reset();
+      release.dropped.store(true, std::memory_order_release);
+      release.dropped.notify_all();
+    }
+  } drop{work, *release};
+  work->complete(error);
+}
+
+void Work::await_releases() const {
+  for (const auto& r : releases_) {
+    if (r->owed.load(std::memory_order_relaxed)) r->dropped.wait(false, std::memory_order_acquire);
+  }
+}
+
 bool Work::wait(std::chrono::milliseconds timeout) {
+  // However wait() leaves once the work has completed (its error rethrown too): see
+  // complete_and_release. The completing thread drops its reference right after completing.
+  struct AwaitReleases {
+    Work& work;
+    ~AwaitReleases() {
+      if (work.isCompleted()) work.await_releases();
+    }
+  } await_releases{*this};
   if (isCompleted()) return c10d::Work::wait(timeout);
   check_not_on_progress_thread("wait() on a torchpar work");
   if (!waiters_) return c10d::Work::wait(timeout);
@@ -58,6 +87,8 @@ c10::intrusive_ptr<GroupWork> GroupWork::create(int rank, const std::vector<c10:
   auto group = c10::make_intrusive<GroupWork>(rank, parts.size());
   for (auto& part : parts) {
     if (part->waits_counted_in()) group->count_waits_in(part->waits_counted_in());  // point-to-point parts
+    // The group completes inside its last part's completion, before that part's thread lets go of it.
+    group->releases_.push_back(part->releases_.front());
     // The callback holds the group alive until the last part is done.
     part->getFuture()->addCallback([group](c10::ivalue::Future& f) {
       group->part_done(f.hasError() ? f.exception_ptr() : nullptr);
