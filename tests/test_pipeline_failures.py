@@ -471,13 +471,15 @@ def test_data_parallel_peers_of_a_failed_armed_pipeline_are_not_left_in_its_redu
 def _fully_shard_after_a_failed_step(rank, world_size, init_file):
     """pp=2 x dp=2 as above, each stage fully_shard over its data-parallel pair: its units
     accumulate the micro-batches' gradients and reduce in the stage's last backward. Stage 1's
-    third backward raises; after it, a new pipeline group over the same modules must give the
-    one-process gradients, not those plus the failed step's partial sums."""
+    third backward raises, in both pipelines; after it, a new pipeline group over the same
+    modules must give the one-process gradients, not those plus the failed step's partial sums.
+    The data-parallel groups are gloo's, which a failed step leaves as they are (a torchpar group
+    it aborts: the test below)."""
     _init(rank, world_size, init_file, "torchpar")
     try:
         from torchpar.parallel import fully_shard
         pps = [dist.new_group([0, 1]), dist.new_group([2, 3])]
-        dps = [dist.new_group([0, 2]), dist.new_group([1, 3])]
+        dps = [dist.new_group([0, 2], backend="gloo"), dist.new_group([1, 3], backend="gloo")]
         dp_rank, stage_index, m = rank // 2, rank % 2, 4
         torch.manual_seed(0)
         whole = nn.Sequential(nn.Sequential(nn.Linear(8, 8), nn.Tanh()), _FailsOnCall(3, "backward"))
@@ -510,3 +512,61 @@ def test_fully_shard_stage_after_a_failed_step_reduces_only_the_next_steps_gradi
     """Review finding: the units' accumulators kept the failed step's micro-batch sums, which
     the next step's last backward reduce-scattered with its own."""
     spawn(_fully_shard_after_a_failed_step, 4, timeout=BOUND)
+
+
+def _data_parallel_peers_of_a_failed_fully_shard_pipeline(rank, world_size, init_file, where):
+    """pp=2 x dp=2 as above, each stage fully_shard over its torchpar data-parallel pair; only
+    rank 1's stage raises, in its second forward or in its last backward, before its unit's
+    reduce-scatter. Rank 3, the same stage in the other pipeline, waits in that reduce-scatter
+    for rank 1: it must fail at once, with rank 1's error, because rank 1 aborts the group (its
+    step cannot issue the rest); its pipeline then fails too. Every rank raises, the
+    data-parallel groups are unusable (a clear error, not a hang), nothing is left in /dev/shm."""
+    _init(rank, world_size, init_file, "torchpar")
+    try:
+        from torchpar.parallel import fully_shard
+        pps = [dist.new_group([0, 1]), dist.new_group([2, 3])]
+        dps = [dist.new_group([0, 2]), dist.new_group([1, 3])]
+        dp_rank, stage_index, m = rank // 2, rank % 2, 4
+        torch.manual_seed(0)
+        whole = nn.Sequential(nn.Sequential(nn.Linear(8, 8), nn.Tanh()), _FailsOnRankOne(m))
+        module = fully_shard(copy.deepcopy(whole[stage_index]), dps[stage_index])
+        if rank == 1:
+            module.fail = where
+        x, y = torch.randn(16, 8), torch.randn(16, 8)
+        xs, ys = x.chunk(2)[dp_rank], y.chunk(2)[dp_rank]
+        args, kw = ((xs,) if stage_index == 0 else ()), {"target": ys if stage_index == 1 else None}
+        sched = Schedule1F1B(PipelineStage(module, stage_index, 2, group=pps[dp_rank]), m, loss_fn=_mse)
+        try:
+            sched.step(*args, **kw)
+            error = None
+        except Exception as e:  # noqa: BLE001 - the test inspects it
+            error = f"{type(e).__name__}: {e}"
+        try:
+            dist.all_reduce(torch.ones(1), group=dps[stage_index])
+            after = None
+        except Exception as e:  # noqa: BLE001 - the test inspects it
+            after = str(e)
+        result = _answer("torchpar", world_size, (error, after))
+    finally:
+        dist.destroy_process_group()
+    return result, _shm_left(os.getpid())
+
+
+@pytest.mark.timeout(BOUND)
+@pytest.mark.parametrize("where", ["forward", "armed backward"])
+def test_fully_shard_peers_of_a_failed_pipeline_fail_at_once(where):
+    """A limit docs/pipeline.md listed: with fully_shard stages, a failure in one pipeline left
+    the same stage's replicas in the others waiting in a unit's collective until the failed
+    process exited or the group's timeout (or, were the failed rank to step again, pairing it
+    with its next step's collectives)."""
+    results = spawn(_data_parallel_peers_of_a_failed_fully_shard_pipeline, 4, where, timeout=BOUND)
+    for rank, ((error, after), shm_left) in enumerate(results):
+        assert error is not None and "boom in" in error, f"rank {rank}: {error}"
+        # A rank that aborted the group finds it shut down; the others, aborted.
+        assert after is not None and ("the group was aborted by rank" in after or "has been shut down" in after), \
+            f"rank {rank}: {after}"
+        assert shm_left == [], f"rank {rank} left {shm_left} in /dev/shm"
+    error3 = results[3][0][0]
+    # Rank 1 is rank 0 of the data-parallel group {1, 3}: the backend names group ranks.
+    assert "the group was aborted by rank 0: Schedule1F1B: the step of pipeline rank 1 (global rank 1) failed" \
+        in error3, error3

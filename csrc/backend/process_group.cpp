@@ -41,8 +41,10 @@ void ProcessGroupTorchpar::shutdown() {
   if (cuda_) cuda_->shutdown();
 }
 
-void ProcessGroupTorchpar::abort() {
-  transport_->abort("rank " + std::to_string(getRank()) + " aborted group '" + group_name_ + "'");
+void ProcessGroupTorchpar::abort() { abort("rank " + std::to_string(getRank()) + " aborted group '" + group_name_ + "'"); }
+
+void ProcessGroupTorchpar::abort(const std::string& reason) {
+  transport_->abort(reason);
   if (cuda_) cuda_->abort();
   shutdown();
 }

@@ -43,6 +43,9 @@ class ProcessGroupTorchpar : public c10d::Backend {
   c10::intrusive_ptr<c10d::Work> endCoalescing() override;
   void shutdown() override;
   void abort() override;
+  // abort() giving the peers a reason: their pending and later operations of the group fail
+  // with "the group was aborted by rank <this>: <reason>".
+  void abort(const std::string& reason);
 
   // c10d's sequence number: how many collectives this rank has issued on the group, the
   // same on every rank while they are in step (ProcessGroupWrapper's debug checks compare

@@ -26,6 +26,17 @@ TORCHPAR_PYBIND(backend) {
           },
           py::arg("timeout") = c10d::kUnsetTimeout, py::arg("wait_all_ranks") = false,
           py::call_guard<py::gil_scoped_release>())
+      // group.abort() with a reason the peers' errors quote (torch's ProcessGroup.abort takes none).
+      .def(
+          "abort",
+          [](torchpar::ProcessGroupTorchpar& self, std::optional<std::string> reason) {
+            if (reason) {
+              self.abort(*reason);
+            } else {
+              self.abort();
+            }
+          },
+          py::arg("reason") = py::none(), py::call_guard<py::gil_scoped_release>())
       .def_property_readonly("segment_name", &torchpar::ProcessGroupTorchpar::segment_name)
       .def_property_readonly("transport", &torchpar::ProcessGroupTorchpar::transport_name);
 }

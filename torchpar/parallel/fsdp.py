@@ -122,8 +122,9 @@ class _Unit:
     """Python-side state of one unit: where its parameters are registered, and its two sets of
     parameter objects (the pieces, the gathered)."""
 
-    def __init__(self, flat, sites, sharded, unsharded, param_dtype):
+    def __init__(self, flat, group, sites, sharded, unsharded, param_dtype):
         self.flat = flat
+        self.group = group            # the process group it shards over
         self.sites = sites            # (module, attribute, parameter index, name relative to the unit)
         self.sharded = sharded
         self.unsharded = unsharded
@@ -206,7 +207,7 @@ def fully_shard(module, group=None, reshard_after_forward=True, mixed_precision=
     unsharded = [nn.Parameter(v, requires_grad=p.requires_grad) for v, (_, p) in zip(flat.unsharded_views(), params)]
     flat.bind(sharded, unsharded)
     _carry_over(params, sharded, unsharded)
-    unit = _Unit(flat, sites, sharded, unsharded, param_dtype)
+    unit = _Unit(flat, group, sites, sharded, unsharded, param_dtype)
     unit.register(sharded)
     for name, p in params:
         _TAKEN[id(p)] = (weakref.ref(p, lambda _, key=id(p): _TAKEN.pop(key, None)),

@@ -35,8 +35,9 @@ step. A stage armed to reduce inside its last backward (our DDP with find_unused
 agrees too: the failed rank first issues the buckets that backward still owes its peers
 (``schedules._release_data_parallel_peers``; a data-parallel group on which that fails is
 aborted). Not covered (no agreement for any DDP stage of the rank): a rank with a fully_shard
-stage, whose peers may wait in its last backward's collectives, and armed stages on a pipeline
-group other than torchpar's, which cannot be aborted first (docs/pipeline.md).
+stage, whose peers may wait in its units' collectives (its torchpar groups are aborted with the
+reason instead: ``abort_with_reason``), and armed stages on a pipeline group other than
+torchpar's, which cannot be aborted first (docs/pipeline.md).
 """
 import secrets
 from datetime import timedelta
@@ -44,6 +45,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from torchpar import _C
 from torchpar.parallel.pipeline import _comm
 
 # How long a rank that learned of a failure waits for the failed rank to write its reason
@@ -139,6 +141,22 @@ class StepFailure:
 
 def _stopped_waiting(sched, me, reason):
     return RuntimeError(f"{type(sched).__name__}: {me} stopped waiting for its peers because {reason}")
+
+
+def abort_with_reason(group, reason):
+    """Aborts ``group`` where that reaches its other ranks (torchpar): their pending and later
+    operations fail with "the group was aborted by rank R: ``reason``". Other backends' groups
+    are left alone (their abort does not reach the peers). Never raises: the caller is on an
+    error path, whose own error is the one to raise."""
+    try:
+        backend = group._get_backend(torch.device("cpu"))
+    except Exception:  # noqa: BLE001 - no CPU backend (an NCCL-only group)
+        return
+    if isinstance(backend, getattr(_C, "ProcessGroupTorchpar", ())):
+        try:
+            backend.abort(reason)
+        except Exception:  # noqa: BLE001 - already shut down: its peers learn of it otherwise
+            pass
 
 
 def agree_on_outcome(groups, failed):

@@ -36,7 +36,7 @@ from torchpar import _C
 from torchpar.parallel.pipeline import _comm
 from torchpar.parallel.fsdp import FSDPModule
 from torchpar.parallel.pipeline.executor import Executor, armed_stages
-from torchpar.parallel.pipeline.failure import StepFailure, agree_on_outcome
+from torchpar.parallel.pipeline.failure import StepFailure, abort_with_reason, agree_on_outcome
 from torchpar.parallel.pipeline.stage import PipelineStage
 
 _KIND_IDS = {"gpipe": 0, "1f1b": 1, "interleaved_1f1b": 2, "zb_h1": 3, "custom": 4}
@@ -158,18 +158,19 @@ class _PipelineSchedule:
         armed = armed_stages(self, actions, ddp, train)
         after_step = {i: m for i, m in ddp.items() if i not in armed}
         # The data-parallel peers agree on the step's outcome, except where they may be waiting
-        # where they could not answer: inside a fully_shard stage's last backward (its
-        # collectives, which a failed rank cannot replay), or inside an armed stage's when the
-        # pipeline group cannot be aborted (gloo): there, a failed rank issuing what that backward
-        # owes would wait on peers whose pipeline waits on its own (review: an interleaved
-        # schedule on gloo then hung until the timeout).
-        fsdp = any(isinstance(m, FSDPModule) for s in self.stages for m in s.submod.modules())
-        agree = not fsdp and (not armed or dist.get_backend(self.group) == "torchpar")
+        # where they could not answer: inside a fully_shard stage's collectives (a failed rank
+        # cannot replay them: its groups are aborted instead, below), or inside an armed stage's
+        # when the pipeline group cannot be aborted (gloo): there, a failed rank issuing what that
+        # backward owes would wait on peers whose pipeline waits on its own (review: an
+        # interleaved schedule on gloo then hung until the timeout).
+        sharded = [m for s in self.stages for m in s.submod.modules() if isinstance(m, FSDPModule)]
+        agree = not sharded and (not armed or dist.get_backend(self.group) == "torchpar")
         # Armed stages whose backward has issued all its collectives (run, or given up on).
         settled = set() if agree else None
-        with _data_parallel_outcome(self, ddp if agree else {},
-                                    lambda: _release_data_parallel_peers(ddp, armed, settled),
-                                    lambda: _disarm(ddp, armed, settled)):
+        with _abort_sharded_peers_on_failure(self, sharded), \
+                _data_parallel_outcome(self, ddp if agree else {},
+                                       lambda: _release_data_parallel_peers(ddp, armed, settled),
+                                       lambda: _disarm(ddp, armed, settled)):
             out = self._run_actions(actions, first_mbs, targets, err, train, ddp, settled)
         for module in after_step.values():
             _average_gradients(module)
@@ -255,6 +256,33 @@ def _data_parallel_outcome(sched, ddp, release, disarm):
         raise RuntimeError(f"{type(sched).__name__}: pipeline rank {sched.rank}: the step failed on its data-parallel "
                            f"peer(s) {', '.join(f'rank {r}' for r in failed)} (their error says why), so this rank's "
                            f"gradients are not the step's average; zero them before the next step")
+
+
+@contextlib.contextmanager
+def _abort_sharded_peers_on_failure(sched, modules):
+    """Around a step of a rank with ``fully_shard`` stages (``modules``): if it fails, the groups
+    their units shard over are aborted, with the failure as the reason. The same stage's replicas
+    in the other pipelines may wait in a unit's all-gather or reduce-scatter for this rank, which
+    cannot issue the rest of its step's collectives in their order; aborted, each of their
+    pending and later collectives there fails at once with "the group was aborted by rank R:
+    <this step's failure>" (their pipelines then fail as this one did), instead of waiting until
+    the group's timeout, or pairing with this rank's next step's collectives. The groups are
+    unusable afterwards, as the pipeline group is. Only a torchpar group's abort reaches the
+    peers: gloo's and NCCL's groups are left as they are (docs/pipeline.md, "Missing / limits")."""
+    try:
+        yield
+    except BaseException as e:  # Ctrl-C too: the peers must not wait
+        groups = {}
+        for m in modules:
+            group = m._fsdp.group
+            if dist.get_world_size(group) > 1:
+                groups.setdefault(id(group), group)
+        reason = (f"{type(sched).__name__}: the step of pipeline rank {sched.rank} (global rank {dist.get_rank()}) failed, "
+                  f"which aborts the groups its fully_shard stages shard over (make new ones): "
+                  f"{type(e).__name__}: {e}")
+        for group in groups.values():
+            abort_with_reason(group, reason)
+        raise
 
 
 def _release_data_parallel_peers(ddp, armed, settled):
