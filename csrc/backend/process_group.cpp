@@ -260,6 +260,7 @@ c10::intrusive_ptr<Work> ProcessGroupTorchpar::post_p2p(bool is_send, at::Tensor
                                         is_send ? "torchpar:send" : "torchpar:recv",
                                         std::vector<at::Tensor>{tensor});
   work->count_waits_in(transport_->p2p().waiters());
+  work->released_by_completer();  // the callback below completes it
   uint64_t wire_tag = static_cast<uint32_t>(tag);
   auto deadline = Clock::now() + timeout_;
   size_t bytes = s.count() * s.buffer.element_size();

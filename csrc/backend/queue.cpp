@@ -62,6 +62,7 @@ void CollectiveQueue::stop() {
 
 void CollectiveQueue::submit(c10::intrusive_ptr<Work> work, const char* name, Task task,
                              std::chrono::milliseconds timeout, bool async_op) {
+  work->released_by_completer();  // finish() completes it
   Queued item{std::move(work), name, std::move(task), timeout};
   if (running_here == this) {
     // A callback on the future of an operation this thread just finished issues another.

@@ -21,47 +21,59 @@ void Work::complete(std::exception_ptr error) {
   finish(error);
 }
 
+void Work::released_by_completer() {
+  // Before the work is shared with its completing thread: a waiter reads it unlocked.
+  releases_.front()->owed = true;
+}
+
 void Work::complete_and_release(c10::intrusive_ptr<Work> work, std::exception_ptr error) {
   std::shared_ptr<Release> release = work->releases_.front();
-  release->owed.store(true, std::memory_order_relaxed);  // published by complete()'s lock
+  TORCH_INTERNAL_ASSERT(release->owed, "complete_and_release on a work not marked released_by_completer");
   struct Drop {  // also when complete() throws
     c10::intrusive_ptr<Work>& work;
     Release& release;
     ~Drop() {
       work.reset();
-      release.dropped.store(true, std::memory_order_release);
-      release.dropped.notify_all();
+      {
+        std::lock_guard<std::mutex> lock(release.mu);
+        release.dropped = true;
+      }
+      release.cv.notify_all();
     }
   } drop{work, *release};
   work->complete(error);
 }
 
-void Work::await_releases() const {
-  for (const auto& r : releases_) {
-    if (r->owed.load(std::memory_order_relaxed)) r->dropped.wait(false, std::memory_order_acquire);
-  }
-}
-
 bool Work::wait(std::chrono::milliseconds timeout) {
-  // However wait() leaves once the work has completed (its error rethrown too): see
-  // complete_and_release. The completing thread drops its reference right after completing.
-  struct AwaitReleases {
-    Work& work;
-    ~AwaitReleases() {
-      if (work.isCompleted()) work.await_releases();
-    }
-  } await_releases{*this};
-  if (isCompleted()) return c10d::Work::wait(timeout);
-  check_not_on_progress_thread("wait() on a torchpar work");
-  if (!waiters_) return c10d::Work::wait(timeout);
+  const bool blocks = !isCompleted();
+  if (blocks) check_not_on_progress_thread("wait() on a torchpar work");
   // A point-to-point work is counted while it blocks: its engine's progress thread polls for
   // transfers only then (P2PEngine::waiters).
   struct Waiting {
-    std::atomic<int>& count;
-    explicit Waiting(std::atomic<int>& n) : count(n) { count.fetch_add(1, std::memory_order_relaxed); }
-    ~Waiting() { count.fetch_sub(1, std::memory_order_relaxed); }
-  } waiting(*waiters_);
-  return c10d::Work::wait(timeout);
+    std::atomic<int>* count;
+    explicit Waiting(std::atomic<int>* n) : count(n) {
+      if (count) count->fetch_add(1, std::memory_order_relaxed);
+    }
+    ~Waiting() {
+      if (count) count->fetch_sub(1, std::memory_order_relaxed);
+    }
+  } waiting(blocks && waiters_ ? waiters_.get() : nullptr);
+  // A work its completing thread lets go of is waited for until it has (complete_and_release):
+  // one wake-up, after the drop, rather than one at completion and a second after it.
+  const auto deadline = std::chrono::steady_clock::now() + timeout;
+  for (const auto& r : releases_) {
+    if (!r->owed) continue;
+    std::unique_lock<std::mutex> lock(r->mu);
+    auto dropped = [&] { return r->dropped; };
+    if (timeout == ::kNoTimeout) {
+      r->cv.wait(lock, dropped);
+    } else if (!r->cv.wait_until(lock, deadline, dropped)) {
+      break;  // c10d's wait below says it timed out, unless the work completed meanwhile
+    }
+  }
+  if (timeout == ::kNoTimeout) return c10d::Work::wait(timeout);
+  return c10d::Work::wait(std::max(std::chrono::milliseconds(0), std::chrono::duration_cast<std::chrono::milliseconds>(
+                                                                     deadline - std::chrono::steady_clock::now())));
 }
 
 int Work::sourceRank() const {
@@ -87,7 +99,6 @@ c10::intrusive_ptr<GroupWork> GroupWork::create(int rank, const std::vector<c10:
   auto group = c10::make_intrusive<GroupWork>(rank, parts.size());
   for (auto& part : parts) {
     if (part->waits_counted_in()) group->count_waits_in(part->waits_counted_in());  // point-to-point parts
-    // The group completes inside its last part's completion, before that part's thread lets go of it.
     group->releases_.push_back(part->releases_.front());
     // The callback holds the group alive until the last part is done.
     part->getFuture()->addCallback([group](c10::ivalue::Future& f) {

@@ -10,8 +10,10 @@
 #include <torch/csrc/distributed/c10d/Work.hpp>
 
 #include <atomic>
+#include <condition_variable>
 #include <exception>
 #include <memory>
+#include <mutex>
 #include <vector>
 
 namespace torchpar {
@@ -22,13 +24,15 @@ class Work : public c10d::Work {
 
   // Finishes the work (successfully when `error` is null) and resolves the future.
   void complete(std::exception_ptr error = nullptr);
-  // complete(), for the thread that ran the work (the queue's worker, the point-to-point
-  // progress thread): `work` is that thread's reference, and wait() returns only once it has
-  // been dropped. Were it the last one, whatever the work holds (its outputs; the caller's
-  // tensors) would otherwise be freed on that thread after wait() returned, whenever the
-  // thread got to it, and not on the caller's thread when the caller lets go (issue 19: an
-  // FSDP unit order all-gather's outputs freed on the worker, seen by tests/test_fsdp.py's
-  // allocation count on a loaded machine). wait() covers this; a future's wait() does not.
+  // For the thread that runs the work (the queue's worker, the point-to-point progress
+  // thread), which holds a reference to it: marked before the work is handed to that thread,
+  // the work is completed with complete_and_release(), which drops that reference, and wait()
+  // returns only after the drop. Were that reference the last one, whatever the work holds (its
+  // outputs; the caller's tensors) would otherwise be freed on that thread after wait()
+  // returned, whenever it got to it, and not on the caller's thread when the caller lets go
+  // (issue 19: an FSDP unit-order all-gather's outputs freed on the worker, seen by
+  // tests/test_fsdp.py's allocation count on a loaded machine). A future's wait() does not wait.
+  void released_by_completer();
   static void complete_and_release(c10::intrusive_ptr<Work> work, std::exception_ptr error = nullptr);
   void set_source_rank(int rank) { source_rank_.store(rank); }
   // A point-to-point work: wait() counts itself in its engine's `waiters` while it blocks
@@ -49,12 +53,14 @@ class Work : public c10d::Work {
 
   // One completing thread's reference to a work, owed until that thread drops it.
   struct Release {
-    std::atomic<bool> owed{false};  // set before the work completes, so a waiter sees it
-    std::atomic<bool> dropped{false};
+    bool owed = false;  // set before the work is shared, read unlocked
+    std::mutex mu;
+    std::condition_variable cv;
+    bool dropped = false;
   };
-  // Every release wait() waits for once the work has completed: its own, and a group's parts'.
+  // What wait() waits for before the work's own completion: its own release, and a group's
+  // parts' (a group completes inside its last part's completion, before that part is dropped).
   std::vector<std::shared_ptr<Release>> releases_{std::make_shared<Release>()};
-  void await_releases() const;
 
   std::vector<at::Tensor> outputs_;
   c10::intrusive_ptr<c10::ivalue::Future> future_;
