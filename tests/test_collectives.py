@@ -283,7 +283,39 @@ def _inputs_released_by_wait(ctx):
     return True
 
 
+def _timed_wait_times_out(ctx):
+    # wait(timeout) on an operation its peer has not issued raises at the timeout, and the
+    # operation still completes once the peer comes (review: a timed wait blocked until then).
+    import time
+    from datetime import timedelta
+    store = dist.distributed_c10d._get_default_store()
+    peer = 1 - ctx.rank
+    t, buf = torch.ones(4), torch.zeros(4)
+    if ctx.rank == 0:
+        works = [dist.all_reduce(t, group=ctx.pg, async_op=True), dist.irecv(buf, peer, group=ctx.pg)]
+        for work in works:
+            start = time.monotonic()
+            with pytest.raises(RuntimeError, match="timed out"):
+                work.wait(timedelta(milliseconds=300))
+            assert time.monotonic() - start < 10, "a timed wait waited for the operation"
+        store.set("timed_wait/go", "1")
+        for work in works:
+            work.wait()
+        assert torch.equal(t, torch.full((4,), 2.0)) and torch.equal(buf, torch.full((4,), 7.0))
+        store.delete_key("timed_wait/go")  # the peer is past its wait: both operations completed
+    else:
+        store.wait(["timed_wait/go"])
+        dist.all_reduce(t, group=ctx.pg)
+        dist.send(torch.full((4,), 7.0), peer, group=ctx.pg)
+    return True
+
+
 # ----------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("world_size", [2])
+def test_timed_wait_raises_at_its_timeout(world_size, transport):
+    pool(world_size, transport).run(_timed_wait_times_out)
+
 
 @pytest.mark.parametrize("world_size", [2])
 def test_async_inputs_released_by_wait(world_size, transport):

@@ -658,20 +658,21 @@ def _allocated_and_not_freed(prof):
     events = []
 
     def walk(node):
-        events.append(node)
+        if type(node.extra_fields).__name__ == "_ExtraFields_Allocation":
+            events.append(node)
         for child in node.children:
             walk(child)
 
     for root in prof.profiler.kineto_results.experimental_event_tree():
         walk(root)
     live = {}
-    for node in sorted(events, key=lambda n: n.start_time_ns):
+    # A free and a new block at its address in the same nanosecond: the free first (review).
+    for node in sorted(events, key=lambda n: (n.start_time_ns, n.extra_fields.alloc_size > 0)):
         fields = node.extra_fields
-        if type(fields).__name__ == "_ExtraFields_Allocation":
-            if fields.alloc_size > 0:
-                live[fields.ptr] = (fields.alloc_size, node.parent.name if node.parent else None)
-            else:
-                live.pop(fields.ptr, None)
+        if fields.alloc_size > 0:
+            live[fields.ptr] = (fields.alloc_size, node.parent.name if node.parent else None)
+        else:
+            live.pop(fields.ptr, None)
     return live
 
 

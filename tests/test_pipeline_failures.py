@@ -568,5 +568,52 @@ def test_fully_shard_peers_of_a_failed_pipeline_fail_at_once(where):
         assert shm_left == [], f"rank {rank} left {shm_left} in /dev/shm"
     error3 = results[3][0][0]
     # Rank 1 is rank 0 of the data-parallel group {1, 3}: the backend names group ranks.
-    assert "the group was aborted by rank 0: Schedule1F1B: the step of pipeline rank 1 (global rank 1) failed" \
-        in error3, error3
+    assert f"the group was aborted by rank 0: RuntimeError: boom in {where.split()[-1]} [the step of Schedule1F1B's " \
+        "pipeline rank 1 (global rank 1) failed" in error3, error3
+
+
+def _fully_shard_after_bad_input(rank, world_size, init_file, who):
+    """pp=2 x dp=2, fully_shard stages over torchpar data-parallel pairs. In the first step
+    the first stage's batch does not split into the micro-batches, on pipeline 0 only or on
+    both (``who``): nothing has run, so no group is aborted: every rank raises (those of
+    pipeline 1, if their own input was right, that their data-parallel peers failed to start),
+    and the next step, with right input, trains as one process (review: the groups were
+    aborted, and the next step failed on them)."""
+    _init(rank, world_size, init_file, "torchpar")
+    try:
+        from torchpar.parallel import fully_shard
+        pps = [dist.new_group([0, 1]), dist.new_group([2, 3])]
+        dps = [dist.new_group([0, 2]), dist.new_group([1, 3])]
+        dp_rank, stage_index, m = rank // 2, rank % 2, 4
+        torch.manual_seed(0)
+        whole = nn.Sequential(nn.Sequential(nn.Linear(8, 8), nn.Tanh()), nn.Linear(8, 8))
+        module = fully_shard(copy.deepcopy(whole[stage_index]), dps[stage_index])
+        x, y = torch.randn(16, 8), torch.randn(16, 8)
+        xs, ys = x.chunk(2)[dp_rank], y.chunk(2)[dp_rank]
+        sched = Schedule1F1B(PipelineStage(module, stage_index, 2, group=pps[dp_rank]), m, loss_fn=_mse)
+        bad = who == "both" or dp_rank == 0
+        args = ((xs[:-1] if bad else xs,) if stage_index == 0 else ())
+        kw = {"target": ys if stage_index == 1 else None}
+        with pytest.raises((ValueError, RuntimeError)) as raised:
+            sched.step(*args, **kw)
+        message = str(raised.value)
+        if bad:
+            assert "does not split into 4 micro-batches" in message, message
+        else:
+            assert "the step failed to start on its data-parallel peer(s)" in message, message
+        sched.step(*((xs,) if stage_index == 0 else ()), **kw)
+        torch.optim.SGD(module.parameters(), lr=0.1).step()
+        ref = copy.deepcopy(whole)
+        _mse(ref(x), y).backward()
+        torch.optim.SGD(ref.parameters(), lr=0.1).step()
+        want = ref[stage_index].state_dict()
+        for name, got in module.state_dict().items():
+            torch.testing.assert_close(got, want[name], rtol=1e-5, atol=1e-6, msg=lambda msg: f"{name}: {msg}")
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.timeout(BOUND)
+@pytest.mark.parametrize("who", ["one pipeline", "both"])
+def test_fully_shard_groups_survive_a_step_that_failed_before_running(who):
+    spawn(_fully_shard_after_bad_input, 4, who, timeout=BOUND)

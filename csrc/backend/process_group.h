@@ -123,9 +123,10 @@ class ProcessGroupTorchpar : public c10d::Backend {
     Op op(std::forward<Args>(args)..., opts, getRank(), getSize());
     auto work = c10::make_intrusive<Work>(getRank(), Op::kType, Op::kName, op.outputs());
     ++issued_;
-    if (coalescing_) coalesced_.push_back(work);  // endCoalescing's work waits for it too
     queue_->submit(work, Op::kName, [op = std::move(op)](collectives::Comm& c) { op.run(c); },
                    timeout_for(opts.timeout), opts.asyncOp);
+    // After submit: one refused (the group shut down) would never complete endCoalescing's work.
+    if (coalescing_) coalesced_.push_back(work);  // endCoalescing's work waits for it too
     return work;
   }
   c10::intrusive_ptr<Work> post_p2p(bool is_send, at::Tensor& tensor, int peer, int tag);

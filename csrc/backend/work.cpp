@@ -2,6 +2,8 @@
 
 #include <ATen/core/jit_type.h>
 
+#include <thread>
+
 #include "transport/request.h"
 
 namespace torchpar {
@@ -41,6 +43,10 @@ void Work::complete_and_release(c10::intrusive_ptr<Work> work, std::exception_pt
       release.cv.notify_all();
     }
   } drop{work, *release};
+  {
+    std::lock_guard<std::mutex> lock(release->mu);
+    release->completer = std::this_thread::get_id();
+  }
   work->complete(error);
 }
 
@@ -64,6 +70,9 @@ bool Work::wait(std::chrono::milliseconds timeout) {
   for (const auto& r : releases_) {
     if (!r->owed) continue;
     std::unique_lock<std::mutex> lock(r->mu);
+    // This thread is inside that completion (a callback waiting on a coalesced group that its
+    // last part completed, review): it cannot wait for itself to return.
+    if (r->completer == std::this_thread::get_id()) continue;
     auto dropped = [&] { return r->dropped; };
     if (timeout == ::kNoTimeout) {
       r->cv.wait(lock, dropped);
@@ -72,8 +81,10 @@ bool Work::wait(std::chrono::milliseconds timeout) {
     }
   }
   if (timeout == ::kNoTimeout) return c10d::Work::wait(timeout);
-  return c10d::Work::wait(std::max(std::chrono::milliseconds(0), std::chrono::duration_cast<std::chrono::milliseconds>(
-                                                                     deadline - std::chrono::steady_clock::now())));
+  // c10d's wait reads 0 ms as no timeout at all: past the deadline, it is given 1 ms (review: a
+  // timed wait blocked until the operation finished).
+  const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(deadline - std::chrono::steady_clock::now());
+  return c10d::Work::wait(std::max(std::chrono::milliseconds(1), left));
 }
 
 int Work::sourceRank() const {
@@ -100,6 +111,7 @@ c10::intrusive_ptr<GroupWork> GroupWork::create(int rank, const std::vector<c10:
   for (auto& part : parts) {
     if (part->waits_counted_in()) group->count_waits_in(part->waits_counted_in());  // point-to-point parts
     group->releases_.push_back(part->releases_.front());
+    group->parts_.push_back(part);
     // The callback holds the group alive until the last part is done.
     part->getFuture()->addCallback([group](c10::ivalue::Future& f) {
       group->part_done(f.hasError() ? f.exception_ptr() : nullptr);

@@ -14,6 +14,7 @@
 #include <exception>
 #include <memory>
 #include <mutex>
+#include <thread>
 #include <vector>
 
 namespace torchpar {
@@ -56,6 +57,7 @@ class Work : public c10d::Work {
     bool owed = false;  // set before the work is shared, read unlocked
     std::mutex mu;
     std::condition_variable cv;
+    std::thread::id completer;  // the thread inside complete_and_release, once it is
     bool dropped = false;
   };
   // What wait() waits for before the work's own completion: its own release, and a group's
@@ -79,6 +81,9 @@ class GroupWork : public Work {
   void part_done(std::exception_ptr error);
 
   std::atomic<size_t> pending_;
+  // Held so that the parts (their outputs) go when the group does, on the caller's thread: their
+  // completing threads have let go of them by the time wait() returns.
+  std::vector<c10::intrusive_ptr<Work>> parts_;
   std::mutex error_mu_;
   std::exception_ptr first_error_;
 };

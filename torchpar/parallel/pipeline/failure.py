@@ -23,7 +23,8 @@ differs between ranks that made different numbers of them, and the reason was lo
 
 The group is unusable afterwards: make a new one. The one exception is a shape mismatch
 between the two ranks of a two-rank pipeline: both raise by themselves (the header carries
-the shapes), nobody is left waiting, and the group goes on.
+the shapes), nobody is left waiting, and the group goes on (the groups of fully_shard stages
+are aborted all the same: ``ShardedPeers``).
 
 Under pipeline x data parallelism the failure reaches the same stage's replicas in the other
 pipelines too: a stage whose DDP averages after the step first tells its data-parallel peers
@@ -35,10 +36,11 @@ step. A stage armed to reduce inside its last backward (our DDP with find_unused
 agrees too: the failed rank first issues the buckets that backward still owes its peers
 (``schedules._release_data_parallel_peers``; a data-parallel group on which that fails is
 aborted). Not covered (no agreement for any DDP stage of the rank): a rank with a fully_shard
-stage, whose peers may wait in its units' collectives (its torchpar groups are aborted with the
-reason instead: ``abort_with_reason``), and armed stages on a pipeline group other than
+stage, whose peers may wait in its units' collectives (``ShardedPeers``: an agreement before the
+actions, an abort of its torchpar groups with the reason after), and armed stages on a pipeline group other than
 torchpar's, which cannot be aborted first (docs/pipeline.md).
 """
+import contextlib
 import secrets
 from datetime import timedelta
 
@@ -141,6 +143,73 @@ class StepFailure:
 
 def _stopped_waiting(sched, me, reason):
     return RuntimeError(f"{type(sched).__name__}: {me} stopped waiting for its peers because {reason}")
+
+
+class ShardedPeers:
+    """A rank's ``fully_shard`` stages (``modules``) and their data-parallel peers, the same
+    stages in the other pipelines, across a failed step.
+
+    A failure before the step's actions start (bad input, the pipeline's agreement) is agreed on
+    with those peers (``agree_to_start``: one all-gather of a flag over each group the units
+    shard over, every step, at the same point on every rank), so every peer raises and nothing
+    is left waiting: the groups go on. Once the actions run, a peer may be waiting in a unit's
+    all-gather or reduce-scatter for this rank, which cannot issue the rest of its step's
+    collectives in their order. So a failure from there on aborts those groups, with the
+    failure as the reason (``aborted_on_failure``): each of the peers' pending and later
+    collectives there fails at once with "the group was aborted by rank R: <the failure>" (their
+    pipelines then fail as this one did), instead of waiting until the group's timeout or
+    pairing with this rank's next step's collectives. The groups are unusable afterwards, as the
+    pipeline group is. Only a torchpar group's abort reaches the peers (and, on GPU, not those in
+    an NCCL kernel): other backends' groups are left as they are (docs/pipeline.md, "Missing /
+    limits")."""
+
+    def __init__(self, sched, modules):
+        self.sched = sched
+        self.modules = modules
+        self.groups = {}  # id -> (group, device of its flag)
+        for m in modules:
+            group = m._fsdp.group
+            if dist.get_world_size(group) > 1:
+                device = m._fsdp.sharded[0].device if m._fsdp.sharded else torch.device("cpu")
+                self.groups.setdefault(id(group), (group, device))
+        self.started = False
+
+    def agree_to_start(self, failed):
+        """Called once a step by every rank with fully_shard stages, after the pipeline's
+        agreement (``failed``: this rank's step fails before its actions). Raises when a peer's
+        did; from here on a failure aborts the groups."""
+        if not self.groups:
+            return
+        self.started = True  # a failure inside the agreement itself may leave peers in it
+        peers = agree_on_outcome(list(self.groups.values()), failed)
+        self.started = not failed and not peers
+        if peers and not failed:
+            raise RuntimeError(f"{type(self.sched).__name__}: pipeline rank {self.sched.rank}: the step failed to "
+                               f"start on its data-parallel peer(s) {', '.join(f'rank {r}' for r in peers)} (their "
+                               f"error says why); nothing ran")
+
+    @contextlib.contextmanager
+    def aborted_on_failure(self):
+        try:
+            yield
+        except BaseException as e:  # Ctrl-C too: the peers must not wait
+            if self.started:
+                self.started = False
+                reason = _clip(f"{type(e).__name__}: {e}") + (
+                    f" [the step of {type(self.sched).__name__}'s pipeline rank {self.sched.rank} (global rank "
+                    f"{dist.get_rank()}) failed; the groups its fully_shard stages shard over are aborted: make new ones]")
+                for group, _ in self.groups.values():
+                    abort_with_reason(group, reason)
+            raise
+
+
+def _clip(text, limit=700):
+    """``text``, its middle cut out past ``limit`` characters: an abort's reason travels in 1 KiB,
+    and a chained failure's first cause (the start) and its innermost (the end) both matter."""
+    if len(text) <= limit:
+        return text
+    half = (limit - 5) // 2
+    return f"{text[:half]} ... {text[-half:]}"
 
 
 def abort_with_reason(group, reason):

@@ -36,7 +36,7 @@ from torchpar import _C
 from torchpar.parallel.pipeline import _comm
 from torchpar.parallel.fsdp import FSDPModule
 from torchpar.parallel.pipeline.executor import Executor, armed_stages
-from torchpar.parallel.pipeline.failure import StepFailure, abort_with_reason, agree_on_outcome
+from torchpar.parallel.pipeline.failure import ShardedPeers, StepFailure, agree_on_outcome
 from torchpar.parallel.pipeline.stage import PipelineStage
 
 _KIND_IDS = {"gpipe": 0, "1f1b": 1, "interleaved_1f1b": 2, "zb_h1": 3, "custom": 4}
@@ -163,15 +163,16 @@ class _PipelineSchedule:
         # when the pipeline group cannot be aborted (gloo): there, a failed rank issuing what that
         # backward owes would wait on peers whose pipeline waits on its own (review: an
         # interleaved schedule on gloo then hung until the timeout).
-        sharded = [m for s in self.stages for m in s.submod.modules() if isinstance(m, FSDPModule)]
-        agree = not sharded and (not armed or dist.get_backend(self.group) == "torchpar")
+        sharded = ShardedPeers(self, [m for s in self.stages for m in s.submod.modules()
+                                      if isinstance(m, FSDPModule)])
+        agree = not sharded.modules and (not armed or dist.get_backend(self.group) == "torchpar")
         # Armed stages whose backward has issued all its collectives (run, or given up on).
         settled = set() if agree else None
-        with _abort_sharded_peers_on_failure(self, sharded), \
+        with sharded.aborted_on_failure(), \
                 _data_parallel_outcome(self, ddp if agree else {},
                                        lambda: _release_data_parallel_peers(ddp, armed, settled),
                                        lambda: _disarm(ddp, armed, settled)):
-            out = self._run_actions(actions, first_mbs, targets, err, train, ddp, settled)
+            out = self._run_actions(actions, first_mbs, targets, err, train, ddp, settled, sharded)
         for module in after_step.values():
             _average_gradients(module)
         outputs, step_losses, stats, events = out
@@ -183,15 +184,22 @@ class _PipelineSchedule:
             _write_trace(trace, events, stats["start"], self.rank, self.group)
         return outputs
 
-    def _run_actions(self, actions, first_mbs, targets, err, train, ddp, settled):
-        """Agrees on the step with the other pipeline ranks and runs this rank's actions."""
+    def _run_actions(self, actions, first_mbs, targets, err, train, ddp, settled, sharded):
+        """Agrees on the step with the other pipeline ranks (and a fully_shard stage's
+        data-parallel peers, ``sharded``) and runs this rank's actions."""
         try:
-            key = self._agree(first_mbs, err, train)
-        except RuntimeError as e:  # the group failed: on another rank, in this step or the last?
-            failure = self._failure.failed_start(self, self._steps + 1)
-            if failure is None:
-                raise
-            raise failure from e
+            try:
+                key = self._agree(first_mbs, err, train)
+            except RuntimeError as e:  # the group failed: on another rank, in this step or the last?
+                failure = self._failure.failed_start(self, self._steps + 1)
+                if failure is None:
+                    raise
+                raise failure from e
+        except BaseException:
+            with contextlib.suppress(Exception):  # a broken group: the peers' own errors come
+                sharded.agree_to_start(failed=True)
+            raise
+        sharded.agree_to_start(failed=False)
         self._steps += 1
         for s in self.stages:
             s.reset()
@@ -256,33 +264,6 @@ def _data_parallel_outcome(sched, ddp, release, disarm):
         raise RuntimeError(f"{type(sched).__name__}: pipeline rank {sched.rank}: the step failed on its data-parallel "
                            f"peer(s) {', '.join(f'rank {r}' for r in failed)} (their error says why), so this rank's "
                            f"gradients are not the step's average; zero them before the next step")
-
-
-@contextlib.contextmanager
-def _abort_sharded_peers_on_failure(sched, modules):
-    """Around a step of a rank with ``fully_shard`` stages (``modules``): if it fails, the groups
-    their units shard over are aborted, with the failure as the reason. The same stage's replicas
-    in the other pipelines may wait in a unit's all-gather or reduce-scatter for this rank, which
-    cannot issue the rest of its step's collectives in their order; aborted, each of their
-    pending and later collectives there fails at once with "the group was aborted by rank R:
-    <this step's failure>" (their pipelines then fail as this one did), instead of waiting until
-    the group's timeout, or pairing with this rank's next step's collectives. The groups are
-    unusable afterwards, as the pipeline group is. Only a torchpar group's abort reaches the
-    peers: gloo's and NCCL's groups are left as they are (docs/pipeline.md, "Missing / limits")."""
-    try:
-        yield
-    except BaseException as e:  # Ctrl-C too: the peers must not wait
-        groups = {}
-        for m in modules:
-            group = m._fsdp.group
-            if dist.get_world_size(group) > 1:
-                groups.setdefault(id(group), group)
-        reason = (f"{type(sched).__name__}: the step of pipeline rank {sched.rank} (global rank {dist.get_rank()}) failed, "
-                  f"which aborts the groups its fully_shard stages shard over (make new ones): "
-                  f"{type(e).__name__}: {e}")
-        for group in groups.values():
-            abort_with_reason(group, reason)
-        raise
 
 
 def _release_data_parallel_peers(ddp, armed, settled):
