@@ -468,6 +468,38 @@ def test_data_parallel_peers_of_a_failed_armed_pipeline_are_not_left_in_its_redu
     _check_data_parallel_outcome(errors, where)
 
 
+def _fully_shard_pipelines(rank, last_stage, m=4, dp_backend=None):
+    """pp=2 x dp=2 (pipelines {0,1}, {2,3}; data parallel {0,2}, {1,3}), each stage of
+    ``Sequential(Sequential(Linear, Tanh), last_stage())`` (made after seeding: the same on every
+    rank) fully_shard over its data-parallel pair,
+    in a Schedule1F1B of ``m`` micro-batches; each pipeline trains on its half of one batch."""
+    from types import SimpleNamespace
+    from torchpar.parallel import fully_shard
+    pps = [dist.new_group([0, 1]), dist.new_group([2, 3])]
+    dps = [dist.new_group([0, 2], backend=dp_backend), dist.new_group([1, 3], backend=dp_backend)]
+    dp_rank, stage_index = rank // 2, rank % 2
+    torch.manual_seed(0)
+    whole = nn.Sequential(nn.Sequential(nn.Linear(8, 8), nn.Tanh()), last_stage())
+    module = fully_shard(copy.deepcopy(whole[stage_index]), dps[stage_index])
+    x, y = torch.randn(16, 8), torch.randn(16, 8)
+    xs, ys = x.chunk(2)[dp_rank], y.chunk(2)[dp_rank]
+    sched = Schedule1F1B(PipelineStage(module, stage_index, 2, group=pps[dp_rank]), m, loss_fn=_mse)
+    return SimpleNamespace(whole=whole, module=module, sched=sched, x=x, y=y, xs=xs, stage_index=stage_index,
+                           dp_rank=dp_rank, dps=dps, pps=pps, args=(xs,) if stage_index == 0 else (),
+                           kw={"target": ys if stage_index == 1 else None})
+
+
+def _trained_as_one_process(t):
+    """After the step: an SGD step on the stage equals one on the whole model in one process."""
+    torch.optim.SGD(t.module.parameters(), lr=0.1).step()
+    ref = copy.deepcopy(t.whole)
+    _mse(ref(t.x), t.y).backward()
+    torch.optim.SGD(ref.parameters(), lr=0.1).step()
+    want = ref[t.stage_index].state_dict()
+    for name, got in t.module.state_dict().items():  # gathered: a collective over the pair
+        torch.testing.assert_close(got, want[name], rtol=1e-5, atol=1e-6, msg=lambda msg: f"{name}: {msg}")
+
+
 def _fully_shard_after_a_failed_step(rank, world_size, init_file):
     """pp=2 x dp=2 as above, each stage fully_shard over its data-parallel pair: its units
     accumulate the micro-batches' gradients and reduce in the stage's last backward. Stage 1's
@@ -477,32 +509,16 @@ def _fully_shard_after_a_failed_step(rank, world_size, init_file):
     it aborts: the test below)."""
     _init(rank, world_size, init_file, "torchpar")
     try:
-        from torchpar.parallel import fully_shard
-        pps = [dist.new_group([0, 1]), dist.new_group([2, 3])]
-        dps = [dist.new_group([0, 2], backend="gloo"), dist.new_group([1, 3], backend="gloo")]
-        dp_rank, stage_index, m = rank // 2, rank % 2, 4
-        torch.manual_seed(0)
-        whole = nn.Sequential(nn.Sequential(nn.Linear(8, 8), nn.Tanh()), _FailsOnCall(3, "backward"))
-        module = fully_shard(copy.deepcopy(whole[stage_index]), dps[rank % 2])
-        x, y = torch.randn(16, 8), torch.randn(16, 8)
-        xs, ys = x.chunk(2)[dp_rank], y.chunk(2)[dp_rank]
-        args, kw = ((xs,) if stage_index == 0 else ()), {"target": ys if stage_index == 1 else None}
-        sched = Schedule1F1B(PipelineStage(module, stage_index, 2, group=pps[dp_rank]), m, loss_fn=_mse)
+        t = _fully_shard_pipelines(rank, lambda: _FailsOnCall(3, "backward"), dp_backend="gloo")
         with pytest.raises(RuntimeError, match="boom in backward"):
-            sched.step(*args, **kw)
-        assert module._fsdp.flat.requires_grad_sync and module._fsdp.flat.accumulator is None
-        module.zero_grad(set_to_none=True)
+            t.sched.step(*t.args, **t.kw)
+        assert t.module._fsdp.flat.requires_grad_sync and t.module._fsdp.flat.accumulator is None
+        t.module.zero_grad(set_to_none=True)
         pps = [dist.new_group([0, 1]), dist.new_group([2, 3])]  # the failed step aborted the first
-        sched = Schedule1F1B(PipelineStage(module, stage_index, 2, group=pps[dp_rank]), m, loss_fn=_mse)
-        sched.step(*args, **kw)
-        torch.optim.SGD(module.parameters(), lr=0.1).step()
-        ref = copy.deepcopy(whole)
-        ref[1].n = 0  # the one-process run must not raise
-        _mse(ref(x), y).backward()
-        torch.optim.SGD(ref.parameters(), lr=0.1).step()
-        want = ref[stage_index].state_dict()
-        for name, got in module.state_dict().items():  # gathered: a collective over the pair
-            torch.testing.assert_close(got, want[name], rtol=1e-5, atol=1e-6, msg=lambda msg: f"{name}: {msg}")
+        Schedule1F1B(PipelineStage(t.module, t.stage_index, 2, group=pps[t.dp_rank]), 4, loss_fn=_mse).step(
+            *t.args, **t.kw)
+        t.whole[1].n = 0  # the one-process run must not raise
+        _trained_as_one_process(t)
     finally:
         dist.destroy_process_group()
 
@@ -523,21 +539,12 @@ def _data_parallel_peers_of_a_failed_fully_shard_pipeline(rank, world_size, init
     data-parallel groups are unusable (a clear error, not a hang), nothing is left in /dev/shm."""
     _init(rank, world_size, init_file, "torchpar")
     try:
-        from torchpar.parallel import fully_shard
-        pps = [dist.new_group([0, 1]), dist.new_group([2, 3])]
-        dps = [dist.new_group([0, 2]), dist.new_group([1, 3])]
-        dp_rank, stage_index, m = rank // 2, rank % 2, 4
-        torch.manual_seed(0)
-        whole = nn.Sequential(nn.Sequential(nn.Linear(8, 8), nn.Tanh()), _FailsOnRankOne(m))
-        module = fully_shard(copy.deepcopy(whole[stage_index]), dps[stage_index])
+        t = _fully_shard_pipelines(rank, lambda: _FailsOnRankOne(4))
         if rank == 1:
-            module.fail = where
-        x, y = torch.randn(16, 8), torch.randn(16, 8)
-        xs, ys = x.chunk(2)[dp_rank], y.chunk(2)[dp_rank]
-        args, kw = ((xs,) if stage_index == 0 else ()), {"target": ys if stage_index == 1 else None}
-        sched = Schedule1F1B(PipelineStage(module, stage_index, 2, group=pps[dp_rank]), m, loss_fn=_mse)
+            t.module.fail = where
+        dps, stage_index = t.dps, t.stage_index
         try:
-            sched.step(*args, **kw)
+            t.sched.step(*t.args, **t.kw)
             error = None
         except Exception as e:  # noqa: BLE001 - the test inspects it
             error = f"{type(e).__name__}: {e}"
@@ -581,34 +588,17 @@ def _fully_shard_after_bad_input(rank, world_size, init_file, who):
     aborted, and the next step failed on them)."""
     _init(rank, world_size, init_file, "torchpar")
     try:
-        from torchpar.parallel import fully_shard
-        pps = [dist.new_group([0, 1]), dist.new_group([2, 3])]
-        dps = [dist.new_group([0, 2]), dist.new_group([1, 3])]
-        dp_rank, stage_index, m = rank // 2, rank % 2, 4
-        torch.manual_seed(0)
-        whole = nn.Sequential(nn.Sequential(nn.Linear(8, 8), nn.Tanh()), nn.Linear(8, 8))
-        module = fully_shard(copy.deepcopy(whole[stage_index]), dps[stage_index])
-        x, y = torch.randn(16, 8), torch.randn(16, 8)
-        xs, ys = x.chunk(2)[dp_rank], y.chunk(2)[dp_rank]
-        sched = Schedule1F1B(PipelineStage(module, stage_index, 2, group=pps[dp_rank]), m, loss_fn=_mse)
-        bad = who == "both" or dp_rank == 0
-        args = ((xs[:-1] if bad else xs,) if stage_index == 0 else ())
-        kw = {"target": ys if stage_index == 1 else None}
+        t = _fully_shard_pipelines(rank, lambda: nn.Linear(8, 8))
+        bad = who == "both" or t.dp_rank == 0
         with pytest.raises((ValueError, RuntimeError)) as raised:
-            sched.step(*args, **kw)
+            t.sched.step(*((t.xs[:-1],) if bad and t.args else t.args), **t.kw)
         message = str(raised.value)
         if bad:
             assert "does not split into 4 micro-batches" in message, message
         else:
             assert "the step failed to start on its data-parallel peer(s)" in message, message
-        sched.step(*((xs,) if stage_index == 0 else ()), **kw)
-        torch.optim.SGD(module.parameters(), lr=0.1).step()
-        ref = copy.deepcopy(whole)
-        _mse(ref(x), y).backward()
-        torch.optim.SGD(ref.parameters(), lr=0.1).step()
-        want = ref[stage_index].state_dict()
-        for name, got in module.state_dict().items():
-            torch.testing.assert_close(got, want[name], rtol=1e-5, atol=1e-6, msg=lambda msg: f"{name}: {msg}")
+        t.sched.step(*t.args, **t.kw)
+        _trained_as_one_process(t)
     finally:
         dist.destroy_process_group()
 
