@@ -24,3 +24,15 @@ def test_fsdp_bench_writes_its_report(tmp_path):
         assert {"fsdp", "torch_fsdp2"} <= set(per_backend)
         for row in per_backend.values():
             assert row["median_ms"] > 0 and row["peak_bytes"] > 0 and row["fwd_bwd_peak_bytes"] > 0
+
+
+def test_fsdp_bench_runs_hybrid_sharding_at_4_ranks(tmp_path):
+    out = tmp_path / "hsdp.json"
+    proc = subprocess.run(
+        [sys.executable, "-m", "torchpar.bench", "fsdp", "--world-size", "4", "--systems", "hsdp,torch_hsdp,torch_fsdp2",
+         "--backends", "torchpar", "--dim", "32", "--layers", "2", "--heads", "2", "--vocab", "128", "--seq", "8",
+         "--rounds", "1", "--json", str(out)],
+        capture_output=True, text=True, timeout=280)
+    assert proc.returncode == 0, proc.stderr
+    assert "hsdp / torch_hsdp" in proc.stdout
+    assert set(json.loads(out.read_text())["results"]["torchpar"]) == {"hsdp", "torch_hsdp", "torch_fsdp2"}

@@ -58,9 +58,11 @@ void FsdpEngine::begin_step_locked(const std::vector<bool>& keep) {
   // gradients on the gathered parameters, units still gathered. Its gradients are dropped (the
   // caller skipped that batch), not added into this step's; the reduce-scatter is waited on, as
   // every rank launched it.
-  if (in_flight_.work) {
-    in_flight_.work->wait();
-    in_flight_ = InFlight{};
+  for (InFlight* f : {&in_flight_, &all_reduce_}) {
+    if (f->work) {
+      f->work->wait();
+      *f = InFlight{};
+    }
   }
   for (size_t v = 0; v < units_.size(); ++v) {
     units_[v].flat->discard_unsharded_grads();
@@ -238,11 +240,22 @@ void FsdpEngine::agree_order_locked() {
   std::vector<std::vector<at::Tensor>> out(1);
   for (int64_t r = 0; r < world; ++r) out[0].push_back(at::empty_like(in[0]));
   group->allgather(out, in)->wait();
+  at::Tensor all = at::cat(out[0]);  // [world * n]: the shard group's orders
+  const auto& replicate = units_[root_].flat->replicate_group();
+  if (units_[root_].flat->replicated()) {
+    // Hybrid sharding: every replica's too, so that all of them agree on one order (their
+    // all-reduces pair unit by unit); the list of orders is the same on every rank.
+    std::vector<at::Tensor> mine_all{all};
+    std::vector<std::vector<at::Tensor>> replicas(1);
+    for (int64_t r = 0; r < replicate->getSize(); ++r) replicas[0].push_back(at::empty_like(all));
+    replicate->allgather(replicas, mine_all)->wait();
+    all = at::cat(replicas[0]);
+  }
+  all = all.cpu().contiguous();
   std::vector<std::vector<int64_t>> orders;
   size_t longest = 0;  // the first rank's among the longest
-  for (auto& t : out[0]) {
-    at::Tensor c = t.cpu().contiguous();
-    const int64_t* v = c.data_ptr<int64_t>();
+  for (int64_t k = 0; k * n < all.numel(); ++k) {
+    const int64_t* v = all.data_ptr<int64_t>() + k * n;
     std::vector<int64_t> o;
     for (int64_t i = 0; i < n && v[i] >= 0; ++i) o.push_back(v[i]);
     if (!orders.empty() && o.size() > orders[longest].size()) {
@@ -490,7 +503,37 @@ void FsdpEngine::finish_reduce_scatter_locked() {
     }
     any_grads = any_grads || tags[r] > 0;
   }
-  if (any_grads) {  // no rank ran the unit: its .grad stays as one process leaves it
+  if (flat.replicated()) {
+    finish_all_reduce_locked();
+    all_reduce_ = InFlight{done.unit, flat.start_replica_all_reduce(done.out, any_grads, mine), {}, done.out};
+    record(FsdpEvent::kAllReduceLaunch, done.unit);
+  } else if (any_grads) {  // no rank ran the unit: its .grad stays as one process leaves it
+    flat.deliver_grads(done.out);
+  }
+}
+
+void FsdpEngine::finish_all_reduce_locked() {
+  if (!all_reduce_.work) {
+    return;
+  }
+  all_reduce_.work->wait();
+  record(FsdpEvent::kAllReduceWait, all_reduce_.unit);
+  InFlight done = std::move(all_reduce_);
+  all_reduce_ = InFlight{};
+  FlatParam& flat = *units_[done.unit].flat;
+  const double mine = unit_tag(done.unit, flat.reduce_dtype());
+  const FlatParam::ReplicaSlots slots = flat.replica_slots(done.out);
+  for (size_t r = 0; r < slots.tags.size(); ++r) {
+    // Each replica's shard group agreed on its order; the replicas compare theirs here (a unit
+    // whose order depends on the data may differ between them).
+    TORCH_CHECK(slots.tags[r] == mine, "torchpar fully_shard: the gradient all-reduces across replicas went out "
+                "of step: replica ", flat.replica(), " reduced unit ", done.unit, " ('", flat.size() ? flat.name(0) : "",
+                "', ...) while replica ", r, " reduced ", (slots.tags[r] == 0 ? std::string("something else")
+                : "the unit of tag " + std::to_string(static_cast<int64_t>(slots.tags[r]))),
+                ". The replicas ran their units in different orders; this step's gradients are incomplete: "
+                "do not step on them.");
+  }
+  if (slots.any_grads) {
     flat.deliver_grads(done.out);
   }
 }
@@ -510,6 +553,7 @@ void FsdpEngine::finalize() {
     if (units_[v].needs_backward) post_backward_locked(static_cast<int64_t>(v));
   }
   finish_reduce_scatter_locked();
+  finish_all_reduce_locked();
   record(FsdpEvent::kFinalize, -1);
   for (size_t v = 0; v < units_.size(); ++v) {
     if (!keeps_after_backward(static_cast<int64_t>(v))) {
@@ -555,6 +599,9 @@ FsdpMemory FsdpEngine::memory_locked() const {
   }
   if (in_flight_.work) {
     m.reduce_buffers += static_cast<int64_t>(in_flight_.packed.nbytes() + in_flight_.out.nbytes());
+  }
+  if (all_reduce_.work) {
+    m.reduce_buffers += static_cast<int64_t>(all_reduce_.out.nbytes());
   }
   return m;
 }

@@ -13,6 +13,10 @@
 //             goes on. One reduce-scatter is in flight at a time: the previous one is waited on
 //             before the next is launched, so packed gradients of at most two units are alive (as
 //             torch's FSDP2 does).
+//             Hybrid sharding (HSDP; a unit with a replicate group): a reduce-scatter, once
+//             waited on, is all-reduced over the replicate group, also in flight while backward
+//             goes on (one at a time, waited on before the next is launched), and its shard is
+//             handed over after that.
 //   end       a callback queued on the autograd engine: reduce the units no post_backward reached
 //             (inputs that need no gradient, as the root's token ids), in backward order; wait for
 //             the last reduce-scatter, hand the shards to the sharded parameters' .grad, free
@@ -85,7 +89,8 @@ struct FsdpEvent {
   enum Kind {
     kPreForward, kPostForward, kGatherLaunch, kGatherWait, kReshard,
     kPreBackward, kPostBackward, kReduceScatterLaunch, kReduceScatterWait, kFinalize,
-    kSkippedBackward  // the collectives of a unit this rank's forward did not run (see below)
+    kSkippedBackward,  // the collectives of a unit this rank's forward did not run (see below)
+    kAllReduceLaunch, kAllReduceWait  // hybrid sharding: a reduced shard across the replicas
   } kind;
   int64_t unit;  // -1 for kFinalize
 };
@@ -147,7 +152,7 @@ class FsdpEngine : public std::enable_shared_from_this<FsdpEngine> {
     bool ran = false;               // its forward ran this step (any grad mode, outside backward)
     bool slot_done = false;         // its place in this backward's collectives is passed
   };
-  struct InFlight {                 // the reduce-scatter running
+  struct InFlight {                 // the reduce-scatter (or replicas' all-reduce) running
     int64_t unit = -1;
     c10::intrusive_ptr<c10d::Work> work;
     at::Tensor packed, out;
@@ -175,6 +180,7 @@ class FsdpEngine : public std::enable_shared_from_this<FsdpEngine> {
   };
   StepStart agree_step_start_locked(bool grad_enabled, bool pending);
   void finish_reduce_scatter_locked();
+  void finish_all_reduce_locked();
   void begin_step_locked(const std::vector<bool>& keep);
   void record(FsdpEvent::Kind kind, int64_t unit);
   FsdpMemory memory_locked() const;
@@ -197,6 +203,7 @@ class FsdpEngine : public std::enable_shared_from_this<FsdpEngine> {
   bool step_forward_ = false;       // the forward running began a step
   bool backward_queued_ = false;    // finalize is queued on the running backward
   InFlight in_flight_;
+  InFlight all_reduce_;             // hybrid sharding: the replicas' all-reduce running
   std::vector<FsdpEvent> trace_;
   FsdpMemory peak_;
 };

@@ -59,16 +59,25 @@ std::string describe(const at::Tensor& row) {
 }  // namespace
 
 FlatParam::FlatParam(const std::vector<at::Tensor>& params, std::vector<std::string> names,
-                     c10::intrusive_ptr<c10d::ProcessGroup> group, FlatParamOptions options)
-    : names_(std::move(names)), group_(std::move(group)), options_(options) {
+                     c10::intrusive_ptr<c10d::ProcessGroup> group, FlatParamOptions options,
+                     c10::intrusive_ptr<c10d::ProcessGroup> replicate_group)
+    : names_(std::move(names)), group_(std::move(group)), replicate_(std::move(replicate_group)), options_(options) {
   TORCH_CHECK(group_, "torchpar fully_shard: no process group");
   TORCH_CHECK(names_.size() == params.size(), "torchpar fully_shard: ", params.size(), " parameters but ",
               names_.size(), " names");
   world_ = group_->getSize();
+  if (replicate_) {
+    replicas_ = replicate_->getSize();
+    replica_ = replicate_->getRank();
+  }
   step_buffers_in_huge_pages();  // a bad TORCHPAR_HUGE_PAGES fails here, not in a forward
   rank_ = group_->getRank();
-  // Across ranks first, so that a rank whose model differs fails together with the others.
-  check_same_on_every_rank(params);
+  // Across ranks first, so that a rank whose model differs fails together with the others. Both
+  // groups' checks run before either raises: a replica whose shard group passed would otherwise
+  // wait in the replicate group's check for ranks that raised.
+  const std::string differs = mismatch_across(group_, "rank", params);
+  const std::string replicas_differ = replicated() ? mismatch_across(replicate_, "replica", params) : "";
+  TORCH_CHECK(differs.empty() && replicas_differ.empty(), differs.empty() ? replicas_differ : differs);
 
   at::TensorOptions opts = params.empty() ? at::TensorOptions().dtype(at::kFloat) : params[0].options();
   for (size_t i = 0; i < params.size(); ++i) {
@@ -249,10 +258,30 @@ void FlatParam::discard_unsharded_grads() {
 std::pair<c10::intrusive_ptr<c10d::Work>, at::Tensor> FlatParam::start_reduce_scatter(at::Tensor& packed,
                                                                                       double tag) {
   packed.view({world_, packed_stride()}).select(1, shard_numel_ + rank_).fill_(tag);
-  at::Tensor out = at::empty({packed_stride()}, packed.options());
+  // Replicated: room after the reduced chunk for the all-reduce's own slots (start_replica_all_reduce).
+  at::Tensor out = at::empty({packed_stride() + (replicated() ? 1 + replicas_ : 0)}, packed.options());
+  at::Tensor chunk = out.narrow(0, 0, packed_stride());
   c10d::ReduceScatterOptions opts;
   opts.reduceOp = c10d::ReduceOp::SUM;  // then divided by the world size: gloo has no AVG
-  return {group_->_reduce_scatter_base(out, packed, opts), out};
+  return {group_->_reduce_scatter_base(chunk, packed, opts), out};
+}
+
+c10::intrusive_ptr<c10d::Work> FlatParam::start_replica_all_reduce(at::Tensor& out, bool had_grads, double tag) {
+  TORCH_CHECK(replicated(), "torchpar fully_shard: the unit has no replicate group");
+  at::Tensor slots = out.narrow(0, packed_stride(), 1 + replicas_);
+  slots.zero_();
+  slots[0] = had_grads ? 1.0 : 0.0;
+  slots[1 + replica_] = tag;
+  std::vector<at::Tensor> tensors{out};
+  c10d::AllreduceOptions opts;
+  opts.reduceOp = c10d::ReduceOp::SUM;
+  return replicate_->allreduce(tensors, opts);
+}
+
+FlatParam::ReplicaSlots FlatParam::replica_slots(const at::Tensor& reduced) const {
+  at::Tensor v = reduced.narrow(0, packed_stride(), 1 + replicas_).to(at::Device(at::kCPU), at::kDouble);
+  const double* d = v.data_ptr<double>();
+  return {d[0] > 0, std::vector<double>(d + 1, d + 1 + replicas_)};
 }
 
 std::vector<double> FlatParam::reduced_tags(const at::Tensor& reduced) const {
@@ -264,7 +293,7 @@ std::vector<double> FlatParam::reduced_tags(const at::Tensor& reduced) const {
 void FlatParam::deliver_grads(const at::Tensor& out) {
   at::NoGradGuard no_grad;
   at::Tensor reduced = out.narrow(0, 0, shard_numel_);
-  reduced.div_(static_cast<double>(world_));
+  reduced.div_(static_cast<double>(world_ * replicas_));
   for (size_t i = 0; i < sharded_.size(); ++i) {
     if (!requires_grad_[i]) {
       continue;
@@ -344,16 +373,18 @@ int64_t FlatParam::sharded_grad_bytes(std::vector<const void*>& seen) const {
   return bytes;
 }
 
-void FlatParam::check_same_on_every_rank(const std::vector<at::Tensor>& params) {
+std::string FlatParam::mismatch_across(const c10::intrusive_ptr<c10d::ProcessGroup>& group, const char* member,
+                                       const std::vector<at::Tensor>& params) const {
   const at::Device device = params.empty() ? at::Device(at::kCPU) : params[0].device();
   const auto i64 = at::TensorOptions().dtype(at::kLong);
+  const int64_t size = group->getSize();
   int64_t ndim = 0;
   for (const auto& p : params) ndim = std::max<int64_t>(ndim, p.dim());
   auto all_gather = [&](const at::Tensor& t) {
     std::vector<at::Tensor> in{t.to(device)};
     std::vector<std::vector<at::Tensor>> out(1);
-    for (int64_t r = 0; r < world_; ++r) out[0].push_back(at::empty_like(in[0]));
-    group_->allgather(out, in)->wait();
+    for (int64_t r = 0; r < size; ++r) out[0].push_back(at::empty_like(in[0]));
+    group->allgather(out, in)->wait();
     for (auto& o : out[0]) o = o.cpu();
     return out[0];
   };
@@ -374,16 +405,20 @@ void FlatParam::check_same_on_every_rank(const std::vector<at::Tensor>& params) 
   }
   auto sigs = all_gather(sig);
   for (int64_t i = 0; i < rows; ++i) {
-    for (int64_t r = 1; r < world_; ++r) {
+    for (int64_t r = 1; r < size; ++r) {
       if (!at::equal(sigs[r][i], sigs[0][i])) {
         const std::string name = i < static_cast<int64_t>(params.size()) ? names_[i] : "#" + std::to_string(i);
-        TORCH_CHECK(false, "torchpar fully_shard: the parameters differ across ranks at parameter ", i, " ('", name,
-                    "' on rank ", rank_, "): rank 0 has ", describe(sigs[0][i]), ", rank ", r, " has ",
-                    describe(sigs[r][i]), " (", heads[0][0].item<int64_t>(), " and ", heads[r][0].item<int64_t>(),
-                    " parameters in this unit). Every rank must wrap the same model.");
+        std::ostringstream msg;
+        msg << "torchpar fully_shard: the parameters differ across " << member << "s at parameter " << i << " ('"
+            << name << "' on " << member << " " << group->getRank() << "): " << member << " 0 has "
+            << describe(sigs[0][i]) << ", " << member << " " << r << " has " << describe(sigs[r][i]) << " ("
+            << heads[0][0].item<int64_t>() << " and " << heads[r][0].item<int64_t>()
+            << " parameters in this unit). Every rank must wrap the same model.";
+        return msg.str();
       }
     }
   }
+  return "";
 }
 
 }  // namespace torchpar::parallel

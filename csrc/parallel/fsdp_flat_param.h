@@ -34,10 +34,13 @@ struct FlatParamOptions {
 class FlatParam {
  public:
   // `params` are the unit's distinct parameters, full and identical in shape and dtype on every
-  // rank (checked here, with one collective, naming the first that differs); `names` their names
-  // for messages.
+  // rank (checked here, with collectives, naming the first that differs); `names` their names
+  // for messages. `group` shards them. `replicate_group` (optional; hybrid sharding, HSDP): the
+  // ranks that hold the same shard in the other replicas of the model, over which each reduced
+  // shard of gradients is then all-reduced (see start_replica_all_reduce).
   FlatParam(const std::vector<at::Tensor>& params, std::vector<std::string> names,
-            c10::intrusive_ptr<c10d::ProcessGroup> group, FlatParamOptions options);
+            c10::intrusive_ptr<c10d::ProcessGroup> group, FlatParamOptions options,
+            c10::intrusive_ptr<c10d::ProcessGroup> replicate_group = {});
 
   FlatParam(const FlatParam&) = delete;
   FlatParam& operator=(const FlatParam&) = delete;
@@ -58,6 +61,11 @@ class FlatParam {
   at::ScalarType master_dtype() const { return shard_.scalar_type(); }
   at::Device device() const { return shard_.device(); }
   const c10::intrusive_ptr<c10d::ProcessGroup>& group() const { return group_; }
+  // Hybrid sharding: a replicate group of more than one rank (else null, or of size 1).
+  bool replicated() const { return replicas_ > 1; }
+  const c10::intrusive_ptr<c10d::ProcessGroup>& replicate_group() const { return replicate_; }
+  int64_t replicas() const { return replicas_; }
+  int64_t replica() const { return replica_; }
   at::ScalarType compute_dtype() const { return compute_dtype_; }
   at::ScalarType reduce_dtype() const { return reduce_dtype_; }
   const FlatParamOptions& options() const { return options_; }
@@ -105,8 +113,19 @@ class FlatParam {
   std::pair<c10::intrusive_ptr<c10d::Work>, at::Tensor> start_reduce_scatter(at::Tensor& packed, double tag);
   // The tags of a finished reduce-scatter's output, one per rank.
   std::vector<double> reduced_tags(const at::Tensor& reduced) const;
-  // Divide the summed shard by the world size and hand it to the sharded parameters' .grad
-  // (assigned as views of `reduced` when .grad is undefined, added otherwise).
+  // Hybrid sharding: all-reduce (sum) a finished reduce-scatter's output over the replicate
+  // group (async). Its slots after the reduced chunk carry, like the reduce-scatter's tags,
+  // whether this replica's shard group had gradients (summed: how many did) and `tag` in slot
+  // `replica`, so that each rank reads every replica's unit exactly (replica_slots).
+  c10::intrusive_ptr<c10d::Work> start_replica_all_reduce(at::Tensor& out, bool had_grads, double tag);
+  struct ReplicaSlots {
+    bool any_grads;            // some replica had gradients for the unit
+    std::vector<double> tags;  // each replica's unit tag
+  };
+  ReplicaSlots replica_slots(const at::Tensor& reduced) const;
+  // Divide the summed shard by the number of ranks that summed it (the world size, times the
+  // replicas under hybrid sharding) and hand it to the sharded parameters' .grad (assigned as
+  // views of `reduced` when .grad is undefined, added otherwise).
   void deliver_grads(const at::Tensor& reduced);
   bool has_accumulator() const { return accumulator_.defined(); }
   // no_sync's local sum (undefined while there is none). A pipeline step that raised puts back
@@ -137,7 +156,10 @@ class FlatParam {
   int64_t sharded_grad_bytes(std::vector<const void*>& seen) const;
 
  private:
-  void check_same_on_every_rank(const std::vector<at::Tensor>& params);
+  // The first parameter whose shape, dtype or requires_grad differs across the members of
+  // `group` ("rank" or "replica" in the message), or "" (two all-gathers).
+  std::string mismatch_across(const c10::intrusive_ptr<c10d::ProcessGroup>& group, const char* member,
+                              const std::vector<at::Tensor>& params) const;
   // A packed gradient buffer (see start_reduce_scatter): chunk stride, and `src` (flat) written
   // (or added) at flat offset `offset`, split at the chunk boundaries.
   int64_t packed_stride() const { return shard_numel_ + world_; }
@@ -150,8 +172,10 @@ class FlatParam {
   std::vector<int64_t> numels_;
   std::vector<bool> requires_grad_;
   c10::intrusive_ptr<c10d::ProcessGroup> group_;
+  c10::intrusive_ptr<c10d::ProcessGroup> replicate_;  // hybrid sharding, or null
   FlatParamOptions options_;
   int64_t world_ = 1, rank_ = 0;
+  int64_t replicas_ = 1, replica_ = 0;
   int64_t numel_ = 0, shard_numel_ = 0;
   at::ScalarType compute_dtype_, reduce_dtype_;
 

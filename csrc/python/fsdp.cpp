@@ -29,6 +29,8 @@ const char* event_name(FsdpEvent::Kind kind) {
     case FsdpEvent::kReduceScatterWait: return "reduce_scatter_wait";
     case FsdpEvent::kFinalize: return "finalize";
     case FsdpEvent::kSkippedBackward: return "skipped_backward";
+    case FsdpEvent::kAllReduceLaunch: return "all_reduce_launch";
+    case FsdpEvent::kAllReduceWait: return "all_reduce_wait";
   }
   return "?";
 }
@@ -51,23 +53,27 @@ TORCHPAR_PYBIND(fsdp) {
   py::class_<FlatParam, std::shared_ptr<FlatParam>>(m, "FlatParam")
       .def(py::init([](const std::vector<at::Tensor>& params, std::vector<std::string> names,
                        c10::intrusive_ptr<c10d::ProcessGroup> group, bool reshard_after_forward,
-                       std::optional<at::ScalarType> param_dtype, std::optional<at::ScalarType> reduce_dtype) {
+                       std::optional<at::ScalarType> param_dtype, std::optional<at::ScalarType> reduce_dtype,
+                       std::optional<c10::intrusive_ptr<c10d::ProcessGroup>> replicate_group) {
              FlatParamOptions options;
              options.reshard_after_forward = reshard_after_forward;
              options.param_dtype = param_dtype;
              options.reduce_dtype = reduce_dtype;
-             return torchpar::python::make_shared_released_without_gil<FlatParam>(params, std::move(names),
-                                                                                  std::move(group), options);
+             return torchpar::python::make_shared_released_without_gil<FlatParam>(
+                 params, std::move(names), std::move(group), options,
+                 replicate_group.value_or(c10::intrusive_ptr<c10d::ProcessGroup>()));
            }),
            py::arg("params"), py::arg("names"), py::arg("process_group"), py::arg("reshard_after_forward") = true,
            py::arg("param_dtype") = py::none(), py::arg("reduce_dtype") = py::none(),
-           py::call_guard<py::gil_scoped_release>(),
-           "Shards `params` (checked identical across ranks, one collective) into a flat parameter.")
+           py::arg("replicate_group") = py::none(), py::call_guard<py::gil_scoped_release>(),
+           "Shards `params` (checked identical across ranks, collectives) into a flat parameter; with a "
+           "`replicate_group`, its reduced gradients are all-reduced over it (hybrid sharding).")
       .def_property_readonly("numel", &FlatParam::numel)
       .def_property_readonly("padded_numel", &FlatParam::padded_numel)
       .def_property_readonly("shard_numel", &FlatParam::shard_numel)
       .def_property_readonly("world_size", &FlatParam::world_size)
       .def_property_readonly("rank", &FlatParam::rank)
+      .def_property_readonly("replicas", &FlatParam::replicas)
       .def_property_readonly("compute_dtype", &FlatParam::compute_dtype)
       .def_property_readonly("reduce_dtype", &FlatParam::reduce_dtype)
       .def("offset", &FlatParam::offset)

@@ -5,6 +5,8 @@ the same GPT (AdamW, next-token loss on random tokens):
 
 - ``fsdp``         torchpar.parallel.fully_shard per block, then on the whole model
 - ``torch_fsdp2``  torch.distributed.fsdp.fully_shard, the same way (DeviceMesh over the group)
+- ``hsdp``, ``torch_hsdp``  the two with hybrid sharding on a (2 replicas, W/2 shards) mesh (only
+  at an even world size of 4 or more)
 - whatever ``torchpar.bench._zero_systems.SYSTEMS`` adds when it exists (a dict
   name -> make(model, group, lr) -> (wrapped_model, optimizer): DDP, ZeRO-1/2, torch's ZeRO)
 
@@ -67,26 +69,46 @@ class GPT(nn.Module):
 
 # ---- the systems: make(model, group, lr) -> (wrapped model, optimizer) ----
 
+def _shard_blocks_then_root(fully_shard, model, lr, **kwargs):
+    for b in model.blocks:
+        fully_shard(b, **kwargs)
+    fully_shard(model, **kwargs)
+    return model, torch.optim.AdamW(model.parameters(), lr=lr)
+
+
 def _make_fsdp(model, group, lr):
     from torchpar.parallel import fully_shard
-    for b in model.blocks:
-        fully_shard(b, group)
-    fully_shard(model, group)
-    return model, torch.optim.AdamW(model.parameters(), lr=lr)
+    return _shard_blocks_then_root(fully_shard, model, lr, group=group)
 
 
 def _make_torch_fsdp2(model, group, lr):
     from torch.distributed.device_mesh import DeviceMesh
     from torch.distributed.fsdp import fully_shard
-    mesh = DeviceMesh.from_group(group, "cpu")
-    for b in model.blocks:
-        fully_shard(b, mesh=mesh)
-    fully_shard(model, mesh=mesh)
-    return model, torch.optim.AdamW(model.parameters(), lr=lr)
+    return _shard_blocks_then_root(fully_shard, model, lr, mesh=DeviceMesh.from_group(group, "cpu"))
+
+
+def _hybrid_mesh(group):
+    """2 replicas of W/2 shards (HSDP), over the world."""
+    from torch.distributed.device_mesh import init_device_mesh
+    return init_device_mesh("cpu", (2, dist.get_world_size(group) // 2), mesh_dim_names=("replicate", "shard"))
+
+
+def _make_hsdp(model, group, lr):
+    from torchpar.parallel import fully_shard
+    return _shard_blocks_then_root(fully_shard, model, lr, mesh=_hybrid_mesh(group))
+
+
+def _make_torch_hsdp(model, group, lr):
+    from torch.distributed.fsdp import fully_shard
+    return _shard_blocks_then_root(fully_shard, model, lr, mesh=_hybrid_mesh(group))
+
+
+# Hybrid sharding needs an even world of at least 4 ranks (2 replicas of 2 or more shards).
+HYBRID = ("hsdp", "torch_hsdp")
 
 
 def systems():
-    out = {"fsdp": _make_fsdp, "torch_fsdp2": _make_torch_fsdp2}
+    out = {"fsdp": _make_fsdp, "torch_fsdp2": _make_torch_fsdp2, "hsdp": _make_hsdp, "torch_hsdp": _make_torch_hsdp}
     try:
         from torchpar.bench._zero_systems import SYSTEMS
         out.update(SYSTEMS)
@@ -218,7 +240,8 @@ def main(argv=None):
     ap.add_argument("--json", help="write results here")
     ap.add_argument("--plot", help="write a PNG bar chart here")
     args = ap.parse_args(argv)
-    available = list(systems())
+    hybrid_ok = args.world_size >= 4 and args.world_size % 2 == 0
+    available = [name for name in systems() if hybrid_ok or name not in HYBRID]
     args.systems = [s.strip() for s in args.systems.split(",")] if args.systems else available
 
     meta = {k: getattr(args, k) for k in ("world_size", "dim", "layers", "heads", "vocab", "seq", "batch",
@@ -247,6 +270,9 @@ def main(argv=None):
                     f"{args.rounds} rounds", ["system", "step ms (median)", "min", "peak MiB/rank",
                                               "fwd+bwd peak", "time / torch_fsdp2", "peak / torch_fsdp2",
                                               "fwd+bwd peak / torch_fsdp2"], rows)
+        if "hsdp" in r and "torch_hsdp" in r:
+            print(f"{backend}: hsdp / torch_hsdp: step time {r['hsdp']['median_ms'] / r['torch_hsdp']['median_ms']:.2f}x, "
+                  f"peak {r['hsdp']['peak_bytes'] / r['torch_hsdp']['peak_bytes']:.2f}x")
     print(f"\n{meta['date']}, torch {meta['torch']}, load average {meta['load_before']:.1f} before, "
           f"{meta['load_after']:.1f} after (2 cores)")
     if args.json:

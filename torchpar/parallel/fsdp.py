@@ -122,9 +122,10 @@ class _Unit:
     """Python-side state of one unit: where its parameters are registered, and its two sets of
     parameter objects (the pieces, the gathered)."""
 
-    def __init__(self, flat, group, sites, sharded, unsharded, param_dtype):
+    def __init__(self, flat, group, sites, sharded, unsharded, param_dtype, replicate_group=None):
         self.flat = flat
         self.group = group            # the process group it shards over
+        self.replicate_group = replicate_group  # hybrid sharding: the one it all-reduces over
         self.sites = sites            # (module, attribute, parameter index, name relative to the unit)
         self.sharded = sharded
         self.unsharded = unsharded
@@ -163,14 +164,33 @@ _CLASSES = {}
 _TAKEN = {}
 
 
-def fully_shard(module, group=None, reshard_after_forward=True, mixed_precision=None):
+def fully_shard(module, group=None, reshard_after_forward=True, mixed_precision=None, *, mesh=None,
+                replicate_group=None):
     """Shard the parameters of ``module`` not owned by an already sharded submodule over
     ``group`` (default: the world), as torch's ``torch.distributed.fsdp.fully_shard``. Every rank
-    must wrap the same model in the same order (checked: shapes, dtypes; one collective per call).
+    must wrap the same model in the same order (checked: shapes, dtypes; collectives per call).
     ``mixed_precision``: a ``torchpar.parallel.MixedPrecision``; the shards stay in
     ``master_dtype``, forward and backward run on parameters gathered in ``param_dtype`` (floating
     inputs are cast to it), gradients are reduce-scattered in ``reduce_dtype``. Build the
-    optimizer afterwards, on ``module.parameters()``. Returns ``module``."""
+    optimizer afterwards, on ``module.parameters()``. Returns ``module``.
+
+    Hybrid sharding (HSDP, as torch's FSDP2 with a 2-D mesh; Zhang et al. 2022, "MiCS",
+    arXiv:2205.00119): ``mesh``, a ``DeviceMesh`` of shape (replicate, shard), shards over its
+    second dimension and replicates over its first; ``replicate_group`` says the same with groups
+    (``group`` shards, ``replicate_group`` holds this rank's counterparts in the other replicas).
+    Parameters are gathered within the shard group only; each reduced gradient shard is then
+    all-reduced across the replicas. A 1-D ``mesh`` is the same as its group. Every unit of one
+    model must use the same replicate group."""
+    if mesh is not None:
+        if group is not None or replicate_group is not None:
+            raise ValueError("torchpar fully_shard: pass a mesh, or groups (group, replicate_group), not both")
+        if mesh.ndim == 1:
+            group = mesh.get_group(0)
+        elif mesh.ndim == 2:
+            replicate_group, group = mesh.get_group(0), mesh.get_group(1)
+        else:
+            raise ValueError(f"torchpar fully_shard: a mesh of 1 (shard) or 2 (replicate, shard) dimensions, "
+                             f"got {mesh.ndim}: {tuple(mesh.shape)}")
     group = group if group is not None else dist.group.WORLD
     if group is None:
         raise RuntimeError("torchpar fully_shard: call torch.distributed.init_process_group first")
@@ -202,12 +222,13 @@ def fully_shard(module, group=None, reshard_after_forward=True, mixed_precision=
     reduce_dtype = (mp.reduce_dtype or param_dtype) if mp is not None else None
     tensors = [p if mp is None or p.dtype == mp.master_dtype
                else p.detach().to(mp.master_dtype).requires_grad_(p.requires_grad) for _, p in params]
-    flat = _C.FlatParam(tensors, [n for n, _ in params], group, reshard_after_forward, param_dtype, reduce_dtype)
+    flat = _C.FlatParam(tensors, [n for n, _ in params], group, reshard_after_forward, param_dtype, reduce_dtype,
+                        replicate_group)
     sharded = [nn.Parameter(v, requires_grad=p.requires_grad) for v, (_, p) in zip(flat.shard_views(), params)]
     unsharded = [nn.Parameter(v, requires_grad=p.requires_grad) for v, (_, p) in zip(flat.unsharded_views(), params)]
     flat.bind(sharded, unsharded)
     _carry_over(params, sharded, unsharded)
-    unit = _Unit(flat, group, sites, sharded, unsharded, param_dtype)
+    unit = _Unit(flat, group, sites, sharded, unsharded, param_dtype, replicate_group)
     unit.register(sharded)
     for name, p in params:
         _TAKEN[id(p)] = (weakref.ref(p, lambda _, key=id(p): _TAKEN.pop(key, None)),
@@ -242,6 +263,13 @@ def _lazy_init(root):
     """At the first forward of a unit outside any other: it is a root; it and every unit below
     it without an engine share one (the root first, so the engine knows the order to record)."""
     units = [m._fsdp for m in root.modules() if isinstance(m, FSDPModule) and m._fsdp.engine is None]
+    replicas = {id(u.replicate_group) if u.flat.replicas > 1 else None for u in units}
+    if len(replicas) > 1:
+        # The engine all-reduces each unit across the replicas in one agreed order; a unit left
+        # out would leave its replicas' copies to drift apart.
+        raise ValueError("torchpar fully_shard: the units of one model must all replicate over the same group "
+                         "(hybrid sharding), or none of them: apply fully_shard with the same mesh or "
+                         "replicate_group to every submodule and the root")
     engine = _C.FsdpEngine([u.flat for u in units], 0)
     for i, u in enumerate(units):
         u.engine, u.index = engine, i

@@ -168,10 +168,10 @@ class ShardedPeers:
         self.modules = modules
         self.groups = {}  # id -> (group, device of its flag)
         for m in modules:
-            group = m._fsdp.group
-            if dist.get_world_size(group) > 1:
-                device = m._fsdp.sharded[0].device if m._fsdp.sharded else torch.device("cpu")
-                self.groups.setdefault(id(group), (group, device))
+            device = m._fsdp.sharded[0].device if m._fsdp.sharded else torch.device("cpu")
+            for group in (m._fsdp.group, m._fsdp.replicate_group):  # hybrid sharding: both
+                if group is not None and dist.get_world_size(group) > 1:
+                    self.groups.setdefault(id(group), (group, device))
         self.started = False
 
     def agree_to_start(self, failed):
