@@ -468,19 +468,22 @@ def test_data_parallel_peers_of_a_failed_armed_pipeline_are_not_left_in_its_redu
     _check_data_parallel_outcome(errors, where)
 
 
-def _fully_shard_pipelines(rank, last_stage, m=4, dp_backend=None):
+def _fully_shard_pipelines(rank, last_stage, m=4, dp_backend=None, hybrid=False):
     """pp=2 x dp=2 (pipelines {0,1}, {2,3}; data parallel {0,2}, {1,3}), each stage of
     ``Sequential(Sequential(Linear, Tanh), last_stage())`` (made after seeding: the same on every
-    rank) fully_shard over its data-parallel pair,
-    in a Schedule1F1B of ``m`` micro-batches; each pipeline trains on its half of one batch."""
+    rank) fully_shard over its data-parallel pair (``hybrid``: sharded over the rank alone and
+    replicated over the pair, HSDP), in a Schedule1F1B of ``m`` micro-batches; each pipeline
+    trains on its half of one batch."""
     from types import SimpleNamespace
     from torchpar.parallel import fully_shard
     pps = [dist.new_group([0, 1]), dist.new_group([2, 3])]
     dps = [dist.new_group([0, 2], backend=dp_backend), dist.new_group([1, 3], backend=dp_backend)]
+    alone = [dist.new_group([r]) for r in range(4)]
     dp_rank, stage_index = rank // 2, rank % 2
     torch.manual_seed(0)
     whole = nn.Sequential(nn.Sequential(nn.Linear(8, 8), nn.Tanh()), last_stage())
-    module = fully_shard(copy.deepcopy(whole[stage_index]), dps[stage_index])
+    groups = dict(group=alone[rank], replicate_group=dps[stage_index]) if hybrid else dict(group=dps[stage_index])
+    module = fully_shard(copy.deepcopy(whole[stage_index]), **groups)
     x, y = torch.randn(16, 8), torch.randn(16, 8)
     xs, ys = x.chunk(2)[dp_rank], y.chunk(2)[dp_rank]
     sched = Schedule1F1B(PipelineStage(module, stage_index, 2, group=pps[dp_rank]), m, loss_fn=_mse)
@@ -530,16 +533,17 @@ def test_fully_shard_stage_after_a_failed_step_reduces_only_the_next_steps_gradi
     spawn(_fully_shard_after_a_failed_step, 4, timeout=BOUND)
 
 
-def _data_parallel_peers_of_a_failed_fully_shard_pipeline(rank, world_size, init_file, where):
+def _data_parallel_peers_of_a_failed_fully_shard_pipeline(rank, world_size, init_file, where, hybrid):
     """pp=2 x dp=2 as above, each stage fully_shard over its torchpar data-parallel pair; only
     rank 1's stage raises, in its second forward or in its last backward, before its unit's
     reduce-scatter. Rank 3, the same stage in the other pipeline, waits in that reduce-scatter
     for rank 1: it must fail at once, with rank 1's error, because rank 1 aborts the group (its
     step cannot issue the rest); its pipeline then fails too. Every rank raises, the
-    data-parallel groups are unusable (a clear error, not a hang), nothing is left in /dev/shm."""
+    data-parallel groups are unusable (a clear error, not a hang), nothing is left in /dev/shm.
+    ``hybrid``: the pair is each stage's replicate group (HSDP), rank 3 waits in the all-reduce."""
     _init(rank, world_size, init_file, "torchpar")
     try:
-        t = _fully_shard_pipelines(rank, lambda: _FailsOnRankOne(4))
+        t = _fully_shard_pipelines(rank, lambda: _FailsOnRankOne(4), hybrid=hybrid)
         if rank == 1:
             t.module.fail = where
         dps, stage_index = t.dps, t.stage_index
@@ -560,13 +564,14 @@ def _data_parallel_peers_of_a_failed_fully_shard_pipeline(rank, world_size, init
 
 
 @pytest.mark.timeout(BOUND)
+@pytest.mark.parametrize("hybrid", [False, True], ids=["sharded", "hybrid"])
 @pytest.mark.parametrize("where", ["forward", "armed backward"])
-def test_fully_shard_peers_of_a_failed_pipeline_fail_at_once(where):
+def test_fully_shard_peers_of_a_failed_pipeline_fail_at_once(where, hybrid):
     """A limit docs/pipeline.md listed: with fully_shard stages, a failure in one pipeline left
     the same stage's replicas in the others waiting in a unit's collective until the failed
     process exited or the group's timeout (or, were the failed rank to step again, pairing it
     with its next step's collectives)."""
-    results = spawn(_data_parallel_peers_of_a_failed_fully_shard_pipeline, 4, where, timeout=BOUND)
+    results = spawn(_data_parallel_peers_of_a_failed_fully_shard_pipeline, 4, where, hybrid, timeout=BOUND)
     for rank, ((error, after), shm_left) in enumerate(results):
         assert error is not None and "boom in" in error, f"rank {rank}: {error}"
         # A rank that aborted the group finds it shut down; the others, aborted.
@@ -579,7 +584,7 @@ def test_fully_shard_peers_of_a_failed_pipeline_fail_at_once(where):
         "pipeline rank 1 (global rank 1) failed" in error3, error3
 
 
-def _fully_shard_after_bad_input(rank, world_size, init_file, who):
+def _fully_shard_after_bad_input(rank, world_size, init_file, who, hybrid):
     """pp=2 x dp=2, fully_shard stages over torchpar data-parallel pairs. In the first step
     the first stage's batch does not split into the micro-batches, on pipeline 0 only or on
     both (``who``): nothing has run, so no group is aborted: every rank raises (those of
@@ -588,7 +593,7 @@ def _fully_shard_after_bad_input(rank, world_size, init_file, who):
     aborted, and the next step failed on them)."""
     _init(rank, world_size, init_file, "torchpar")
     try:
-        t = _fully_shard_pipelines(rank, lambda: nn.Linear(8, 8))
+        t = _fully_shard_pipelines(rank, lambda: nn.Linear(8, 8), hybrid=hybrid)
         bad = who == "both" or t.dp_rank == 0
         with pytest.raises((ValueError, RuntimeError)) as raised:
             t.sched.step(*((t.xs[:-1],) if bad and t.args else t.args), **t.kw)
@@ -604,6 +609,7 @@ def _fully_shard_after_bad_input(rank, world_size, init_file, who):
 
 
 @pytest.mark.timeout(BOUND)
-@pytest.mark.parametrize("who", ["one pipeline", "both"])
-def test_fully_shard_groups_survive_a_step_that_failed_before_running(who):
-    spawn(_fully_shard_after_bad_input, 4, who, timeout=BOUND)
+@pytest.mark.parametrize("who,hybrid", [("one pipeline", False), ("both", False), ("one pipeline", True)],
+                         ids=["one pipeline", "both", "one pipeline, hybrid"])
+def test_fully_shard_groups_survive_a_step_that_failed_before_running(who, hybrid):
+    spawn(_fully_shard_after_bad_input, 4, who, hybrid, timeout=BOUND)
