@@ -9,7 +9,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 
-from test_fsdp import BACKENDS, Net, _assert_matches, _assert_shard_grads, _batch, _loss, _part, _pool, _setup
+from test_fsdp import BACKENDS, Block, Net, _assert_matches, _assert_shard_grads, _batch, _loss, _part, _pool, _setup
 from torchpar.parallel import FSDPModule, MixedPrecision, fully_shard
 
 
@@ -149,11 +149,17 @@ def _bad_input(ctx):
     _setup(ctx)
     mesh = init_device_mesh("cpu", (2, 2))
     errors = {
+        # only rank 1's model differs: rank 2 shares neither its shard nor its replicate group
+        "one rank": _error_of(lambda: fully_shard(Net(d=6 if ctx.rank == 1 else 7), mesh=mesh)),
         "3-d": _error_of(lambda: fully_shard(Net(), mesh=init_device_mesh("cpu", (2, 1, 2)))),
         "both": _error_of(lambda: fully_shard(Net(), ctx.pg, mesh=mesh)),
         # replica 1 has a wider model than replica 0; each shard group agrees within itself
         "replicas differ": _error_of(lambda: fully_shard(Net(d=7 if ctx.rank < 2 else 6), mesh=mesh)),
     }
+    # replica groups {0, 3} and {1, 2} pair shard 0 of one replica with shard 1 of the other
+    crossed = [dist.new_group([0, 3]), dist.new_group([1, 2])]
+    errors["crossed"] = _error_of(lambda: fully_shard(Net(), group=mesh.get_group(1),
+                                                      replicate_group=crossed[0 if ctx.rank in (0, 3) else 1]))
     model = Net()
     fully_shard(model.blocks[0], group=mesh.get_group(1))  # not replicated, unlike the root
     fully_shard(model, mesh=mesh)
@@ -169,3 +175,58 @@ def test_bad_input_raises_on_every_rank(backend):
         e = errors["replicas differ"]
         assert e and "differ across replicas" in e and "'inp.weight'" in e and "[7, 5]" in e and "[6, 5]" in e, (rank, errors)
         assert "must all replicate over the same group" in errors["mixed units"], errors
+        assert "pairs ranks that hold different shards" in errors["crossed"], errors
+        assert errors["one rank"] and "differ" in errors["one rank"], (rank, errors)
+        if rank == 2:
+            assert "outside this rank's shard and replicate groups" in errors["one rank"], errors
+
+
+class _OrderByData(torch.nn.Module):
+    """Two blocks whose order follows the sign of the input: the first units of backward."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.inp = torch.nn.Linear(5, 7)
+        self.blocks = torch.nn.ModuleList(Block(7) for _ in range(2))
+        self.out = torch.nn.Linear(7, 3)
+
+    def forward(self, x):
+        h = self.inp(x)
+        a, b = self.blocks
+        return self.out(a(h) + b(h) if x.sum() > 0 else b(h) + a(h))
+
+
+def _one_replica_out_of_step(ctx):
+    """Step 0: rank 0 alone runs the blocks in the other order, so its shard group's
+    reduce-scatters pair different units and raise. The other replica's had paired rightly and
+    waits in the all-reduce: it must raise in the same step (review: it waited, then paired with
+    replica 0's next step, silently). Step 1, the same order everywhere: one process's gradients."""
+    _setup(ctx)
+    model = _OrderByData()
+    ref = copy.deepcopy(model)
+    _shard(model, mesh=init_device_mesh("cpu", (2, 2)))
+    results = []
+    for step in range(2):
+        x, y = _batch(step, 2 * ctx.world_size)
+        x = x - 3.0  # every rank's part sums below 0 ...
+        xs = _part(x, ctx) + (6.0 if step == 0 and ctx.rank == 0 else 0.0)  # ... but rank 0's in step 0
+        for p in model.parameters():
+            p.grad = None
+        try:
+            _loss(model(xs), _part(y, ctx)).backward()
+            results.append(None)
+        except RuntimeError as e:
+            results.append(str(e))
+    ref.zero_grad()
+    _loss(ref(x), y).backward()
+    _assert_shard_grads(model, ref, 1)
+    return results
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_replica_whose_reduce_scatter_failed_fails_the_others(backend):
+    for rank, (step0, step1) in enumerate(_pool(backend, 4).run(_one_replica_out_of_step)):
+        assert step1 is None, (rank, step1)
+        want = "reduce-scatters of the ranks went out of step" if rank < 2 else "all-reduces across replicas went out"
+        assert step0 and want in step0, (rank, step0)

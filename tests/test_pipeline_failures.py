@@ -613,3 +613,47 @@ def _fully_shard_after_bad_input(rank, world_size, init_file, who, hybrid):
                          ids=["one pipeline", "both", "one pipeline, hybrid"])
 def test_fully_shard_groups_survive_a_step_that_failed_before_running(who, hybrid):
     spawn(_fully_shard_after_bad_input, 4, who, hybrid, timeout=BOUND)
+
+
+def _hybrid_stage_bad_input_on_one_rank(rank, world_size, init_file, backend):
+    """Four one-stage pipelines, their stage sharded over a 2 x 2 mesh (shard {0,1}, {2,3};
+    replicate {0,2}, {1,3}); rank 0's batch does not split into the micro-batches. Rank 3 shares
+    no group with rank 0: the agreement must reach it through rank 1 or 2 (review: with one
+    exchange per group it started its actions, and the step after failed too, or on gloo every
+    rank waited until the timeout). Every rank raises; the next step runs and equals one process."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torchpar.parallel import fully_shard
+    _init(rank, world_size, init_file, backend)
+    try:
+        mesh = init_device_mesh("cpu", (2, 2))
+        alone = [dist.new_group([r]) for r in range(world_size)]
+        torch.manual_seed(0)
+        whole = nn.Sequential(nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 8))
+        module = fully_shard(copy.deepcopy(whole), mesh=mesh)
+        x, y = torch.randn(16, 8), torch.randn(16, 8)
+        xs, ys = x.chunk(world_size)[rank], y.chunk(world_size)[rank]
+        sched = Schedule1F1B(PipelineStage(module, 0, 1, group=alone[rank]), 2, loss_fn=_mse)
+        with pytest.raises((ValueError, RuntimeError)) as raised:
+            sched.step(xs[:-1] if rank == 0 else xs, target=ys)
+        sched.step(xs, target=ys)
+        grads = {n: p.grad.clone() for n, p in module.named_parameters()}
+        ref = copy.deepcopy(whole)
+        _mse(ref(x), y).backward()
+        for n, p in module.named_parameters():  # this rank's piece of each gradient
+            unit = module._fsdp
+            i = [site[3] for site in unit.sites].index(n)
+            start, length = unit.flat.shard_range(i)
+            want = ref.get_parameter(n).grad.reshape(-1)[start:start + length]
+            torch.testing.assert_close(grads[n], want, rtol=1e-5, atol=1e-6, msg=lambda m: f"{n}: {m}")
+        return _answer(backend, world_size, str(raised.value))
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.timeout(BOUND)
+@pytest.mark.parametrize("backend", ["torchpar", "gloo"])
+def test_hybrid_sharded_stages_agree_across_the_whole_mesh(backend):
+    errors = spawn(_hybrid_stage_bad_input_on_one_rank, 4, backend, timeout=BOUND)
+    assert "does not split into 2 micro-batches" in errors[0], errors[0]
+    for rank in (1, 2, 3):
+        assert "the step failed to start on its data-parallel peer(s) rank 0" in errors[rank], (rank, errors[rank])

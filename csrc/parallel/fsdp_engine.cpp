@@ -468,6 +468,20 @@ void FsdpEngine::start_reduce_scatter_locked(int64_t unit, bool real_grads) {
   record(FsdpEvent::kReduceScatterLaunch, unit);
 }
 
+std::string FsdpEngine::describe_tag(double tag) const {
+  std::ostringstream out;
+  if (tag == 0 || std::fabs(tag) != std::floor(std::fabs(tag))) {
+    out << "something else (tag " << tag << ")";
+    return out.str();
+  }
+  const int64_t other = static_cast<int64_t>(std::fabs(tag)) - 1;
+  out << "unit " << other;
+  if (other >= 0 && other < static_cast<int64_t>(units_.size()) && units_[other].flat->size()) {
+    out << " ('" << units_[other].flat->name(0) << "', ...)";
+  }
+  return out.str();
+}
+
 void FsdpEngine::finish_reduce_scatter_locked() {
   if (!in_flight_.work) {
     return;
@@ -486,19 +500,19 @@ void FsdpEngine::finish_reduce_scatter_locked() {
       std::ostringstream msg;
       msg << "torchpar fully_shard: the gradient reduce-scatters of the ranks went out of step: rank "
           << flat.rank() << " reduced unit " << done.unit << " ('" << (flat.size() ? flat.name(0) : "") << "', ...)"
-          << " while rank " << r << " reduced ";
-      if (tags[r] == 0 || std::fabs(tags[r]) != std::floor(std::fabs(tags[r]))) {
-        msg << "something else (tag " << tags[r] << ")";
-      } else {
-        const int64_t other = static_cast<int64_t>(std::fabs(tags[r])) - 1;
-        msg << "unit " << other;
-        if (other >= 0 && other < static_cast<int64_t>(units_.size()) && units_[other].flat->size()) {
-          msg << " ('" << units_[other].flat->name(0) << "', ...)";
-        }
-      }
-      msg << ". The ranks ran their units in orders the engine cannot line up (units whose order "
+          << " while rank " << r << " reduced " << describe_tag(tags[r])
+          << ". The ranks ran their units in orders the engine cannot line up (units whose order "
              "depends on the data, a unit no rank ran in the first step, or a unit run more times on "
              "some ranks than on others); this step's gradients are incomplete: do not step on them.";
+      if (flat.replicated()) {
+        // The other replicas' shard groups may have paired this unit rightly and wait in its
+        // all-reduce: give them one whose tag (0) pairs with nothing, so that they raise too
+        // (review finding: they waited, then paired with this replica's next step).
+        try {
+          flat.start_replica_all_reduce(done.out, false, 0.0)->wait();
+        } catch (const std::exception&) {  // this error is the one to raise
+        }
+      }
       TORCH_CHECK(false, msg.str());
     }
     any_grads = any_grads || tags[r] > 0;
@@ -528,10 +542,9 @@ void FsdpEngine::finish_all_reduce_locked() {
     // whose order depends on the data may differ between them).
     TORCH_CHECK(slots.tags[r] == mine, "torchpar fully_shard: the gradient all-reduces across replicas went out "
                 "of step: replica ", flat.replica(), " reduced unit ", done.unit, " ('", flat.size() ? flat.name(0) : "",
-                "', ...) while replica ", r, " reduced ", (slots.tags[r] == 0 ? std::string("something else")
-                : "the unit of tag " + std::to_string(static_cast<int64_t>(slots.tags[r]))),
-                ". The replicas ran their units in different orders; this step's gradients are incomplete: "
-                "do not step on them.");
+                "', ...) while replica ", r, " reduced ", describe_tag(slots.tags[r]),
+                ". The replicas ran their units in different orders, or one of them failed this unit's "
+                "reduce-scatter; this step's gradients are incomplete: do not step on them.");
   }
   if (slots.any_grads) {
     flat.deliver_grads(done.out);

@@ -181,6 +181,8 @@ class FsdpEngine : public std::enable_shared_from_this<FsdpEngine> {
   StepStart agree_step_start_locked(bool grad_enabled, bool pending);
   void finish_reduce_scatter_locked();
   void finish_all_reduce_locked();
+  // A reduce-scatter's or all-reduce's unit tag in words: "unit 3 ('fc1.weight', ...)".
+  std::string describe_tag(double tag) const;
   void begin_step_locked(const std::vector<bool>& keep);
   void record(FsdpEvent::Kind kind, int64_t unit);
   FsdpMemory memory_locked() const;

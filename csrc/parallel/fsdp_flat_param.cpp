@@ -75,9 +75,30 @@ FlatParam::FlatParam(const std::vector<at::Tensor>& params, std::vector<std::str
   // Across ranks first, so that a rank whose model differs fails together with the others. Both
   // groups' checks run before either raises: a replica whose shard group passed would otherwise
   // wait in the replicate group's check for ranks that raised.
-  const std::string differs = mismatch_across(group_, "rank", params);
-  const std::string replicas_differ = replicated() ? mismatch_across(replicate_, "replica", params) : "";
-  TORCH_CHECK(differs.empty() && replicas_differ.empty(), differs.empty() ? replicas_differ : differs);
+  std::string differs = mismatch_across(group_, "rank", params);
+  if (replicated()) {
+    const at::Device device = params.empty() ? at::Device(at::kCPU) : params[0].device();
+    for (std::string other : {misaligned_replicas(device), mismatch_across(replicate_, "replica", params)}) {
+      if (differs.empty()) differs = std::move(other);
+    }
+    // A rank can find nothing wrong in both of its groups while a rank in neither found something
+    // (only rank (1, 0)'s model differs: rank (0, 1) shares no group with it). Whether any rank
+    // did goes round the shard group, then the replicate group: that reaches every rank of the
+    // mesh, so all of them raise (review finding).
+    at::Tensor any = at::tensor({differs.empty() ? 0 : 1}, at::TensorOptions().dtype(at::kInt)).to(device);
+    for (const auto* g : {&group_, &replicate_}) {
+      std::vector<at::Tensor> tensors{any};
+      c10d::AllreduceOptions opts;
+      opts.reduceOp = c10d::ReduceOp::MAX;
+      (*g)->allreduce(tensors, opts)->wait();
+    }
+    if (differs.empty() && any.cpu().item<int>() != 0) {
+      differs = "torchpar fully_shard: the parameters (or the shards the replicate group pairs) differ on ranks "
+                "outside this rank's shard and replicate groups; their error names them. Every rank must wrap "
+                "the same model.";
+    }
+  }
+  TORCH_CHECK(differs.empty(), differs);
 
   at::TensorOptions opts = params.empty() ? at::TensorOptions().dtype(at::kFloat) : params[0].options();
   for (size_t i = 0; i < params.size(); ++i) {
@@ -371,6 +392,30 @@ int64_t FlatParam::sharded_grad_bytes(std::vector<const void*>& seen) const {
     }
   }
   return bytes;
+}
+
+std::string FlatParam::misaligned_replicas(const at::Device& device) const {
+  // Every member of the replicate group must hold the same shard (position and count): the
+  // all-reduce sums shard `rank_` of each replica, and a group pairing other positions would sum
+  // unrelated elements without any other sign.
+  at::Tensor mine = at::tensor({world_, rank_}, at::TensorOptions().dtype(at::kLong));
+  std::vector<at::Tensor> in{mine.to(device)};
+  std::vector<std::vector<at::Tensor>> out(1);
+  for (int64_t r = 0; r < replicas_; ++r) out[0].push_back(at::empty_like(in[0]));
+  replicate_->allgather(out, in)->wait();
+  for (int64_t r = 0; r < replicas_; ++r) {
+    at::Tensor theirs = out[0][r].cpu();
+    if (!at::equal(theirs, mine)) {
+      std::ostringstream msg;
+      msg << "torchpar fully_shard: the replicate group pairs ranks that hold different shards: replica "
+          << replica_ << " holds shard " << rank_ << " of " << world_ << ", replica " << r << " holds shard "
+          << theirs[1].item<int64_t>() << " of " << theirs[0].item<int64_t>()
+          << ". Each replicate group takes the ranks at one position of every shard group (a mesh of shape "
+             "(replicate, shard) makes them so).";
+      return msg.str();
+    }
+  }
+  return "";
 }
 
 std::string FlatParam::mismatch_across(const c10::intrusive_ptr<c10d::ProcessGroup>& group, const char* member,

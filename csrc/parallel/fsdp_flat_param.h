@@ -160,6 +160,9 @@ class FlatParam {
   // `group` ("rank" or "replica" in the message), or "" (two all-gathers).
   std::string mismatch_across(const c10::intrusive_ptr<c10d::ProcessGroup>& group, const char* member,
                               const std::vector<at::Tensor>& params) const;
+  // Hybrid sharding: a message where the replicate group's members hold different shards (their
+  // shard rank or shard group size differ), or "" (one all-gather over the replicate group).
+  std::string misaligned_replicas(const at::Device& device) const;
   // A packed gradient buffer (see start_reduce_scatter): chunk stride, and `src` (flat) written
   // (or added) at flat offset `offset`, split at the chunk boundaries.
   int64_t packed_stride() const { return shard_numel_ + world_; }

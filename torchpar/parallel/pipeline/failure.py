@@ -28,7 +28,7 @@ are aborted all the same: ``ShardedPeers``).
 
 Under pipeline x data parallelism the failure reaches the same stage's replicas in the other
 pipelines too: a stage whose DDP averages after the step first tells its data-parallel peers
-whether its step ended (``agree_on_outcome``: one all-gather of a flag over the DP group, which
+whether its step ended (``agree_on_outcome``: one all-reduce of flags over the DP group, which
 the failed rank joins from its error path), and every peer of a failed rank raises instead of
 waiting in the average for a rank that will not come, until that rank's process exits or the
 group's timeout. Nothing is aborted, so the DDP modules and their groups go on with the next
@@ -150,8 +150,8 @@ class ShardedPeers:
     stages in the other pipelines, across a failed step.
 
     A failure before the step's actions start (bad input, the pipeline's agreement) is agreed on
-    with those peers (``agree_to_start``: one all-gather of a flag over each group the units
-    shard over, every step, at the same point on every rank), so every peer raises and nothing
+    with those peers (``agree_to_start``: one all-reduce of flags over each group the units
+    shard or replicate over, every step, at the same point on every rank), so every peer raises and nothing
     is left waiting: the groups go on. Once the actions run, a peer may be waiting in a unit's
     all-gather or reduce-scatter for this rank, which cannot issue the rest of its step's
     collectives in their order. So a failure from there on aborts those groups, with the
@@ -229,15 +229,20 @@ def abort_with_reason(group, reason):
 
 
 def agree_on_outcome(groups, failed):
-    """Tells the data-parallel peers in ``groups`` ((group, device) pairs: the flag goes on the
+    """Tells the data-parallel peers in ``groups`` ((group, device) pairs: the flags go on the
     device the group reduces the stage's gradients on, which an NCCL group needs) whether this
     rank's step failed, and learns whether theirs did: the global ranks that failed. Every rank
     of each group calls it once per step of its DDP stages, from the error path or after the
-    schedule ran, with the groups in the same order."""
-    failed_ranks = []
+    schedule ran, with the groups in the same order.
+
+    One all-reduce (max) per group of a flag per global rank, each carrying what the groups before
+    it told: through a hybrid-sharded stage's shard group and then its replicate group, a failure
+    reaches the ranks that share neither group with the failed one (review finding: one exchange
+    per group left them starting their actions)."""
+    flags = torch.zeros(dist.get_world_size(), dtype=torch.int32)
+    if failed:
+        flags[dist.get_rank()] = 1
     for group, device in groups:
-        flag = torch.tensor([int(failed)], dtype=torch.int64, device=device)
-        flags = [torch.empty_like(flag) for _ in range(dist.get_world_size(group))]
-        dist.all_gather(flags, flag, group=group)
-        failed_ranks += [dist.get_global_rank(group, i) for i, f in enumerate(flags) if f.item()]
-    return sorted(set(failed_ranks))
+        flags = flags.to(device)
+        dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=group)
+    return [r for r, f in enumerate(flags.cpu().tolist()) if f]
