@@ -36,7 +36,8 @@ def _layout(ctx, form, replicas):
 def _train_vs_single_process(ctx, form, replicas, accumulate, mixed, steps=3):
     """Each rank trains on its 1/W of every batch (replicas are data parallel too); the weights
     equal one process training on the whole batch, step for step. `accumulate`: each step is two
-    micro-batches, the first under no_sync."""
+    micro-batches, the first under no_sync ("no_sync": nothing communicated) or with
+    set_requires_all_reduce(False) ("within replica": reduce-scattered, not all-reduced)."""
     _setup(ctx)
     model = Net()
     ref = copy.deepcopy(model)
@@ -51,9 +52,16 @@ def _train_vs_single_process(ctx, form, replicas, accumulate, mixed, steps=3):
         x, y = _batch(step, 4 * ctx.world_size)
         xs, ys = _part(x, ctx), _part(y, ctx)
         opt.zero_grad()
-        if accumulate:
+        if accumulate == "no_sync":
             with model.no_sync():
                 (_loss(model(xs[:2]), ys[:2]) / 2).backward()
+            (_loss(model(xs[2:]), ys[2:]) / 2).backward()
+        elif accumulate == "within replica":
+            model.set_requires_all_reduce(False)
+            (_loss(model(xs[:2]), ys[:2]) / 2).backward()
+            events = [k for k, _ in model.fsdp_engine.trace()]
+            assert "reduce_scatter_launch" in events and "all_reduce_launch" not in events, events
+            model.set_requires_all_reduce(True)
             (_loss(model(xs[2:]), ys[2:]) / 2).backward()
         else:
             _loss(model(xs), ys).backward()
@@ -74,9 +82,9 @@ def _train_vs_single_process(ctx, form, replicas, accumulate, mixed, steps=3):
 
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("form,replicas,accumulate,mixed", [
-    ("mesh", 2, False, False), ("groups", 2, False, False), ("mesh", 2, True, False),
-    ("mesh", 2, False, True), ("mesh", 4, False, False)],
-    ids=["2x2-mesh", "2x2-groups", "2x2-no_sync", "2x2-bf16", "4x1-mesh"])
+    ("mesh", 2, None, False), ("groups", 2, None, False), ("mesh", 2, "no_sync", False),
+    ("mesh", 2, "within replica", False), ("mesh", 2, None, True), ("mesh", 4, None, False)],
+    ids=["2x2-mesh", "2x2-groups", "2x2-no_sync", "2x2-no_all_reduce", "2x2-bf16", "4x1-mesh"])
 def test_hybrid_training_equals_single_process(backend, form, replicas, accumulate, mixed):
     _pool(backend, 4).run(_train_vs_single_process, form, replicas, accumulate, mixed)
 

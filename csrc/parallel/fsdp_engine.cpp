@@ -517,7 +517,10 @@ void FsdpEngine::finish_reduce_scatter_locked() {
     }
     any_grads = any_grads || tags[r] > 0;
   }
-  if (flat.replicated()) {
+  if (flat.replicated() && !flat.requires_all_reduce) {
+    flat.add_partial(done.out);  // summed within the replica; the next all-reduce takes it
+  } else if (flat.replicated()) {
+    any_grads = flat.take_partial(done.out) || any_grads;
     finish_all_reduce_locked();
     all_reduce_ = InFlight{done.unit, flat.start_replica_all_reduce(done.out, any_grads, mine), {}, done.out};
     record(FsdpEvent::kAllReduceLaunch, done.unit);

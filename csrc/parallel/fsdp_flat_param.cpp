@@ -377,7 +377,28 @@ int64_t FlatParam::unsharded_grad_bytes() const {
 }
 
 int64_t FlatParam::accumulator_bytes() const {
-  return accumulator_.defined() ? static_cast<int64_t>(accumulator_.nbytes()) : 0;
+  return (accumulator_.defined() ? static_cast<int64_t>(accumulator_.nbytes()) : 0) +
+         (partial_.defined() ? static_cast<int64_t>(partial_.nbytes()) : 0);
+}
+
+void FlatParam::add_partial(const at::Tensor& reduced) {
+  at::NoGradGuard no_grad;
+  const at::Tensor chunk = reduced.narrow(0, 0, shard_numel_);
+  if (partial_.defined()) {
+    partial_.add_(chunk);
+  } else {
+    partial_ = chunk.clone();
+  }
+}
+
+bool FlatParam::take_partial(at::Tensor& out) {
+  if (!partial_.defined()) {
+    return false;
+  }
+  at::NoGradGuard no_grad;
+  out.narrow(0, 0, shard_numel_).add_(partial_);
+  partial_.reset();
+  return true;
 }
 
 int64_t FlatParam::sharded_grad_bytes(std::vector<const void*>& seen) const {

@@ -133,6 +133,13 @@ class FlatParam {
   const at::Tensor& accumulator() const { return accumulator_; }
   void set_accumulator(at::Tensor accumulator);
   bool requires_grad_sync = true;
+  // Hybrid sharding, false (torch FSDP2's set_requires_all_reduce): a backward reduce-scatters
+  // within the shard group and keeps the result in a sharded partial sum instead of all-reducing
+  // it across the replicas; the next all-reduce adds it in (add_partial / take_partial).
+  bool requires_all_reduce = true;
+  void add_partial(const at::Tensor& reduced);
+  // Add the kept partial sum into a reduce-scatter output and drop it; whether there was one.
+  bool take_partial(at::Tensor& out);
   // False: a backward that does not sync gradients (no_sync, a pipeline's earlier micro-batches)
   // leaves the unit gathered for the next forward and backward, which then skip its all-gather
   // (fsdp_engine.h, "Kept gathered"). A syncing backward frees it whatever this says.
@@ -190,6 +197,7 @@ class FlatParam {
   int64_t gathered_version_ = -1;  // shard_'s version counter when the last gather started
   int64_t gathered_steps_ = -1;    // optimizer_steps then
   at::Tensor accumulator_;    // no_sync's local gradient sum, [padded_numel], reduce dtype
+  at::Tensor partial_;        // requires_all_reduce false: the shard group's sums, [shard_numel]
   std::vector<at::Tensor> sharded_, unsharded_;
 };
 

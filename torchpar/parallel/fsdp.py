@@ -44,6 +44,17 @@ class FSDPModule:
             if isinstance(m, FSDPModule):
                 m._fsdp.flat.requires_grad_sync = bool(requires_gradient_sync)
 
+    def set_requires_all_reduce(self, requires_all_reduce, *, recurse=True):
+        """Hybrid sharding: with False, backward reduce-scatters each unit's gradients within its
+        shard group and keeps the sum sharded, without the all-reduce across the replicas (gradient
+        accumulation that communicates within a replica only, as torch's FSDP2); the first
+        backward with True adds the kept sum into its own and all-reduces both. ``.grad`` is only
+        the step's mean after that backward. Set it alike on every rank; no effect without
+        replicas."""
+        for m in self.modules() if recurse else [self]:
+            if isinstance(m, FSDPModule):
+                m._fsdp.flat.requires_all_reduce = bool(requires_all_reduce)
+
     def set_reshard_after_forward(self, reshard_after_forward, *, recurse=True):
         """Whether forward frees each unit's gathered parameters (backward then gathers them
         again) or keeps them until its backward (``fully_shard(reshard_after_forward=...)``).
