@@ -177,7 +177,12 @@ def _train_vs_torch_fsdp2(ctx, steps=3):
     for b in theirs.blocks:
         torch_fully_shard(b, mesh=mesh)
     torch_fully_shard(theirs, mesh=mesh)
-    opts = [torch.optim.Adam(m.parameters(), lr=1e-2) for m in (ours, theirs)]
+    _train_both_against_torch(ctx, ours, theirs, [torch.optim.Adam(m.parameters(), lr=1e-2) for m in (ours, theirs)],
+                              steps)
+
+
+def _train_both_against_torch(ctx, ours, theirs, opts, steps):
+    """Both models step on this rank's part of each batch; ours' full weights equal torch's."""
     for step in range(steps):
         x, y = _batch(step, 2 * ctx.world_size)
         for m, o in zip((ours, theirs), opts):

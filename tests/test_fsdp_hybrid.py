@@ -9,7 +9,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 
-from test_fsdp import BACKENDS, Block, Net, _assert_matches, _assert_shard_grads, _batch, _loss, _part, _pool, _setup
+from test_fsdp import (BACKENDS, Block, Net, _assert_matches, _assert_shard_grads, _batch, _loss, _part, _pool, _setup,
+                       _train_both_against_torch)
 from torchpar.parallel import FSDPModule, MixedPrecision, fully_shard
 
 
@@ -99,19 +100,8 @@ def _vs_torch_hsdp(ctx, steps=3):
         torch_fully_shard(b, mesh=mesh)
     torch_fully_shard(theirs, mesh=mesh)
     # SGD: a wrong gradient scale shows (Adam would normalise it away)
-    opts = [torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9) for m in (ours, theirs)]
-    for step in range(steps):
-        x, y = _batch(step, 2 * ctx.world_size)
-        for m, o in zip((ours, theirs), opts):
-            o.zero_grad()
-            _loss(m(_part(x, ctx)), _part(y, ctx)).backward()
-            o.step()
-        full = {n: p.full_tensor() for n, p in theirs.named_parameters()}
-        ours_sd = ours.state_dict()
-        assert list(ours_sd) == list(full)
-        for n in full:
-            torch.testing.assert_close(ours_sd[n], full[n], rtol=1e-5, atol=1e-6,
-                                       msg=lambda m: f"step {step}, {n}: {m}")
+    _train_both_against_torch(ctx, ours, theirs,
+                              [torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9) for m in (ours, theirs)], steps)
 
 
 def test_matches_torch_fsdp2_hybrid_sharding_step_for_step():
