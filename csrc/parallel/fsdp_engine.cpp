@@ -231,25 +231,15 @@ void FsdpEngine::advance_stream_locked(size_t to) {
 void FsdpEngine::agree_order_locked() {
   // Once, at the end of the first forward: every rank's recorded order, so that the stream and
   // the backward order are the same on every rank even where their forwards ran different units.
-  const auto& group = units_[root_].flat->group();
-  const int64_t n = static_cast<int64_t>(units_.size()), world = group->getSize();
+  const FlatParam& root = *units_[root_].flat;
+  const int64_t n = static_cast<int64_t>(units_.size());
   at::Tensor mine = at::full({n}, -1, at::TensorOptions().dtype(at::kLong));
   for (size_t i = 0; i < order_.size(); ++i) mine[static_cast<int64_t>(i)] = order_[i];
-  const at::Device device = units_[root_].flat->device();
-  std::vector<at::Tensor> in{mine.to(device)};
-  std::vector<std::vector<at::Tensor>> out(1);
-  for (int64_t r = 0; r < world; ++r) out[0].push_back(at::empty_like(in[0]));
-  group->allgather(out, in)->wait();
-  at::Tensor all = at::cat(out[0]);  // [world * n]: the shard group's orders
-  const auto& replicate = units_[root_].flat->replicate_group();
-  if (units_[root_].flat->replicated()) {
+  at::Tensor all = at::cat(all_gather_each(root.group(), mine.to(root.device())));  // [world * n]
+  if (root.replicated()) {
     // Hybrid sharding: every replica's too, so that all of them agree on one order (their
     // all-reduces pair unit by unit); the list of orders is the same on every rank.
-    std::vector<at::Tensor> mine_all{all};
-    std::vector<std::vector<at::Tensor>> replicas(1);
-    for (int64_t r = 0; r < replicate->getSize(); ++r) replicas[0].push_back(at::empty_like(all));
-    replicate->allgather(replicas, mine_all)->wait();
-    all = at::cat(replicas[0]);
+    all = at::cat(all_gather_each(root.replicate_group(), all));
   }
   all = all.cpu().contiguous();
   std::vector<std::vector<int64_t>> orders;

@@ -58,6 +58,14 @@ std::string describe(const at::Tensor& row) {
 
 }  // namespace
 
+std::vector<at::Tensor> all_gather_each(const c10::intrusive_ptr<c10d::ProcessGroup>& group, const at::Tensor& t) {
+  std::vector<at::Tensor> in{t};
+  std::vector<std::vector<at::Tensor>> out(1);
+  for (int64_t r = 0; r < group->getSize(); ++r) out[0].push_back(at::empty_like(t));
+  group->allgather(out, in)->wait();
+  return out[0];
+}
+
 FlatParam::FlatParam(const std::vector<at::Tensor>& params, std::vector<std::string> names,
                      c10::intrusive_ptr<c10d::ProcessGroup> group, FlatParamOptions options,
                      c10::intrusive_ptr<c10d::ProcessGroup> replicate_group)
@@ -420,12 +428,9 @@ std::string FlatParam::misaligned_replicas(const at::Device& device) const {
   // all-reduce sums shard `rank_` of each replica, and a group pairing other positions would sum
   // unrelated elements without any other sign.
   at::Tensor mine = at::tensor({world_, rank_}, at::TensorOptions().dtype(at::kLong));
-  std::vector<at::Tensor> in{mine.to(device)};
-  std::vector<std::vector<at::Tensor>> out(1);
-  for (int64_t r = 0; r < replicas_; ++r) out[0].push_back(at::empty_like(in[0]));
-  replicate_->allgather(out, in)->wait();
+  const std::vector<at::Tensor> all = all_gather_each(replicate_, mine.to(device));
   for (int64_t r = 0; r < replicas_; ++r) {
-    at::Tensor theirs = out[0][r].cpu();
+    at::Tensor theirs = all[r].cpu();
     if (!at::equal(theirs, mine)) {
       std::ostringstream msg;
       msg << "torchpar fully_shard: the replicate group pairs ranks that hold different shards: replica "
@@ -447,12 +452,9 @@ std::string FlatParam::mismatch_across(const c10::intrusive_ptr<c10d::ProcessGro
   int64_t ndim = 0;
   for (const auto& p : params) ndim = std::max<int64_t>(ndim, p.dim());
   auto all_gather = [&](const at::Tensor& t) {
-    std::vector<at::Tensor> in{t.to(device)};
-    std::vector<std::vector<at::Tensor>> out(1);
-    for (int64_t r = 0; r < size; ++r) out[0].push_back(at::empty_like(in[0]));
-    group->allgather(out, in)->wait();
-    for (auto& o : out[0]) o = o.cpu();
-    return out[0];
+    std::vector<at::Tensor> out = all_gather_each(group, t.to(device));
+    for (auto& o : out) o = o.cpu();
+    return out;
   };
   auto heads = all_gather(at::tensor({static_cast<int64_t>(params.size()), ndim}, i64));
   int64_t rows = 0, width = 0;

@@ -22,6 +22,10 @@
 
 namespace torchpar::parallel {
 
+// Every member's `t` (same shape on each), in group rank order, on t's device: one all-gather,
+// waited on (the units' set-up checks and order agreement).
+std::vector<at::Tensor> all_gather_each(const c10::intrusive_ptr<c10d::ProcessGroup>& group, const at::Tensor& t);
+
 struct FlatParamOptions {
   // dtype of the gathered parameters that forward and backward compute with; nullopt: the
   // parameters' own (the master dtype).
