@@ -32,6 +32,9 @@ from torchpar.parallel.pipeline import PipelineStage, Schedule1F1B, ScheduleGPip
 TIMEOUT = 900  # the group's: a rank that waits this long has missed the failure
 BOUND = 90     # each test's, far below TIMEOUT
 BACKENDS = ["torchpar", "gloo"]
+# For make test's time budget (each case spawns fresh ranks): the gloo variant of a case whose
+# torchpar variant runs in make test goes to make test-slow.
+BACKENDS_GLOO_SLOW = ["torchpar", pytest.param("gloo", marks=pytest.mark.slow)]
 
 
 def _mse(out, y):
@@ -458,7 +461,7 @@ def test_data_parallel_peers_of_a_failed_pipeline_raise_and_go_on(dp_backend):
 
 @pytest.mark.timeout(BOUND)
 @pytest.mark.parametrize("where", ["forward", "armed backward", "after its reduction"])
-@pytest.mark.parametrize("dp_backend", BACKENDS)
+@pytest.mark.parametrize("dp_backend", BACKENDS_GLOO_SLOW)
 def test_data_parallel_peers_of_a_failed_armed_pipeline_are_not_left_in_its_reduction(dp_backend, where):
     """A limit docs/pipeline.md listed: a stage armed before its last backward gave its
     data-parallel peers no way to learn of a failure in another pipeline; they waited in that
@@ -565,7 +568,7 @@ def _data_parallel_peers_of_a_failed_fully_shard_pipeline(rank, world_size, init
 
 @pytest.mark.timeout(BOUND)
 @pytest.mark.parametrize("hybrid", [False, True], ids=["sharded", "hybrid"])
-@pytest.mark.parametrize("where", ["forward", "armed backward"])
+@pytest.mark.parametrize("where", ["forward", pytest.param("armed backward", marks=pytest.mark.slow)])
 def test_fully_shard_peers_of_a_failed_pipeline_fail_at_once(where, hybrid):
     """A limit docs/pipeline.md listed: with fully_shard stages, a failure in one pipeline left
     the same stage's replicas in the others waiting in a unit's collective until the failed
@@ -609,7 +612,8 @@ def _fully_shard_after_bad_input(rank, world_size, init_file, who, hybrid):
 
 
 @pytest.mark.timeout(BOUND)
-@pytest.mark.parametrize("who,hybrid", [("one pipeline", False), ("both", False), ("one pipeline", True)],
+@pytest.mark.parametrize("who,hybrid", [("one pipeline", False), ("both", False),
+                                       pytest.param("one pipeline", True, marks=pytest.mark.slow)],
                          ids=["one pipeline", "both", "one pipeline, hybrid"])
 def test_fully_shard_groups_survive_a_step_that_failed_before_running(who, hybrid):
     spawn(_fully_shard_after_bad_input, 4, who, hybrid, timeout=BOUND)
@@ -651,7 +655,7 @@ def _hybrid_stage_bad_input_on_one_rank(rank, world_size, init_file, backend):
 
 
 @pytest.mark.timeout(BOUND)
-@pytest.mark.parametrize("backend", ["torchpar", "gloo"])
+@pytest.mark.parametrize("backend", BACKENDS_GLOO_SLOW)
 def test_hybrid_sharded_stages_agree_across_the_whole_mesh(backend):
     errors = spawn(_hybrid_stage_bad_input_on_one_rank, 4, backend, timeout=BOUND)
     assert "does not split into 2 micro-batches" in errors[0], errors[0]
