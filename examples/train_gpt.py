@@ -2,6 +2,7 @@
 
     torchrun --standalone --nproc_per_node=8 examples/train_gpt.py --dp 2 --tp 2 --pp 2
     torchrun --standalone --nproc_per_node=4 examples/train_gpt.py --dp 2 --tp 2 --fsdp --dtype bfloat16
+    torchrun --standalone --nproc_per_node=4 examples/train_gpt.py --dp 4 --fsdp --dp-replicate 2
     torchrun --standalone --nproc_per_node=4 examples/train_gpt.py --tp 2 --pp 2 --device cuda
 
 The model is torchpar.models.GPT, made parallel by torchpar.models.ParallelGPT (parallelize plan,
@@ -45,6 +46,9 @@ def parse_args(argv=None):
     g.add_argument("--tp", type=int, default=1)
     g.add_argument("--pp", type=int, default=1)
     g.add_argument("--fsdp", action="store_true", help="fully_shard over the dp group instead of DDP")
+    g.add_argument("--dp-replicate", type=int, default=1,
+                   help="with --fsdp: the dp ranks as this many replicas, each sharded over dp / dp-replicate "
+                        "ranks (hybrid sharding, HSDP)")
     g.add_argument("--schedule", choices=list(SCHEDULES), default="1f1b")
     g.add_argument("--virtual-stages", type=int, default=None, help="stages per pipeline rank (interleaved: 2)")
     g.add_argument("--sequence-parallel", action="store_true")
@@ -199,7 +203,8 @@ def main(argv=None):
     try:
         cfg = model_config(args)
         layout = Layout(args.dp, args.tp, args.pp, args.fsdp, args.schedule, args.virtual_stages,
-                        args.sequence_parallel, args.dtype, args.recompute, args.micro_batches)
+                        args.sequence_parallel, args.dtype, args.recompute, args.micro_batches,
+                        args.dp_replicate)
         check_layout(cfg, layout, world, args.batch_size)  # every rank, before any collective
         check_device(args)
         save, load = checkpoint_functions(args)

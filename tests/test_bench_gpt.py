@@ -13,7 +13,7 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 def test_gpt_bench_writes_its_report(tmp_path):
     out = tmp_path / "gpt.json"
     proc = subprocess.run(
-        [sys.executable, "-m", "torchpar.bench", "gpt", "--layouts", "2x1x2,1x2x2,fsdp-2x2x1", "--hidden", "32",
+        [sys.executable, "-m", "torchpar.bench", "gpt", "--layouts", "2x1x2,1x2x2,fsdp-2x2x1,hsdp-2x2x1x1", "--hidden", "32",
          "--heads", "2", "--layers", "2", "--seq", "8", "--batch", "8", "--warmup", "1", "--steps", "1",
          "--json", str(out), "--plot", str(tmp_path / "gpt.png"), "--markdown", str(tmp_path / "gpt.md")],
         capture_output=True, text=True, timeout=280)
@@ -22,7 +22,7 @@ def test_gpt_bench_writes_its_report(tmp_path):
     assert (tmp_path / "gpt.png").stat().st_size > 0
     assert "| 2x1x2 |" in (tmp_path / "gpt.md").read_text()
     results = json.loads(out.read_text())["results"]
-    assert set(results) == {"2x1x2", "1x2x2", "fsdp-2x2x1"}
+    assert set(results) == {"2x1x2", "1x2x2", "fsdp-2x2x1", "hsdp-2x2x1x1"}
     for row in results.values():
         assert set(row) == {"torchpar", "torch"}
         assert row["torchpar"]["tokens_per_s"] > 0 and min(row["torchpar"]["peak_bytes_per_rank"]) > 0

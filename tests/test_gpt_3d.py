@@ -92,6 +92,10 @@ LAYOUTS = {
     "interleaved-1x1x4": Layout(pp=4, schedule="interleaved", virtual_stages=1, microbatches=4),
     "zb-2x1x2": Layout(dp=2, pp=2, schedule="zero-bubble", microbatches=4),
     "fsdp-zb-2x1x2": Layout(dp=2, pp=2, fsdp=True, schedule="zero-bubble", microbatches=2),
+    # Hybrid sharding, named replicate x shard x tp x pp: 2 replicas of 2 shards; 2 pipelines
+    # whose stages are replicas of one shard each (the replicas' all-reduce alone).
+    "hsdp-2x2x1x1": Layout(dp=4, fsdp=True, dp_replicate=2, microbatches=2),
+    "hsdp-2x1x1x2": Layout(dp=2, pp=2, fsdp=True, dp_replicate=2, microbatches=2),
     "gpipe-1x1x4": Layout(pp=4, schedule="gpipe", microbatches=2),
     "selective-1x2x2": Layout(tp=2, pp=2, recompute="selective", microbatches=2),
     "full-2x1x2": Layout(dp=2, pp=2, recompute="full", microbatches=2),
@@ -157,6 +161,7 @@ TIED_LAYOUTS = {
     "2x1x2": Layout(dp=2, pp=2, microbatches=2),
     "1x2x2": Layout(tp=2, pp=2, microbatches=2),
     "fsdp-2x1x2": Layout(dp=2, pp=2, fsdp=True, microbatches=2),
+    "hsdp-2x1x1x2": Layout(dp=2, pp=2, fsdp=True, dp_replicate=2, microbatches=2),
     "interleaved-sp-1x2x2": Layout(tp=2, pp=2, schedule="interleaved", sequence_parallel=True, microbatches=2),
 }
 
@@ -215,6 +220,8 @@ def _layout_error(ctx, cfg, layout):
     (CFG, Layout(dp=2, pp=2, schedule="interleaved", microbatches=3),
      r"needs micro-batches \(3\) a multiple of pp \(2\)"),
     (CFG, Layout(dp=4, schedule="dualpipe"), r"schedule 'dualpipe' is not one of"),
+    (CFG, Layout(dp=4, dp_replicate=2), r"dp_replicate=2 \(hybrid sharding\) needs fsdp"),
+    (CFG, Layout(dp=4, fsdp=True, dp_replicate=3), r"dp=4 does not split into dp_replicate=3 replicas"),
 ])
 def test_bad_layout_raises_on_every_rank(cfg, layout, message):
     errors = get_pool(4).run(_layout_error, cfg, layout)

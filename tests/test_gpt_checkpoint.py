@@ -32,6 +32,7 @@ LAYOUTS = {
     "sp-1x2x2": Layout(tp=2, pp=2, sequence_parallel=True, microbatches=2),
     "fsdp-sp-2x2x1": Layout(dp=2, tp=2, fsdp=True, sequence_parallel=True),
     "interleaved-1x2x2": Layout(tp=2, pp=2, schedule="interleaved", microbatches=2),
+    "hsdp-2x2x1x1": Layout(dp=4, fsdp=True, dp_replicate=2),  # replicate x shard x tp x pp
 }
 
 
@@ -90,6 +91,7 @@ def _check_resumed(results, want):
     ("2x1x2", "fsdp-2x2x1"),
     ("2x1x2", "sp-1x2x2"),
     ("fsdp-sp-2x2x1", "1x1x4"),
+    ("2x1x2", "hsdp-2x2x1x1"),
     pytest.param("fsdp-sp-2x2x1", "fsdp-2x1x2", marks=pytest.mark.slow),
     pytest.param("fsdp-sp-2x2x1", "interleaved-1x2x2", marks=pytest.mark.slow),
     pytest.param("2x1x2", "fsdp-sp-2x2x1", marks=pytest.mark.slow),
@@ -99,7 +101,8 @@ def test_resume_at_another_layout_continues_the_single_process_run(saved, want, 
 
 
 @pytest.mark.parametrize("name,dtype", [("fsdp-2x1x2", "float32"), ("1x2x2", "float32"),
-                                        pytest.param("2x2x1", "bfloat16", marks=pytest.mark.slow)])
+                                        pytest.param("2x2x1", "bfloat16", marks=pytest.mark.slow),
+                                        pytest.param("hsdp-2x2x1x1", "bfloat16", marks=pytest.mark.slow)])
 def test_adamw_round_trip_at_the_same_layout(tmp_path, name, dtype):
     """AdamW's two moments and step count, and under O2 the float32 masters: a resume at the same
     layout continues exactly as the run that did not stop."""
@@ -111,6 +114,15 @@ def test_adamw_round_trip_at_the_same_layout(tmp_path, name, dtype):
         assert not isinstance(result, str), f"rank {rank}: {result}"
         torch.testing.assert_close(result[1], continued[rank], rtol=1e-6, atol=1e-7,
                                    msg=lambda m: f"rank {rank}: {m}")
+
+
+def test_hybrid_sharded_checkpoint_resumes_at_another_layout(tmp_path, want):
+    """Saved at 2 replicas x 2 shards: the replicas' equal shards are written once (DCP drops
+    the duplicate boxes), and a resume at tp x pp continues the single-process run."""
+    path = str(tmp_path / "ckpt")
+    pool = get_pool(4)
+    pool.run(_train_and_save, LAYOUTS["hsdp-2x2x1x1"], path)
+    _check_resumed(pool.run(_resume, LAYOUTS["1x2x2"], path), want)
 
 
 @pytest.mark.parametrize("cfg,optimizer,message", [

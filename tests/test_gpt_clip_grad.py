@@ -91,6 +91,8 @@ LAYOUTS = {
     "fsdp-sp-2x2x1": (Layout(dp=2, tp=2, fsdp=True, sequence_parallel=True), CFG),
     "tied-1x2x2": (Layout(tp=2, pp=2, microbatches=2), TIED),
     "tied-fsdp-2x1x2": (Layout(dp=2, pp=2, fsdp=True, microbatches=2), TIED),
+    # Hybrid sharding (2 replicas x 2 shards): the norm sums over the shard group only.
+    "hsdp-2x2x1x1": (Layout(dp=4, fsdp=True, dp_replicate=2), CFG),
 }
 SLOW = {"2x2x1", "fsdp-2x2x1", "fsdp-sp-2x2x1", "tied-fsdp-2x1x2"}  # make test-slow: for make test's time
 

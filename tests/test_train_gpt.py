@@ -34,8 +34,9 @@ def test_single_process_run(tmp_path):
 
 @pytest.mark.slow
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("layout", [["--dp", "2", "--tp", "2"], ["--tp", "2", "--pp", "2", "--sequence-parallel"]],
-                         ids=["2x2x1", "1x2x2-sp"])
+@pytest.mark.parametrize("layout", [["--dp", "2", "--tp", "2"], ["--tp", "2", "--pp", "2", "--sequence-parallel"],
+                                    ["--dp", "4", "--fsdp", "--dp-replicate", "2"]],
+                         ids=["2x2x1", "1x2x2-sp", "hsdp-2x2x1x1"])
 def test_torchrun_four_ranks(tmp_path, layout):
     out = _torchrun(4, *layout, "--model", "tiny", "--steps", "6", "--eval-every", "3", "--batch-size", "8",
                     "--out", str(tmp_path))

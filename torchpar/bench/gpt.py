@@ -18,6 +18,10 @@ is stack against stack, not optimizer loop against fused kernel:
   the logits), ``torch.distributed.pipelining`` (``PipelineStage`` + ``Schedule1F1B``), and
   ``DistributedDataParallel`` or FSDP2 ``fully_shard`` over dp.
 
+Layouts: ``DPxTPxPP`` (DDP over dp), ``fsdp-DPxTPxPP`` (fully_shard over dp) and
+``hsdp-RxSxTPxPP`` (hybrid sharding: R replicas of S shards, dp = R x S; FSDP2's
+``fully_shard`` over a 2-D mesh on torch's side).
+
 A layout a system cannot run is recorded with its error, and the other layouts go on.
 Throughput: global tokens per step / the median step time over ``--steps`` rounds (each round
 runs both systems, in alternating order, so drift in machine load hits both). Beside the ratio
@@ -43,17 +47,22 @@ from torch.nn import functional as F
 from torchpar.bench._report import paired_ratios, print_table, pyplot, write_json
 from torchpar.bench._spawn import run_ranks
 
-LAYOUTS = ["4x1x1", "2x2x1", "2x1x2", "1x2x2", "1x1x4", "fsdp-2x2x1"]
+LAYOUTS = ["4x1x1", "2x2x1", "2x1x2", "1x2x2", "1x1x4", "fsdp-2x2x1", "hsdp-2x2x1x1"]
 SYSTEMS = ["torchpar", "torch"]
 # The optimizer of both systems (torch's default weight decay; ParallelGPT's default is 0).
 ADAMW = dict(lr=1e-4, weight_decay=0.01, fused=True)
 
 
 def parse_layout(name):
-    """"fsdp-2x2x1" -> (dp, tp, pp, fsdp)."""
+    """"2x1x2" -> (dp, tp, pp, fsdp, dp_replicate) = (2, 1, 2, False, 1); "fsdp-2x2x1" -> (2, 2,
+    1, True, 1); "hsdp-2x2x1x1" (replicate x shard x tp x pp) -> (4, 1, 1, True, 2). ValueError
+    for anything else."""
+    if name.startswith("hsdp-"):
+        replicate, shard, tp, pp = (int(v) for v in name.removeprefix("hsdp-").split("x"))
+        return replicate * shard, tp, pp, True, replicate
     fsdp = name.startswith("fsdp-")
     dp, tp, pp = (int(v) for v in name.removeprefix("fsdp-").split("x"))
-    return dp, tp, pp, fsdp
+    return dp, tp, pp, fsdp, 1
 
 
 # ---- the same GPT in plain PyTorch ([batch, seq, hidden]) ----
@@ -106,9 +115,9 @@ class _TorchStage(nn.Module):
         return self.lm_head(self.ln_f(x)) if self.last else x
 
 
-def _torch_system(cfg, dp, tp, pp, fsdp, microbatches):
-    """The GPT on PyTorch's stack at (dp, tp, pp, fsdp): (train_step(idx, target) on the global
-    batch, the rank's modules, the optimizer)."""
+def _torch_system(cfg, dp, tp, pp, fsdp, microbatches, dp_replicate=1):
+    """The GPT on PyTorch's stack at (dp, tp, pp, fsdp, dp_replicate): (train_step(idx, target) on
+    the global batch, the rank's modules, the optimizer)."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.pipelining import PipelineStage, Schedule1F1B
     from torch.distributed.tensor import DTensor, Replicate
@@ -116,9 +125,17 @@ def _torch_system(cfg, dp, tp, pp, fsdp, microbatches):
 
     from torchpar.parallel.pipeline.split import split_boundaries
 
-    mesh = init_device_mesh("cpu", (pp, dp, tp), mesh_dim_names=("pp", "dp", "tp"),
-                            backend_override={"pp": "gloo", "dp": "gloo", "tp": "gloo"})
-    pp_rank, dp_rank = mesh.get_local_rank("pp"), mesh.get_local_rank("dp")
+    if dp_replicate == 1:
+        mesh = init_device_mesh("cpu", (pp, dp, tp), mesh_dim_names=("pp", "dp", "tp"),
+                                backend_override={"pp": "gloo", "dp": "gloo", "tp": "gloo"})
+        dp_mesh = shard_mesh = mesh["dp"]
+    else:  # HSDP: FSDP2 shards over the 2-D (replicate, shard) mesh, the batch splits over both
+        names = ("pp", "replicate", "shard", "tp")
+        mesh = init_device_mesh("cpu", (pp, dp_replicate, dp // dp_replicate, tp), mesh_dim_names=names,
+                                backend_override={n: "gloo" for n in names})
+        shard_mesh = mesh["replicate", "shard"]
+        dp_mesh = shard_mesh._flatten("dp", backend_override="gloo")
+    pp_rank, dp_rank = mesh.get_local_rank("pp"), dp_mesh.get_local_rank()
     bounds = split_boundaries([str(i) for i in range(cfg.layers)], pp)
     torch.manual_seed(0)
     stage = _TorchStage(cfg, bounds[pp_rank], bounds[pp_rank + 1], pp_rank == 0, pp_rank == pp - 1)
@@ -137,14 +154,14 @@ def _torch_system(cfg, dp, tp, pp, fsdp, microbatches):
     if fsdp:
         from torch.distributed.fsdp import fully_shard
         for block in stage.blocks.values():
-            fully_shard(block, mesh=mesh["dp"])
-        fully_shard(stage, mesh=mesh["dp"])
+            fully_shard(block, mesh=shard_mesh)
+        fully_shard(stage, mesh=shard_mesh)
     elif dp > 1:
         from torch.nn.parallel import DistributedDataParallel
         if tp > 1:  # DDP cannot bucket DTensor parameters: torch's DDP + TP transform (its docstring's recipe)
             from torch.distributed.tensor.parallel.ddp import _pre_dp_module_transform
             _pre_dp_module_transform(stage)
-        module = DistributedDataParallel(stage, process_group=mesh["dp"].get_group())
+        module = DistributedDataParallel(stage, process_group=dp_mesh.get_group())
     # The fused kernel takes one parameter group's tensors in one call, which must not mix
     # DTensors (the tensor-parallel layers) and plain tensors (the rest, without DDP's transform):
     # a group of each, with the same settings.
@@ -178,11 +195,11 @@ def _torch_system(cfg, dp, tp, pp, fsdp, microbatches):
     return train_step, nn.ModuleList([stage]), opt
 
 
-def _torchpar_system(cfg, dp, tp, pp, fsdp, microbatches):
+def _torchpar_system(cfg, dp, tp, pp, fsdp, microbatches, dp_replicate=1):
     """ParallelGPT at the layout, as ``_torch_system``."""
     from torchpar.models.parallel_gpt import Layout, ParallelGPT
-    trainer = ParallelGPT(cfg, Layout(dp, tp, pp, fsdp, microbatches=microbatches), lr=ADAMW["lr"],
-                          weight_decay=ADAMW["weight_decay"])
+    layout = Layout(dp, tp, pp, fsdp, microbatches=microbatches, dp_replicate=dp_replicate)
+    trainer = ParallelGPT(cfg, layout, lr=ADAMW["lr"], weight_decay=ADAMW["weight_decay"])
     # ParallelGPT builds its AdamW with fused=True itself (ADAMW gives torch's side the same);
     # bench gpt_breakdown's +loop variant swaps it for the default loop on purpose.
     return trainer.train_step, nn.ModuleList(trainer.modules), trainer.optimizer
@@ -219,12 +236,12 @@ def _measure(rank, args):
     batch = (data[:, :-1], data[:, 1:])
     results = {}
     for name in args.layouts:
-        dp, tp, pp, fsdp = parse_layout(name)
+        dp, tp, pp, fsdp, replicate = parse_layout(name)
         row, made = {}, {}
         for system in args.systems:
             ok, error = True, None
             try:
-                made[system] = MAKERS[system](cfg, dp, tp, pp, fsdp, 2 * pp)
+                made[system] = MAKERS[system](cfg, dp, tp, pp, fsdp, 2 * pp, replicate)
                 for _ in range(args.warmup):
                     made[system][0](*batch)
             except Exception as e:  # noqa: BLE001 - recorded in the table
@@ -356,7 +373,8 @@ def plot(results, meta, path):
 def main(argv=None):
     ap = argparse.ArgumentParser(prog="python -m torchpar.bench gpt", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--layouts", default=",".join(LAYOUTS), help="comma-separated [fsdp-]DPxTPxPP")
+    ap.add_argument("--layouts", default=",".join(LAYOUTS),
+                    help="comma-separated [fsdp-]DPxTPxPP or hsdp-REPLICATExSHARDxTPxPP")
     ap.add_argument("--systems", default=",".join(SYSTEMS))
     ap.add_argument("--world-size", type=int, default=4)
     ap.add_argument("--hidden", type=int, default=128)
@@ -381,9 +399,9 @@ def main(argv=None):
             ap.error(f"unknown system {s}; choose from {', '.join(MAKERS)}")
     for name in args.layouts:
         try:
-            dp, tp, pp, _ = parse_layout(name)
+            dp, tp, pp, _, _ = parse_layout(name)
         except ValueError:
-            ap.error(f"layout {name!r}: expected [fsdp-]DPxTPxPP, e.g. 2x1x2")
+            ap.error(f"layout {name!r}: expected [fsdp-]DPxTPxPP (e.g. 2x1x2) or hsdp-REPLICATExSHARDxTPxPP")
         if dp * tp * pp != args.world_size:
             ap.error(f"layout {name}: {dp} x {tp} x {pp} != world size {args.world_size}")
         if args.batch % (dp * 2 * pp):

@@ -67,7 +67,7 @@ def _measure(rank, args):
     cfg = GPTConfig(seq_len=args.seq, hidden=args.hidden, heads=args.heads, layers=args.layers)
     data = torch.randint(cfg.vocab_size, (args.batch, args.seq + 1), generator=torch.Generator().manual_seed(0))
     batch = (data[:, :-1], data[:, 1:])
-    dp, tp, pp, fsdp = bench.parse_layout(args.layout)
+    dp, tp, pp, fsdp, replicate = bench.parse_layout(args.layout)
     phases = {}
 
     def timed(name, fn):
@@ -84,7 +84,7 @@ def _measure(rank, args):
     for name in args.variants:
         system, *flags = name.split("+")
         with _variant(flags):
-            step, _, opt = bench.MAKERS[system](cfg, dp, tp, pp, fsdp, 2 * pp)
+            step, _, opt = bench.MAKERS[system](cfg, dp, tp, pp, fsdp, 2 * pp, replicate)
         if system == "torchpar" and "sched" in flags:
             step.__self__.pipelined = True
         opt.step = timed("opt", opt.step)

@@ -10,8 +10,10 @@ et al. 2021, arXiv:2104.04473, "3D parallelism"), assembled from the project's p
    placement, for the interleaved schedule);
 3. tensor parallelism with ``parallelize`` and ``tensor_parallel_plan`` on each stage;
 4. data parallelism: each stage in torchpar's ``DistributedDataParallel`` or, with ``fsdp``,
-   ``fully_shard`` per block and per stage, over the dp group; O2 mixed precision by
-   ``MixedPrecision``;
+   ``fully_shard`` per block and per stage, over the dp group; with ``dp_replicate`` > 1 hybrid
+   sharding (HSDP): the dp ranks as ``dp_replicate`` replicas, each sharded over
+   ``dp / dp_replicate`` ranks (mesh dims "dp_replicate", "dp_shard"; torchtitan's
+   ``data_parallel_replicate_degree``); O2 mixed precision by ``MixedPrecision``;
 5. a pipeline schedule over the pp group whose last stage computes the vocabulary-parallel
    cross entropy;
 6. after backward, Megatron's finishing steps: the tied embedding's two copies summed over the
@@ -69,7 +71,8 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 class Layout:
     """How the job is laid out: ``dp * tp * pp`` must be the world size. ``virtual_stages``:
     stages per pipeline rank (the interleaved schedule's v; default 2 for it, else 1).
-    ``microbatches``: per step and data-parallel rank."""
+    ``microbatches``: per step and data-parallel rank. ``dp_replicate`` (with ``fsdp``): the dp
+    ranks as that many replicas of ``dp / dp_replicate`` shards each (hybrid sharding)."""
     dp: int = 1
     tp: int = 1
     pp: int = 1
@@ -80,6 +83,7 @@ class Layout:
     dtype: str = "float32"
     recompute: str = "none"
     microbatches: int = 1
+    dp_replicate: int = 1
 
     def __post_init__(self):
         if self.virtual_stages is None:
@@ -90,7 +94,8 @@ class Layout:
         return self.dp * self.tp * self.pp
 
     def __str__(self):
-        extras = [n for n, on in (("fsdp", self.fsdp), ("sp", self.sequence_parallel)) if on]
+        shard = f"hsdp {self.dp_replicate}x{self.dp // self.dp_replicate}" if self.dp_replicate > 1 else "fsdp"
+        extras = [n for n, on in ((shard, self.fsdp), ("sp", self.sequence_parallel)) if on]
         return (f"dp={self.dp} tp={self.tp} pp={self.pp} {self.schedule}"
                 f"{f' v={self.virtual_stages}' if self.virtual_stages > 1 else ''} {self.dtype}"
                 f"{''.join(' ' + e for e in extras)}")
@@ -100,12 +105,17 @@ def check_layout(cfg: GPTConfig, layout: Layout, world_size: int, batch_size: Op
     """Every problem of running ``cfg`` at ``layout`` on ``world_size`` ranks, as one ValueError
     naming the sizes. Needs no collective: every rank raises the same error before training."""
     L, bad = layout, []
-    if min(L.dp, L.tp, L.pp, L.microbatches, L.virtual_stages) < 1:
-        bad.append(f"dp, tp, pp, microbatches and virtual stages must be >= 1 (got {L.dp}, {L.tp}, {L.pp}, "
-                   f"{L.microbatches}, {L.virtual_stages})")
+    if min(L.dp, L.tp, L.pp, L.microbatches, L.virtual_stages, L.dp_replicate) < 1:
+        bad.append(f"dp, tp, pp, microbatches, virtual stages and dp_replicate must be >= 1 (got {L.dp}, {L.tp}, "
+                   f"{L.pp}, {L.microbatches}, {L.virtual_stages}, {L.dp_replicate})")
         raise ValueError("GPT layout: " + "; ".join(bad))
     if L.world_size != world_size:
         bad.append(f"dp x tp x pp = {L.dp} x {L.tp} x {L.pp} = {L.world_size}, but the world size is {world_size}")
+    if L.dp_replicate > 1 and not L.fsdp:
+        bad.append(f"dp_replicate={L.dp_replicate} (hybrid sharding) needs fsdp; without it the dp ranks "
+                   "are replicas already (DDP)")
+    if L.dp % L.dp_replicate:
+        bad.append(f"dp={L.dp} does not split into dp_replicate={L.dp_replicate} replicas")
     if L.schedule not in SCHEDULES:
         bad.append(f"schedule {L.schedule!r} is not one of {sorted(SCHEDULES)}")
     elif L.virtual_stages > 1 and L.schedule != "interleaved":
@@ -204,9 +214,13 @@ class ParallelGPT:
         check_layout(config, layout, dist.get_world_size())
         self.config, self.layout, L = config, layout, layout
         self.device = rank_device(device)
-        self.mesh = init_device_mesh(self.device.type, (L.pp, L.dp, L.tp), mesh_dim_names=("pp", "dp", "tp"))
-        self.pp_group, self.dp_group, self.tp_group = (self.mesh[d].get_group() for d in ("pp", "dp", "tp"))
-        self.pp_rank, self.dp_rank, self.tp_rank = (self.mesh.get_local_rank(d) for d in ("pp", "dp", "tp"))
+        self.mesh, self.shard_mesh, dp_mesh = self._meshes()
+        self.pp_group, self.tp_group = self.mesh["pp"].get_group(), self.mesh["tp"].get_group()
+        self.pp_rank, self.tp_rank = self.mesh.get_local_rank("pp"), self.mesh.get_local_rank("tp")
+        self.dp_group, self.dp_rank = dp_mesh.get_group(), dp_mesh.get_local_rank()
+        # The ranks holding distinct pieces of a sharded parameter (fully_shard's shard group):
+        # the gradient norm sums over them; HSDP's replicas hold equal pieces.
+        self.dp_shard_group = self.shard_mesh.get_group(self.shard_mesh.ndim - 1)
 
         torch.manual_seed(seed)  # the single-process model's initial weights, on every rank
         model = GPT(config).set_recompute(L.recompute)
@@ -261,7 +275,20 @@ class ParallelGPT:
         self._params = params
         self._norm_params = self._counted_in_norm(params)
         self._norm_groups = [g for g, n in ((self.tp_group, L.tp), (self.pp_group, L.pp),
-                                            (self.dp_group, L.dp if L.fsdp else 1)) if n > 1]
+                                            (self.dp_shard_group, L.dp // L.dp_replicate if L.fsdp else 1)) if n > 1]
+
+    def _meshes(self):
+        """(the job's mesh, fully_shard's mesh, the dp mesh). Dims ("pp", "dp", "tp"), or with
+        hybrid sharding ("pp", "dp_replicate", "dp_shard", "tp"): fully_shard gets the 2-D
+        (replicate, shard) sub-mesh, and the batch splits over the two flattened ("dp")."""
+        L, device = self.layout, self.device.type
+        if L.dp_replicate == 1:
+            mesh = init_device_mesh(device, (L.pp, L.dp, L.tp), mesh_dim_names=("pp", "dp", "tp"))
+            return mesh, mesh["dp"], mesh["dp"]
+        mesh = init_device_mesh(device, (L.pp, L.dp_replicate, L.dp // L.dp_replicate, L.tp),
+                                mesh_dim_names=("pp", "dp_replicate", "dp_shard", "tp"))
+        shard_mesh = mesh["dp_replicate", "dp_shard"]
+        return mesh, shard_mesh, shard_mesh._flatten("dp")
 
     def _wrap(self, part, mp):
         if self.layout.tp > 1:
@@ -282,10 +309,10 @@ class ParallelGPT:
         if self.layout.fsdp:
             if self.tied_copy:  # each copy a unit of its own: dp rank d holds the same elements of both
                 for embedding in ([part.tok_emb] if part.first else []) + ([part.lm_head] if part.last else []):
-                    fully_shard(embedding, self.dp_group, mixed_precision=mp)
+                    fully_shard(embedding, mesh=self.shard_mesh, mixed_precision=mp)
             for block in part.blocks.values():
-                fully_shard(block, self.dp_group, mixed_precision=mp)
-            return fully_shard(part, self.dp_group, mixed_precision=mp)
+                fully_shard(block, mesh=self.shard_mesh, mixed_precision=mp)
+            return fully_shard(part, mesh=self.shard_mesh, mixed_precision=mp)
         if self.layout.dp == 1 and mp is None:
             return part  # nothing to average: no reducer, no per-step all-reduce over one rank
         device_ids = [self.device.index] if self.device.type != "cpu" else None
@@ -295,7 +322,8 @@ class ParallelGPT:
         """The group of the first and the last pipeline rank of this rank's dp x tp coordinate
         (Megatron's embedding group), None on the ranks between. Every rank creates every such
         group, as ``new_group`` requires."""
-        ends = self.mesh.mesh[[0, -1]]  # [2, dp, tp] global ranks
+        L = self.layout
+        ends = self.mesh.mesh.reshape(L.pp, L.dp, L.tp)[[0, -1]]  # [2, dp, tp] global ranks
         mine = None
         for d in range(self.layout.dp):
             for t in range(self.layout.tp):
@@ -311,7 +339,8 @@ class ParallelGPT:
         shard on its tp rank; a parameter replicated over tp (LayerNorms, row-parallel biases,
         the position embedding) on tp rank 0 only; the tied embedding's last-stage copy nowhere
         (its first-stage twin counts). dp replicas (DDP) count alike and are not summed;
-        fully_shard's pieces are each dp rank's own and are summed over dp."""
+        fully_shard's pieces are each dp rank's own and are summed over dp (over the shard group
+        under hybrid sharding: its replicas hold the same pieces)."""
         split = set()
         for part in self.parts:
             for m in part.modules():
