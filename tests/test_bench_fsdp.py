@@ -36,3 +36,22 @@ def test_fsdp_bench_runs_hybrid_sharding_at_4_ranks(tmp_path):
     assert proc.returncode == 0, proc.stderr
     assert "hsdp / torch_hsdp" in proc.stdout
     assert set(json.loads(out.read_text())["results"]["torchpar"]) == {"hsdp", "torch_hsdp", "torch_fsdp2"}
+
+
+def test_fsdp_bench_across_test_hosts(tmp_path):
+    """``--hosts 2`` (2 ranks each): one job per link over network-namespace hosts (as root);
+    rank 0's results come back keyed by link."""
+    from torchpar.bench._hosts import Hosts
+    why = Hosts.unavailable()
+    if why:
+        pytest.skip(f"no test hosts: {why}")
+    out = tmp_path / "hosts.json"
+    proc = subprocess.run(
+        [sys.executable, "-m", "torchpar.bench", "fsdp", "--hosts", "2", "--links", "unshaped", "--systems", "fsdp,hsdp",
+         "--dim", "32", "--layers", "2", "--heads", "2", "--vocab", "128", "--seq", "8", "--rounds", "1",
+         "--json", str(out)],
+        capture_output=True, text=True, timeout=280)
+    assert proc.returncode == 0, proc.stderr
+    data = json.loads(out.read_text())
+    assert data["meta"]["world_size"] == 4 and data["meta"]["hosts"] == 2
+    assert set(data["results"]) == {"veth"} and set(data["results"]["veth"]) == {"fsdp", "hsdp"}

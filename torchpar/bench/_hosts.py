@@ -26,6 +26,7 @@ import re
 import shutil
 import signal
 import subprocess
+import sys
 import tempfile
 import threading
 import time
@@ -355,3 +356,34 @@ def run_job(n_hosts, ranks_per_host, link, rate, argv, timeout, on_line=None):
             raise SystemExit(f"the {link} run failed (exit statuses {codes}):\n" + "\n".join(tails))
         with open(out) as f:
             return json.load(f)
+
+
+def run_links(args, argv, relay=False):
+    """A benchmark's ``--hosts`` run: per link of ``args.links``, one ``run_job`` of ``argv`` over
+    fresh test hosts. Returns {"veth" or "tbf RATE": rank 0's results}; ``relay`` prints rank
+    0's output lines as they come, prefixed with the link."""
+    check_options(args.links, args.rate)
+    results = {}
+    for link in args.links:
+        name = f"tbf {args.rate}" if link == "shaped" else "veth"
+        print(f"running over {args.hosts} hosts x {args.ranks_per_host} ranks, {name} ...", file=sys.stderr, flush=True)
+        on_line = (lambda line, name=name: print(f"[{name}] {line}", flush=True)) if relay else None
+        results[name] = run_job(args.hosts, args.ranks_per_host, link, args.rate, argv, args.timeout, on_line=on_line)
+    return results
+
+
+def run_worker(measure, args):
+    """One rank of a ``run_job`` job (env:// rendezvous, the torchpar backend): ``measure(rank,
+    args)``; rank 0 writes what it returns to ``args.worker_results`` as JSON."""
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    import torchpar  # noqa: F401  (registers the backend)
+    dist.init_process_group("torchpar", timeout=timedelta(seconds=600))
+    results = measure(dist.get_rank(), args)
+    if dist.get_rank() == 0:
+        with open(args.worker_results, "w") as f:
+            json.dump(results, f)
+    dist.destroy_process_group()
+    return 0

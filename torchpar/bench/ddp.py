@@ -45,6 +45,7 @@ import torch.distributed as dist
 from torch import nn
 
 from torchpar.bench._hosts import add_arguments as add_host_arguments
+from torchpar.bench._hosts import run_links, run_worker
 from torchpar.bench._spawn import run_ranks
 
 MODES = ["torchpar_ddp", "torch_ddp", "no_overlap", "compute_only", "comm_only", "comm_flat"]
@@ -283,35 +284,6 @@ def _worker_argv(args):
                                          ("--timeline", args.timeline), ("--dump-samples", args.dump_samples)) if on]
 
 
-def _run_hosts(args):
-    """Per link, one job over fresh test hosts; rank 0's results, keyed by the link's name."""
-    from torchpar.bench._hosts import check_options, run_job
-    check_options(args.links, args.rate)
-    results = {}
-    for link in args.links:
-        name = f"tbf {args.rate}" if link == "shaped" else "veth"
-        print(f"running over {args.hosts} hosts x {args.ranks_per_host} ranks, {name} ...", file=sys.stderr, flush=True)
-        # rank 0's printed samples (--dump-samples) are passed on; its other output is the results
-        relay = (lambda line, name=name: print(f"[{name}] {line}", flush=True)) if args.dump_samples else None
-        results[name] = run_job(args.hosts, args.ranks_per_host, link, args.rate, _worker_argv(args), args.timeout,
-                                on_line=relay)
-    return results
-
-
-def _hosts_worker(args):
-    """One rank of a ``--hosts`` job (env:// rendezvous): rank 0 writes the results."""
-    from datetime import timedelta
-
-    import torchpar  # noqa: F401  (registers the backend)
-    dist.init_process_group("torchpar", timeout=timedelta(seconds=600))
-    results = _measure(dist.get_rank(), args)
-    if dist.get_rank() == 0:
-        with open(args.worker_results, "w") as f:
-            json.dump(results, f)
-    dist.destroy_process_group()
-    return 0
-
-
 def main(argv=None):
     ap = argparse.ArgumentParser(prog="python -m torchpar.bench ddp", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -336,7 +308,7 @@ def main(argv=None):
     add_host_arguments(ap, ranks_per_host=1, note="; torchpar only")
     args = ap.parse_args(argv)
     if args.worker_results:
-        return _hosts_worker(args)
+        return run_worker(_measure, args)
 
     meta = {k: getattr(args, k) for k in ("world_size", "width", "depth", "batch", "threads", "bucket_cap_mb",
                                           "gradient_as_bucket_view")}
@@ -348,7 +320,8 @@ def main(argv=None):
     if args.hosts:
         meta.update(world_size=args.hosts * args.ranks_per_host, hosts=args.hosts, ranks_per_host=args.ranks_per_host,
                     links=args.links, rate=args.rate)
-        results = _run_hosts(args)
+        # rank 0's printed samples (--dump-samples) are passed on; its other output is the results
+        results = run_links(args, _worker_argv(args), relay=args.dump_samples)
     else:
         results = {}
         for backend in [b.strip() for b in args.backends.split(",") if b.strip()]:

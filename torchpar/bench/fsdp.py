@@ -17,6 +17,14 @@ systems' own buffers and activations included) give the highest bytes live durin
 its start, plus the bytes live at its start (parameters, optimizer state) counted from the
 system's tensors; and the same for forward and backward alone (without the optimizer step, whose
 peak is the same for systems with the same shard sizes). All are rank 0's; ratios are against ``torch_fsdp2``.
+
+``--hosts N`` runs the torchpar backend over N test hosts instead (network namespaces joined by a
+bridge, as root: torchpar/bench/_hosts.py), ``--ranks-per-host`` each (default 2), once per link
+(the plain veth, and ``tc tbf`` at ``--rate``): where hybrid sharding pays, its shard groups
+within a host and only the replicas' all-reduce on the link, e.g.::
+
+    python -m torchpar.bench fsdp --hosts 2 --systems fsdp,torch_fsdp2,hsdp,torch_hsdp \
+        --dim 256 --layers 4 --vocab 4096 --rounds 5
 """
 import argparse
 import copy
@@ -31,6 +39,8 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn import functional as F
 
+from torchpar.bench._hosts import add_arguments as add_host_arguments
+from torchpar.bench._hosts import run_links, run_worker
 from torchpar.bench._report import print_table, pyplot, write_json
 from torchpar.bench._spawn import run_ranks
 
@@ -215,6 +225,14 @@ def _run_backend(backend, args):
     return run_ranks(_measure, args.world_size, backend, (args,), timeout=args.timeout, label=backend)
 
 
+def _worker_argv(args):
+    """The command of every rank of a ``--hosts`` job: this benchmark with the same sizes."""
+    argv = [sys.executable, "-m", "torchpar.bench", "fsdp", "--systems", ",".join(args.systems)]
+    for name in ("dim", "layers", "heads", "vocab", "seq", "batch", "threads", "warmup", "rounds"):
+        argv += [f"--{name}", str(getattr(args, name))]
+    return argv
+
+
 def _params(args):
     d, v = args.dim, args.vocab
     block = 12 * d * d + 13 * d
@@ -239,7 +257,12 @@ def main(argv=None):
     ap.add_argument("--timeout", type=float, default=1800)
     ap.add_argument("--json", help="write results here")
     ap.add_argument("--plot", help="write a PNG bar chart here")
+    add_host_arguments(ap, ranks_per_host=2, note="; torchpar only, in place of --backends")
     args = ap.parse_args(argv)
+    if args.worker_results:
+        return run_worker(_measure, args)
+    if args.hosts:
+        args.world_size = args.hosts * args.ranks_per_host
     hybrid_ok = args.world_size >= 4 and args.world_size % 2 == 0
     available = [name for name in systems() if hybrid_ok or name not in HYBRID]
     args.systems = [s.strip() for s in args.systems.split(",")] if args.systems else available
@@ -251,7 +274,10 @@ def main(argv=None):
     meta["torch"] = torch.__version__
     meta["load_before"] = os.getloadavg()[0]  # other work on the machine skews every system
     results = {}
-    for backend in [b.strip() for b in args.backends.split(",") if b.strip()]:
+    if args.hosts:  # one row block per link instead of per backend
+        meta.update(hosts=args.hosts, ranks_per_host=args.ranks_per_host, links=args.links, rate=args.rate)
+        results = run_links(args, _worker_argv(args))
+    for backend in [] if args.hosts else [b.strip() for b in args.backends.split(",") if b.strip()]:
         print(f"running {backend} ...", file=sys.stderr, flush=True)
         results[backend] = _run_backend(backend, args)
     meta["load_after"] = os.getloadavg()[0]
