@@ -96,6 +96,8 @@ LAYOUTS = {
     # whose stages are replicas of one shard each (the replicas' all-reduce alone).
     "hsdp-2x2x1x1": Layout(dp=4, fsdp=True, dp_replicate=2, microbatches=2),
     "hsdp-2x1x1x2": Layout(dp=2, pp=2, fsdp=True, dp_replicate=2, microbatches=2),
+    "hsdp-2x1x2x1": Layout(dp=2, tp=2, fsdp=True, dp_replicate=2, microbatches=2),
+    "hsdp-sp-2x1x2x1": Layout(dp=2, tp=2, fsdp=True, dp_replicate=2, sequence_parallel=True, microbatches=2),
     "gpipe-1x1x4": Layout(pp=4, schedule="gpipe", microbatches=2),
     "selective-1x2x2": Layout(tp=2, pp=2, recompute="selective", microbatches=2),
     "full-2x1x2": Layout(dp=2, pp=2, recompute="full", microbatches=2),
@@ -104,7 +106,8 @@ LAYOUTS = {
 
 
 # In `make test-slow` only, for make test's time budget: variants of layouts already covered.
-SLOW_LAYOUTS = {"fsdp-2x2x1", "sp-2x2x1", "interleaved-2x1x2", "interleaved-1x1x4", "gpipe-1x1x4", "full-2x1x2"}
+SLOW_LAYOUTS = {"fsdp-2x2x1", "sp-2x2x1", "interleaved-2x1x2", "interleaved-1x1x4", "gpipe-1x1x4", "full-2x1x2",
+                "hsdp-sp-2x1x2x1"}
 
 
 @pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.slow) if n in SLOW_LAYOUTS else n
@@ -119,6 +122,31 @@ def test_layout_losses_equal_single_process(name):
     for rank, (losses, val) in enumerate(results):
         torch.testing.assert_close(losses + [val], want + [want_val], rtol=1e-4, atol=1e-5,
                                    msg=lambda m: f"rank {rank}: {m}")
+
+
+def _replica_collectives_per_step(ctx, layout):
+    """How many collectives this rank issues on its HSDP replicate group in one (the second)
+    training step."""
+    torch.set_num_threads(1)
+    trainer = ParallelGPT(CFG, layout, lr=LR, optimizer="sgd")
+    group = trainer.shard_mesh.get_group(0)
+
+    def issued():
+        return group._get_backend(torch.device("cpu"))._get_sequence_number_for_group()
+
+    trainer.train_step(*_batch(0))
+    before = issued()
+    trainer.train_step(*_batch(1))
+    return issued() - before
+
+
+def test_hybrid_sharding_without_a_pipeline_reduces_once_a_step():
+    """Review finding: at pp = 1 each micro-batch's backward reduce-scattered and all-reduced
+    every unit across the replicas; now the micro-batches accumulate and the last backward
+    reduces, as under the schedules: 2 micro-batches send what 1 does over the replicas' group."""
+    one, two = (get_pool(4).run(_replica_collectives_per_step, Layout(dp=4, fsdp=True, dp_replicate=2,
+                                                                      microbatches=m)) for m in (1, 2))
+    assert one == two and min(one) > 0, (one, two)
 
 
 @pytest.mark.parametrize("fsdp", [False, True], ids=["ddp", "fsdp"])

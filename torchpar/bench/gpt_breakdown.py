@@ -108,7 +108,7 @@ def _measure(rank, args):
 def main(argv=None):
     ap = argparse.ArgumentParser(prog="python -m torchpar.bench gpt_breakdown", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--layout", default="4x1x1", help="[fsdp-]DPxTPxPP")
+    ap.add_argument("--layout", default="4x1x1", help="[fsdp-]DPxTPxPP or hsdp-REPLICATExSHARDxTPxPP")
     ap.add_argument("--variants", default="torchpar,torch", help="comma-separated, e.g. torchpar+loop,torch")
     ap.add_argument("--world-size", type=int, default=4)
     ap.add_argument("--hidden", type=int, default=128)

@@ -2,8 +2,9 @@
 et al. 2021, arXiv:2104.04473, "3D parallelism"), assembled from the project's public pieces
 (issue 20):
 
-1. groups from ``torch.distributed.device_mesh.init_device_mesh`` over dims ("pp", "dp", "tp"):
-   tensor-parallel ranks are adjacent (they talk most), pipeline neighbours farthest apart;
+1. groups from ``torch.distributed.device_mesh.init_device_mesh`` over dims ("pp", "dp", "tp")
+   (under HSDP ("pp", "dp_replicate", "dp_shard", "tp"), item 4): tensor-parallel ranks are
+   adjacent (they talk most), pipeline neighbours farthest apart;
 2. the pipeline cut: ``num_stages = pp * virtual_stages`` stages of consecutive blocks
    (``split_boundaries``, the cut ``pipeline.split`` makes); the first stage also holds the
    embeddings, the last ``ln_f`` and ``lm_head``; a rank holds stages r, r + pp, ... (looped
@@ -56,8 +57,10 @@ from torch.nn import functional as F
 from torchpar.models.gpt import GPT, RECOMPUTE, GPTConfig, GPTParts
 from torchpar.optim import MixedPrecisionOptimizer, ZeroRedundancyOptimizer
 from torchpar.parallel import DistributedDataParallel, MixedPrecision, clip_grad_norm_, fully_shard, parallelize
+from torchpar.parallel.fsdp import FSDPModule
 from torchpar.parallel.pipeline import (PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B,
                                         ScheduleZeroBubble)
+from torchpar.parallel.pipeline.schedules import reduce_in_last_backward
 from torchpar.parallel.pipeline.split import split_boundaries
 from torchpar.parallel.tensor import (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding,
                                       model_parallel_seed, vocab_parallel_cross_entropy)
@@ -390,23 +393,34 @@ class ParallelGPT:
         so the last one averages the accumulated gradients bucket by bucket while it still runs
         (Megatron-LM's forward_backward_no_pipelining; the schedule instead averages a DDP stage
         in one all-reduce after the step, executor._armable says why). A fully_shard stage
-        reduce-scatters in every backward, as under the schedule."""
+        reduces once too, as under the schedule: its units accumulate unsharded and stay gathered
+        until the last backward, which reduce-scatters (and under HSDP all-reduces across the
+        replicas) the sum; reducing every micro-batch sent each unit's gradients over the
+        replicas' links once per micro-batch (review finding)."""
         module, m = self.modules[0], self.layout.microbatches
         ddp = train and isinstance(module, DistributedDataParallel)
-        for i, (x, y) in enumerate(zip(idx.chunk(m), target.chunk(m))):
-            armed = ddp and i == m - 1
-            with module.no_sync() if ddp and not armed else contextlib.nullcontext():
-                try:
-                    loss = self._loss(module(x), y)
-                    losses.append(loss.detach())
-                    if train:
-                        (loss * (1.0 / m)).backward()
-                except BaseException:
-                    # Left armed, the reducer would make the next step's first (no_sync)
-                    # backward reduce, and fail (as the pipeline's executor disarms it).
-                    if armed:
-                        module.reducer.cancel_backward()
-                    raise
+        fsdp = [mod for mod in module.modules() if isinstance(mod, FSDPModule) and mod._fsdp.flat.requires_grad_sync
+                ] if train and m > 1 else []
+        with contextlib.ExitStack() as sync:
+            if fsdp:
+                sync.push(reduce_in_last_backward(fsdp))
+            for i, (x, y) in enumerate(zip(idx.chunk(m), target.chunk(m))):
+                armed = ddp and i == m - 1
+                if i == m - 1:
+                    for mod in fsdp:
+                        mod.set_requires_gradient_sync(True, recurse=False)
+                with module.no_sync() if ddp and not armed else contextlib.nullcontext():
+                    try:
+                        loss = self._loss(module(x), y)
+                        losses.append(loss.detach())
+                        if train:
+                            (loss * (1.0 / m)).backward()
+                    except BaseException:
+                        # Left armed, the reducer would make the next step's first (no_sync)
+                        # backward reduce, and fail (as the pipeline's executor disarms it).
+                        if armed:
+                            module.reducer.cancel_backward()
+                        raise
 
     def _mean_loss(self, losses):
         # The last pipeline stage's ranks hold the micro-batch losses (its tp ranks the same
@@ -440,7 +454,7 @@ class ParallelGPT:
         """``torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm, norm_type)`` of the
         single-process model, on this layout: the global norm counts each element of the
         gradient once (``_counted_in_norm``), summed over the tp and pp groups (and dp under
-        fully_shard; max for ``inf``), and every rank scales all its gradients by the same
+        fully_shard, the shard group under HSDP; max for ``inf``), and every rank scales all its gradients by the same
         coefficient. Call on every rank after ``forward_backward``. Returns the norm before
         clipping (a float32 scalar tensor, equal on every rank).
 

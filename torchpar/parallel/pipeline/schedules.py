@@ -214,7 +214,7 @@ class _PipelineSchedule:
                 for module in ddp.values():
                     no_sync.enter_context(module.no_sync())
                 for modules in fsdp_modules.values():
-                    no_sync.push(_reduce_in_last_backward(modules))
+                    no_sync.push(reduce_in_last_backward(modules))
                 executor = Executor(self, key, first_mbs, targets, train, ddp, fsdp, settled)
                 try:
                     return executor.run(actions)
@@ -305,7 +305,7 @@ def _disarm(ddp, armed, settled):
             ddp[stage].reducer.cancel_backward()
 
 
-def _reduce_in_last_backward(modules):
+def reduce_in_last_backward(modules):
     """Turns the gradient sync of ``modules`` (fully_shard modules whose units reduce) off for
     the step and returns the exit callback that turns it on again. Until the stage's last
     backward, which syncs, each unit also stays gathered after a backward (as torch's schedules
