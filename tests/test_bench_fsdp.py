@@ -46,12 +46,14 @@ def test_fsdp_bench_across_test_hosts(tmp_path):
     if why:
         pytest.skip(f"no test hosts: {why}")
     out = tmp_path / "hosts.json"
+    # --timeout below the subprocess's: a stuck job is ended by the bench, which removes its hosts.
+    # "torch_fsdp2" alone: the ranks must not also run "fsdp" (a substring of it).
     proc = subprocess.run(
-        [sys.executable, "-m", "torchpar.bench", "fsdp", "--hosts", "2", "--links", "unshaped", "--systems", "fsdp,hsdp",
-         "--dim", "32", "--layers", "2", "--heads", "2", "--vocab", "128", "--seq", "8", "--rounds", "1",
-         "--json", str(out)],
+        [sys.executable, "-m", "torchpar.bench", "fsdp", "--hosts", "2", "--links", "unshaped",
+         "--systems", "torch_fsdp2,hsdp", "--dim", "32", "--layers", "2", "--heads", "2", "--vocab", "128",
+         "--seq", "8", "--rounds", "1", "--timeout", "200", "--json", str(out)],
         capture_output=True, text=True, timeout=280)
     assert proc.returncode == 0, proc.stderr
     data = json.loads(out.read_text())
     assert data["meta"]["world_size"] == 4 and data["meta"]["hosts"] == 2
-    assert set(data["results"]) == {"veth"} and set(data["results"]["veth"]) == {"fsdp", "hsdp"}
+    assert set(data["results"]) == {"veth"} and set(data["results"]["veth"]) == {"torch_fsdp2", "hsdp"}

@@ -20,8 +20,9 @@ peak is the same for systems with the same shard sizes). All are rank 0's; ratio
 
 ``--hosts N`` runs the torchpar backend over N test hosts instead (network namespaces joined by a
 bridge, as root: torchpar/bench/_hosts.py), ``--ranks-per-host`` each (default 2), once per link
-(the plain veth, and ``tc tbf`` at ``--rate``): where hybrid sharding pays, its shard groups
-within a host and only the replicas' all-reduce on the link, e.g.::
+(the plain veth, and ``tc tbf`` at ``--rate``): where hybrid sharding pays. Its mesh is (2,
+W/2) over ranks numbered host by host, so with 2 hosts each shard group is one host and only the
+replicas' all-reduce crosses the link (with more hosts, shard groups span several), e.g.::
 
     python -m torchpar.bench fsdp --hosts 2 --systems fsdp,torch_fsdp2,hsdp,torch_hsdp \
         --dim 256 --layers 4 --vocab 4096 --rounds 5
@@ -259,13 +260,14 @@ def main(argv=None):
     ap.add_argument("--plot", help="write a PNG bar chart here")
     add_host_arguments(ap, ranks_per_host=2, note="; torchpar only, in place of --backends")
     args = ap.parse_args(argv)
+    if args.systems:  # a list before anything reads it (a worker rank too: "fsdp" in a string matches "torch_fsdp2")
+        args.systems = [s.strip() for s in args.systems.split(",") if s.strip()]
     if args.worker_results:
         return run_worker(_measure, args)
     if args.hosts:
         args.world_size = args.hosts * args.ranks_per_host
     hybrid_ok = args.world_size >= 4 and args.world_size % 2 == 0
-    available = [name for name in systems() if hybrid_ok or name not in HYBRID]
-    args.systems = [s.strip() for s in args.systems.split(",")] if args.systems else available
+    args.systems = args.systems or [name for name in systems() if hybrid_ok or name not in HYBRID]
 
     meta = {k: getattr(args, k) for k in ("world_size", "dim", "layers", "heads", "vocab", "seq", "batch",
                                           "threads", "warmup", "rounds", "systems")}
