@@ -180,3 +180,20 @@ def test_checkpoint_before_the_first_step(tmp_path):
         assert not isinstance(result, str), f"rank {rank}: {result}"
         assert result[0] == 0
         torch.testing.assert_close(result[1], want, rtol=1e-4, atol=1e-5, msg=lambda m: f"rank {rank}: {m}")
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_the_issues_eight_rank_layouts_resume_each_other(tmp_path, want):
+    """Issue 20's own example, on 8 ranks: saved at 2x2x2, resumed at 1x2x4 and at 4x1x2; and
+    saved at hybrid sharding 2x2x2x1 (2 replicas of 2 shards, tp 2), resumed at 2x2x2. Each
+    continues the single-process run."""
+    pool = get_pool(8)
+    for saved_at, resume_ats in ((Layout(dp=2, tp=2, pp=2, microbatches=2),
+                                  [Layout(tp=2, pp=4, microbatches=4), Layout(dp=4, pp=2, microbatches=2)]),
+                                 (Layout(dp=4, tp=2, fsdp=True, dp_replicate=2),
+                                  [Layout(dp=2, tp=2, pp=2, microbatches=2)])):
+        path = str(tmp_path / f"ckpt-{saved_at.dp}-{saved_at.dp_replicate}")
+        pool.run(_train_and_save, saved_at, path)
+        for layout in resume_ats:
+            _check_resumed(pool.run(_resume, layout, path), want)
