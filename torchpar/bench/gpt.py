@@ -316,8 +316,8 @@ def report_rows(results):
     return rows
 
 
-HEADERS = ["layout (dp x tp x pp; hsdp: replicate x shard x tp x pp)", "torchpar tok/s", "torchpar peak MiB/rank", "torch tok/s",
-           "torch peak MiB/rank", "tok/s torchpar / torch", "per round: median (quartiles)",
+HEADERS = ["layout (dp x tp x pp; hsdp: replicate x shard x tp x pp)", "torchpar tok/s", "torchpar peak MiB/rank",
+           "torch tok/s", "torch peak MiB/rank", "tok/s torchpar / torch", "per round: median (quartiles)",
            "peak torchpar / torch"]
 
 
