@@ -14,7 +14,8 @@ def test_gpt_bench_writes_its_report(tmp_path):
     out = tmp_path / "gpt.json"
     proc = subprocess.run(
         [sys.executable, "-m", "torchpar.bench", "gpt", "--layouts", "2x1x2,1x2x2,fsdp-2x2x1,hsdp-2x2x1x1",
-         "--hidden", "32", "--heads", "2", "--layers", "2", "--seq", "8", "--batch", "8", "--warmup", "1", "--steps", "1",
+         "--hidden", "32", "--heads", "2", "--layers", "2", "--seq", "8", "--batch", "8", "--warmup", "1",
+         "--steps", "1",
          "--json", str(out), "--plot", str(tmp_path / "gpt.png"), "--markdown", str(tmp_path / "gpt.md")],
         capture_output=True, text=True, timeout=280)
     assert proc.returncode == 0, proc.stderr
