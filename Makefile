@@ -50,8 +50,8 @@ build: torchpar/_C.stamp
 
 test: test-cpp test-py
 
-# `make test` stays well inside CI's budget: the slowest cases carry @pytest.mark.slow and run
-# in `make test-slow` (CI runs both).
+# `make test` stays inside CI's budget: the slowest cases carry @pytest.mark.slow (or are named
+# in their module's SLOW_VARIANTS, tests/conftest.py) and run in `make test-slow` (CI runs both).
 test-py: build
 	$(PY) -m pytest -q -m "not slow" tests
 

@@ -12,6 +12,9 @@ import torchpar
 from harness import SMALL_BUFFERS, TRANSPORTS, get_pool, spawn, transport_env
 
 pytestmark = [pytest.mark.timeout(120), pytest.mark.parametrize("transport", TRANSPORTS)]
+# For make test's time budget (conftest.py): these variants run in make test-slow.
+SLOW_VARIANTS = {"test_monitored_barrier_names_the_late_ranks[True-tcp]",
+                 "test_monitored_barrier_names_the_late_ranks[False-shm]"}
 
 
 def pool(world_size, transport):

@@ -11,6 +11,14 @@ import torch.distributed as dist
 from harness import SMALL_BUFFERS, TRANSPORTS, get_pool, transport_env, spawn
 
 pytestmark = [pytest.mark.timeout(120), pytest.mark.parametrize("transport", TRANSPORTS)]
+# Timeout and abort cases (each spawns fresh ranks and waits out a timeout): one transport of each
+# in make test, the other in make test-slow (conftest.py), alternating so both keep some.
+SLOW_VARIANTS = {"test_ddp_backward_times_out_when_a_peer_stops_training[tcp]",
+                 "test_peer_that_never_arrives_times_out_on_every_rank[shm]",
+                 "test_a_timeout_names_the_collectives_this_rank_ran_before[tcp]",
+                 "test_a_pending_recv_names_the_senders_abort[shm]",
+                 "test_recv_without_a_sender_times_out[tcp]",
+                 "test_dead_peer_fails_the_collective_quickly[shm]"}
 
 
 def pool(world_size, transport):

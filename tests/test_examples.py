@@ -23,7 +23,7 @@ def _run_example(backend):
 
 
 @pytest.mark.timeout(270)
-@pytest.mark.parametrize("backend", ["torchpar", "gloo"])
+@pytest.mark.parametrize("backend", ["torchpar", pytest.param("gloo", marks=pytest.mark.slow)])
 def test_train_ddp_example_keeps_replicas_identical(backend):
     out = _run_example(backend)
     for _ in range(2):

@@ -73,7 +73,7 @@ def _sub_groups(rank, world_size, init_file):
     return True
 
 
-@pytest.mark.parametrize("transport", TRANSPORTS)
+@pytest.mark.parametrize("transport", ["shm", pytest.param("tcp", marks=pytest.mark.slow)])
 def test_sub_groups_are_independent(transport):
     assert spawn(_sub_groups, 4, env=transport_env(transport)) == [True] * 4
 

@@ -451,7 +451,7 @@ def _check_data_parallel_outcome(errors, where):
 
 
 @pytest.mark.timeout(BOUND)
-@pytest.mark.parametrize("dp_backend", BACKENDS)
+@pytest.mark.parametrize("dp_backend", BACKENDS_GLOO_SLOW)
 def test_data_parallel_peers_of_a_failed_pipeline_raise_and_go_on(dp_backend):
     """Review finding (docs/pipeline.md): a failure in one pipeline left the same stage's
     replicas in the other pipelines waiting in their data-parallel average."""

@@ -173,7 +173,8 @@ def _attacked_set_up(rank, world_size, init_file, kinds, timeout_s):
 ATTACKS = ["silent", "garbage", "short", "huge_length", "wrong_secret"]
 
 
-@pytest.mark.parametrize("kind", ATTACKS)
+@pytest.mark.parametrize("kind", [pytest.param(k, marks=pytest.mark.slow) if k in ("short", "wrong_secret") else k
+                                  for k in ATTACKS])
 def test_a_stranger_on_a_listening_port_does_not_stop_the_group(kind):
     # Three of the same at once. Before the listener answered hellos concurrently, one
     # silent connection held set-up for the whole 8 s timeout.
