@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 from torch.nn import functional as F
 
-from harness import get_pool
+from harness import _issued, get_pool
 from torchpar.models import GPT, GPTConfig
 from torchpar.models.checkpoint import _held_parameters
 from torchpar.models.parallel_gpt import Layout, ParallelGPT, check_layout
@@ -130,14 +130,10 @@ def _replica_collectives_per_step(ctx, layout):
     torch.set_num_threads(1)
     trainer = ParallelGPT(CFG, layout, lr=LR, optimizer="sgd")
     group = trainer.shard_mesh.get_group(0)
-
-    def issued():
-        return group._get_backend(torch.device("cpu"))._get_sequence_number_for_group()
-
     trainer.train_step(*_batch(0))
-    before = issued()
+    before = _issued(group)
     trainer.train_step(*_batch(1))
-    return issued() - before
+    return _issued(group) - before
 
 
 def test_hybrid_sharding_without_a_pipeline_reduces_once_a_step():

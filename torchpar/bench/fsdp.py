@@ -275,13 +275,14 @@ def main(argv=None):
     meta["date"] = datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
     meta["torch"] = torch.__version__
     meta["load_before"] = os.getloadavg()[0]  # other work on the machine skews every system
-    results = {}
     if args.hosts:  # one row block per link instead of per backend
         meta.update(hosts=args.hosts, ranks_per_host=args.ranks_per_host, links=args.links, rate=args.rate)
         results = run_links(args, _worker_argv(args))
-    for backend in [] if args.hosts else [b.strip() for b in args.backends.split(",") if b.strip()]:
-        print(f"running {backend} ...", file=sys.stderr, flush=True)
-        results[backend] = _run_backend(backend, args)
+    else:
+        results = {}
+        for backend in [b.strip() for b in args.backends.split(",") if b.strip()]:
+            print(f"running {backend} ...", file=sys.stderr, flush=True)
+            results[backend] = _run_backend(backend, args)
     meta["load_after"] = os.getloadavg()[0]
 
     for backend, r in results.items():

@@ -57,10 +57,9 @@ from torch.nn import functional as F
 from torchpar.models.gpt import GPT, RECOMPUTE, GPTConfig, GPTParts
 from torchpar.optim import MixedPrecisionOptimizer, ZeroRedundancyOptimizer
 from torchpar.parallel import DistributedDataParallel, MixedPrecision, clip_grad_norm_, fully_shard, parallelize
-from torchpar.parallel.fsdp import FSDPModule
 from torchpar.parallel.pipeline import (PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B,
                                         ScheduleZeroBubble)
-from torchpar.parallel.pipeline.schedules import reduce_in_last_backward
+from torchpar.parallel.pipeline.schedules import reduce_in_last_backward, syncing_fsdp_modules
 from torchpar.parallel.pipeline.split import split_boundaries
 from torchpar.parallel.tensor import (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding,
                                       model_parallel_seed, vocab_parallel_cross_entropy)
@@ -399,8 +398,7 @@ class ParallelGPT:
         replicas' links once per micro-batch (review finding)."""
         module, m = self.modules[0], self.layout.microbatches
         ddp = train and isinstance(module, DistributedDataParallel)
-        fsdp = [mod for mod in module.modules() if isinstance(mod, FSDPModule) and mod._fsdp.flat.requires_grad_sync
-                ] if train and m > 1 else []
+        fsdp = syncing_fsdp_modules(module) if train and m > 1 else []
         with contextlib.ExitStack() as sync:
             if fsdp:
                 sync.push(reduce_in_last_backward(fsdp))

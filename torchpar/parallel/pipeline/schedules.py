@@ -203,11 +203,9 @@ class _PipelineSchedule:
         self._steps += 1
         for s in self.stages:
             s.reset()
-        # fully_shard units that reduce (a user's set_requires_gradient_sync(False) is kept): off
-        # until their stage's last backward, and back on after the step, whatever happened.
-        fsdp_modules = {s.stage_index: mods for s in self.stages
-                        if train and (mods := [m for m in s.submod.modules()
-                                               if isinstance(m, FSDPModule) and m._fsdp.flat.requires_grad_sync])}
+        # fully_shard units that reduce: off until their stage's last backward, and back on after
+        # the step, whatever happened.
+        fsdp_modules = {s.stage_index: mods for s in self.stages if train and (mods := syncing_fsdp_modules(s.submod))}
         fsdp = {i: [m._fsdp.flat for m in mods] for i, mods in fsdp_modules.items()}
         try:
             with contextlib.ExitStack() as no_sync:
@@ -303,6 +301,13 @@ def _disarm(ddp, armed, settled):
         if stage not in settled:
             settled.add(stage)
             ddp[stage].reducer.cancel_backward()
+
+
+def syncing_fsdp_modules(module):
+    """The fully_shard modules in ``module`` whose units reduce their gradients (a user's
+    ``set_requires_gradient_sync(False)`` is kept: those are left out), for
+    ``reduce_in_last_backward``."""
+    return [m for m in module.modules() if isinstance(m, FSDPModule) and m._fsdp.flat.requires_grad_sync]
 
 
 def reduce_in_last_backward(modules):
