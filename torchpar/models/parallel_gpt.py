@@ -59,6 +59,8 @@ from torchpar.optim import MixedPrecisionOptimizer, ZeroRedundancyOptimizer
 from torchpar.parallel import DistributedDataParallel, MixedPrecision, clip_grad_norm_, fully_shard, parallelize
 from torchpar.parallel.pipeline import (PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B,
                                         ScheduleZeroBubble)
+from torchpar.parallel.fsdp import FSDPModule
+from torchpar.parallel.pipeline.failure import abort_with_reason, clip_reason
 from torchpar.parallel.pipeline.schedules import reduce_in_last_backward, syncing_fsdp_modules
 from torchpar.parallel.pipeline.split import split_boundaries
 from torchpar.parallel.tensor import (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding,
@@ -379,11 +381,64 @@ class ParallelGPT:
         self.check_batch(idx, target)
         idx, target = (t.chunk(self.layout.dp)[self.dp_rank].to(self.device) for t in (idx, target))
         losses = []
-        if self.pipelined:
-            run(*((idx,) if self.has_first else ()), target=target if self.has_last else None, losses=losses)
-        else:
-            self._run_unpipelined(idx, target, losses, train)
-        return self._mean_loss(losses)
+        module = self.modules[0]
+        reducer = module.reducer if train and not self.pipelined and isinstance(module, DistributedDataParallel) else None
+        completed = reducer.completed_backwards if reducer is not None else None
+        try:
+            if self.pipelined:
+                run(*((idx,) if self.has_first else ()), target=target if self.has_last else None, losses=losses)
+            else:
+                self._run_unpipelined(idx, target, losses, train)
+        except BaseException as e:
+            self._fail(e, reducer, completed)
+            raise
+        loss, failed = self._mean_loss(losses)
+        if failed:
+            goes_on = not self.pipelined and self.layout.tp == 1 and not self.layout.fsdp
+            raise RuntimeError(
+                f"ParallelGPT: rank {dist.get_rank()}: the step failed on rank(s) {', '.join(map(str, failed))} "
+                f"(their error says why); the optimizer did not step and this rank's gradients are not the step's "
+                + ("(the next step zeroes them)" if goes_on else
+                   "(the failed ranks' tensor-parallel, pipeline and fully_shard groups are aborted: build a new "
+                   "ParallelGPT to go on)"))
+        return loss
+
+    def _fail(self, error, reducer, completed):
+        """This rank's step raised ``error``: frees the peers that may be waiting on it, then,
+        where every peer comes to it, joins the step's closing all-reduce (``_mean_loss``) with
+        its failure flag up, so that each rank raises at once instead of waiting in a collective
+        until the group's timeout (a rank raising alone at pp = 1 did that before; under tensor
+        parallelism its tp peers did at any pp).
+        - The tp group and, at pp = 1, the groups the fully_shard units shard and replicate over
+          are aborted with the error as the reason (the peers' pending collectives in them fail
+          at once; a failed rank cannot replay their order). At pp > 1 the schedule has aborted
+          the pipeline group and those groups, or agreed with the DDP peers (failure.py).
+        - At pp = 1 a DDP stage issues what its synchronised backward still owes the dp peers,
+          zeros (``Reducer.abandon_backward``): their reduction completes, and the model and its
+          groups go on with the next step.
+        Only torchpar's abort reaches the peers: with another backend's tp or fully_shard groups,
+        or pipeline at all, the rank raises at once, as before. A KeyboardInterrupt or SystemExit
+        aborts and disarms only (its process usually ends)."""
+        L = self.layout
+        reason = clip_reason(f"{type(error).__name__}: {error}") + (
+            f" [the step of ParallelGPT's rank {dist.get_rank()} failed; the group is aborted: build a new ParallelGPT]")
+        groups = {id(self.tp_group): self.tp_group} if L.tp > 1 else {}
+        if not self.pipelined:
+            for m in self.modules[0].modules():
+                if isinstance(m, FSDPModule):
+                    groups.update((id(g), g) for g in (m._fsdp.group, m._fsdp.replicate_group) if g is not None)
+        reached = all([abort_with_reason(g, reason) for g in groups.values() if dist.get_world_size(g) > 1])
+        if reducer is not None:
+            if not isinstance(error, Exception):
+                reducer.cancel_backward()  # left armed, the next step's first no_sync backward would reduce
+            elif reducer.completed_backwards == completed:
+                try:
+                    reducer.abandon_backward()
+                except Exception:  # noqa: BLE001 - this rank's own error is the one to raise
+                    reached = abort_with_reason(self.dp_group, reason) and reached
+        if isinstance(error, Exception) and reached and (not self.pipelined or dist.get_backend() == "torchpar"):
+            with contextlib.suppress(Exception):  # a group the failure broke: the peers' own errors come
+                self._mean_loss([], failed=True)
 
     def _run_unpipelined(self, idx, target, losses, train):
         """The one stage's micro-batches in order, forward then backward each (1F1B's order on
@@ -408,30 +463,29 @@ class ParallelGPT:
                     for mod in fsdp:
                         mod.set_requires_gradient_sync(True, recurse=False)
                 with module.no_sync() if ddp and not armed else contextlib.nullcontext():
-                    try:
-                        loss = self._loss(module(x), y)
-                        losses.append(loss.detach())
-                        if train:
-                            (loss * (1.0 / m)).backward()
-                    except BaseException:
-                        # Left armed, the reducer would make the next step's first (no_sync)
-                        # backward reduce, and fail (as the pipeline's executor disarms it).
-                        if armed:
-                            module.reducer.cancel_backward()
-                        raise
+                    loss = self._loss(module(x), y)
+                    losses.append(loss.detach())
+                    if train:
+                        (loss * (1.0 / m)).backward()
 
-    def _mean_loss(self, losses):
-        # The last pipeline stage's ranks hold the micro-batch losses (its tp ranks the same
-        # value, each dp rank its own): one all-reduce over the whole job, each of them adding
-        # its mean / (dp x tp) and the other stages zero, gives the global batch's mean on every
-        # rank, with one synchronisation per step instead of one over pp and one over dp.
+    def _mean_loss(self, losses, failed=False):
+        """(the global batch's mean loss, the global ranks whose step failed). The last pipeline
+        stage's ranks hold the micro-batch losses (its tp ranks the same value, each dp rank its
+        own): one all-reduce over the whole job, each of them adding its mean / (dp x tp) and the
+        other ranks zero, gives the mean on every rank, with one synchronisation per step instead
+        of one over pp and one over dp. The same all-reduce carries a flag per rank, which a
+        failed rank raises from its error path (``_fail``)."""
         L = self.layout
-        loss = (torch.stack(losses).double().mean() if losses
-                else torch.zeros((), dtype=torch.float64, device=self.device))
-        if L.pp > 1 or L.dp > 1:
-            loss /= L.dp * L.tp
-            dist.all_reduce(loss)
-        return loss.item()
+        loss = torch.stack(losses).double().mean().item() if losses else 0.0
+        world = dist.get_world_size()
+        if world == 1:
+            return loss, []
+        row = torch.zeros(1 + world, dtype=torch.float64)
+        row[0], row[1 + dist.get_rank()] = loss / (L.dp * L.tp), float(failed)
+        row = row.to(self.device)
+        dist.all_reduce(row)
+        total, *flags = row.tolist()
+        return total, [r for r, f in enumerate(flags) if f]
 
     def forward_backward(self, idx, target):
         """Zeroes the gradients, runs forward and backward over the global batch (the pipeline

@@ -195,7 +195,7 @@ class ShardedPeers:
         except BaseException as e:  # Ctrl-C too: the peers must not wait
             if self.started:
                 self.started = False
-                reason = _clip(f"{type(e).__name__}: {e}") + (
+                reason = clip_reason(f"{type(e).__name__}: {e}") + (
                     f" [the step of {type(self.sched).__name__}'s pipeline rank {self.sched.rank} (global rank "
                     f"{dist.get_rank()}) failed; the groups its fully_shard stages shard over are aborted: make new ones]")
                 for group, _ in self.groups.values():
@@ -203,7 +203,7 @@ class ShardedPeers:
             raise
 
 
-def _clip(text, limit=700):
+def clip_reason(text, limit=700):
     """``text``, its middle cut out past ``limit`` characters: an abort's reason travels in 1 KiB,
     and a chained failure's first cause (the start) and its innermost (the end) both matter."""
     if len(text) <= limit:
@@ -215,17 +215,20 @@ def _clip(text, limit=700):
 def abort_with_reason(group, reason):
     """Aborts ``group`` where that reaches its other ranks (torchpar): their pending and later
     operations fail with "the group was aborted by rank R: ``reason``". Other backends' groups
-    are left alone (their abort does not reach the peers). Never raises: the caller is on an
-    error path, whose own error is the one to raise."""
+    are left alone (their abort does not reach the peers). Returns whether the group is
+    torchpar's (its peers are reached). Never raises: the caller is on an error path, whose own
+    error is the one to raise."""
     try:
         backend = group._get_backend(torch.device("cpu"))
     except Exception:  # noqa: BLE001 - no CPU backend (an NCCL-only group)
-        return
-    if isinstance(backend, getattr(_C, "ProcessGroupTorchpar", ())):
-        try:
-            backend.abort(reason)
-        except Exception:  # noqa: BLE001 - already shut down: its peers learn of it otherwise
-            pass
+        return False
+    if not isinstance(backend, getattr(_C, "ProcessGroupTorchpar", ())):
+        return False
+    try:
+        backend.abort(reason)
+    except Exception:  # noqa: BLE001 - already shut down: its peers learn of it otherwise
+        pass
+    return True
 
 
 def agree_on_outcome(groups, failed):
