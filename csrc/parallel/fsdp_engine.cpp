@@ -118,6 +118,15 @@ FsdpEngine::StepStart FsdpEngine::agree_step_start_locked(bool grad_enabled, boo
   StepStart start;
   start.keep.assign(units_.size(), false);
   start.begin = grad_enabled || !pending;
+  // Units FSDPModule.unshard() gathered for this step: kept without asking, as every rank that
+  // unshards does so alike (the user's contract; the all-gathers would not pair otherwise).
+  std::vector<bool> requested(units_.size(), false);
+  for (size_t v = 0; v < units_.size(); ++v) {
+    FlatParam& flat = *units_[v].flat;
+    requested[v] = flat.unshard_requested && flat.gather_is_current();
+    start.keep[v] = requested[v];
+    flat.unshard_requested = false;
+  }
   // Only where the program asks for keeping (a unit set not to reshard after backward), the same
   // on every rank: then every rank runs this all-reduce; otherwise the decisions stay local and a
   // step begins sharded, as it always did.
@@ -136,7 +145,8 @@ FsdpEngine::StepStart FsdpEngine::agree_step_start_locked(bool grad_enabled, boo
   at::Tensor mine = at::zeros({n + 1}, at::TensorOptions().dtype(at::kInt));
   for (int64_t v = 0; v < n; ++v) {
     const FlatParam& flat = *units_[v].flat;
-    if (clean && !flat.reshard_after_backward && flat.padded_numel() > 0 && flat.gathered_and_current()) {
+    if (requested[v] ||
+        (clean && !flat.reshard_after_backward && flat.padded_numel() > 0 && flat.gathered_and_current())) {
       mine[v] = 1;
     }
   }
@@ -215,11 +225,77 @@ void FsdpEngine::pre_forward(int64_t unit, bool grad_enabled) {
   }
   unshard_locked(unit);
   // The next unit's parameters travel while this one computes (from the second step, once the
-  // order is known). Not in a recomputation inside backward: the next unit's backward is over.
-  if (!in_backward() && order_recorded_) {
-    advance_stream_locked(cursor_ + 1);
+  // order is known; or the units u lists, from the first). Not in a recomputation inside
+  // backward: the next unit's backward is over.
+  if (!in_backward()) {
+    advance_stream_locked(forward_prefetch_end_locked(unit));
   }
   (void)grad_enabled;
+}
+
+size_t FsdpEngine::forward_prefetch_end_locked(int64_t unit) const {
+  const auto& listed = units_[unit].forward_prefetch;
+  if (!listed) {
+    return order_recorded_ ? cursor_ + 1 : cursor_;
+  }
+  size_t end = cursor_;
+  for (int64_t t : *listed) {
+    if (stream_pos_[t] >= 0) end = std::max(end, static_cast<size_t>(stream_pos_[t]) + 1);
+  }
+  return end;
+}
+
+void FsdpEngine::prefetch_in_backward_locked(int64_t unit) {
+  int64_t next = backward_next(unit);
+  const auto& listed = units_[unit].backward_prefetch;
+  if (!listed) {
+    if (next >= 0 && units_[next].trained && !units_[next].slot_done) prefetch_locked(next);
+    return;
+  }
+  // The furthest listed unit along backward order: the lowest position in the agreed forward order.
+  int64_t stop = -1;
+  for (int64_t t : *listed) {
+    if (t != root_ && position_[t] >= 0 && (stop < 0 || position_[t] < stop)) stop = position_[t];
+  }
+  for (; stop >= 0 && next >= 0 && position_[next] >= stop; next = backward_next(next)) {
+    if (units_[next].trained && !units_[next].slot_done) prefetch_locked(next);
+  }
+}
+
+void FsdpEngine::check_unit(int64_t unit) const {
+  TORCH_CHECK(unit >= 0 && static_cast<size_t>(unit) < units_.size(), "torchpar fully_shard: unit ", unit,
+              " out of range");
+}
+
+void FsdpEngine::unshard(int64_t unit) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  check_unit(unit);
+  units_[unit].flat->unshard_requested = true;
+  prefetch_locked(unit);
+}
+
+void FsdpEngine::wait_unshard(int64_t unit) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  check_unit(unit);
+  FlatParam& flat = *units_[unit].flat;
+  if (flat.gather_in_flight()) {  // (not a gather of its own: a handle waited on late issues nothing)
+    flat.wait_gather();
+    record(FsdpEvent::kGatherWait, unit);
+  }
+}
+
+void FsdpEngine::set_forward_prefetch(int64_t unit, std::optional<std::vector<int64_t>> targets) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  check_unit(unit);
+  for (int64_t t : targets.value_or(std::vector<int64_t>{})) check_unit(t);
+  units_[unit].forward_prefetch = std::move(targets);
+}
+
+void FsdpEngine::set_backward_prefetch(int64_t unit, std::optional<std::vector<int64_t>> targets) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  check_unit(unit);
+  for (int64_t t : targets.value_or(std::vector<int64_t>{})) check_unit(t);
+  units_[unit].backward_prefetch = std::move(targets);
 }
 
 void FsdpEngine::advance_stream_locked(size_t to) {
@@ -351,10 +427,7 @@ void FsdpEngine::pre_backward(int64_t unit) {
   // Backward runs the units in reverse forward order; the root (gathered throughout) comes first,
   // so the unit after it is the last one of forward. Prefetched whether or not this rank ran it
   // (the others may have): the same on every rank.
-  const int64_t next = backward_next(unit);
-  if (next >= 0 && units_[next].trained && !units_[next].slot_done) {
-    prefetch_locked(next);
-  }
+  prefetch_in_backward_locked(unit);
   // The root's backward starts with the units after it; a unit with no post-backward node (frozen,
   // or inputs without grad) has no more collectives in its place.
   if (unit == root_ || u.nodes == 0) {
@@ -394,10 +467,7 @@ void FsdpEngine::skipped_backward_locked(int64_t unit) {
   record(FsdpEvent::kSkippedBackward, unit);
   Unit& u = units_[unit];
   prefetch_locked(unit);
-  const int64_t next = backward_next(unit);
-  if (next >= 0 && units_[next].trained && !units_[next].slot_done) {
-    prefetch_locked(next);
-  }
+  prefetch_in_backward_locked(unit);
   if (u.trained) {
     release_after_backward_locked(unit);
     if (u.flat->requires_grad_sync) {

@@ -71,7 +71,20 @@
 // all-gathers pair and never compute with stale parameters. The same all-reduce decides whether
 // a no_grad forward begins a step (pre_forward), so that ranks whose "backward pending" differ
 // (one raised before reaching the model) still agree. A syncing backward frees the unit whatever
-// the flag says (unlike torch's): the optimizer step follows it.
+// the flag says (unlike torch's): the optimizer step follows it. A unit FSDPModule.unshard()
+// gathered ahead of the step (torch FSDP2's `model.unshard()` before forward, to overlap the first
+// all-gather with loading the batch) is kept the same way, offered where its gather (in flight or
+// done) is of the current shard: every rank that calls unshard() alike keeps it.
+//
+// Explicit prefetching (torch FSDP2's set_modules_to_forward_prefetch / _backward_prefetch): a
+// unit may list the units its pre_forward (pre_backward) prefetches instead of the next one, for
+// deeper overlap at the memory of more gathered units. The forward all-gathers still follow the
+// stream, so a listed unit is reached by advancing the stream past it: the units between are
+// launched too, and every rank issues the same all-gathers in the same order whatever it lists.
+// In backward the all-gathers interleave with the reduce-scatters, so the lists must be the same
+// on every rank (as torch requires); the units from the next one to the furthest listed one are
+// launched, in backward order. A listed unit already passed (before u in forward, after u in
+// backward) is not gathered again.
 
 #pragma once
 
@@ -130,6 +143,15 @@ class FsdpEngine : public std::enable_shared_from_this<FsdpEngine> {
   void pre_backward(int64_t unit);
   void post_backward(int64_t unit);
 
+  // FSDPModule.unshard(): launch u's all-gather now (no-op where it is gathered or in flight) and
+  // keep it into the next step (see "Explicit prefetching"); wait_unshard waits for it.
+  void unshard(int64_t unit);
+  void wait_unshard(int64_t unit);
+  // FSDPModule.set_modules_to_forward_prefetch / set_modules_to_backward_prefetch: the units
+  // u's pre_forward (pre_backward) prefetches instead of the next one; nullopt: the default.
+  void set_forward_prefetch(int64_t unit, std::optional<std::vector<int64_t>> targets);
+  void set_backward_prefetch(int64_t unit, std::optional<std::vector<int64_t>> targets);
+
   // Free every unit's gathered parameters (after a forward without backward, or by the user).
   void reshard_all();
   // Free one unit's (FSDPModule.reshard(); a unit kept gathered after backward included).
@@ -151,6 +173,7 @@ class FsdpEngine : public std::enable_shared_from_this<FsdpEngine> {
     bool ran_forward = false;       // ran forward with grad this step (a backward may come again)
     bool ran = false;               // its forward ran this step (any grad mode, outside backward)
     bool slot_done = false;         // its place in this backward's collectives is passed
+    std::optional<std::vector<int64_t>> forward_prefetch, backward_prefetch;  // set by the user
   };
   struct InFlight {                 // the reduce-scatter (or replicas' all-reduce) running
     int64_t unit = -1;
@@ -168,6 +191,13 @@ class FsdpEngine : public std::enable_shared_from_this<FsdpEngine> {
   void finalize();
   void unshard_locked(int64_t unit);
   void prefetch_locked(int64_t unit);
+  // Where pre_forward(u) advances the stream to: past the next unit, or past the furthest of the
+  // units u lists (see "Explicit prefetching").
+  size_t forward_prefetch_end_locked(int64_t unit) const;
+  // pre_backward(u)'s prefetch (and a skipped unit's in its place): the next unit in backward
+  // order, or every unit from there to the furthest one u lists.
+  void prefetch_in_backward_locked(int64_t unit);
+  void check_unit(int64_t unit) const;
   void reshard_locked(int64_t unit);
   // At the end of u's backward: free it, or keep it gathered (see "Kept gathered").
   void release_after_backward_locked(int64_t unit);

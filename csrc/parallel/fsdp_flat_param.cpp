@@ -201,8 +201,10 @@ void FlatParam::wait_gather() {
   gather_input_.reset();
 }
 
-bool FlatParam::gathered_and_current() const {
-  return !gather_work_ && gathered() && static_cast<int64_t>(shard_._version()) == gathered_version_ &&
+bool FlatParam::gathered_and_current() const { return !gather_work_ && gather_is_current(); }
+
+bool FlatParam::gather_is_current() const {
+  return gathered() && static_cast<int64_t>(shard_._version()) == gathered_version_ &&
          optimizer_steps == gathered_steps_;
 }
 

@@ -97,6 +97,8 @@ class FlatParam {
   // (optimizer_steps), no in-place write that bumps its version counter (a checkpoint load); a
   // write through `.data`, which has a counter of its own, is not seen.
   bool gathered_and_current() const;
+  // The same, with the all-gather possibly still in flight.
+  bool gather_is_current() const;
 
   // ---- gradients ----
   // The unit's unsharded gradients packed in the reduce dtype (padded, zeros where a parameter
@@ -151,6 +153,9 @@ class FlatParam {
   // Optimizer steps taken over this unit's sharded parameters (counted by a torch.optim step
   // hook, torchpar/parallel/fsdp.py): a gathered copy from before a step is not current.
   int64_t optimizer_steps = 0;
+  // FSDPModule.unshard() gathered the unit ahead of its forward: the next step's start keeps it
+  // where its gather is current (fsdp_engine.h, "Kept gathered"), instead of freeing it.
+  bool unshard_requested = false;
 
   // ---- checkpoints ----
   // Every parameter full-shaped in the master dtype (a collective: every rank calls it).

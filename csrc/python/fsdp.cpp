@@ -87,6 +87,11 @@ TORCHPAR_PYBIND(fsdp) {
       .def_readwrite("requires_all_reduce", &FlatParam::requires_all_reduce)
       .def_readwrite("reshard_after_backward", &FlatParam::reshard_after_backward)
       .def_readwrite("optimizer_steps", &FlatParam::optimizer_steps)
+      .def_readwrite("unshard_requested", &FlatParam::unshard_requested)
+      .def("start_gather", &FlatParam::start_gather, py::call_guard<py::gil_scoped_release>())
+      .def("gather_in_flight", &FlatParam::gather_in_flight)
+      .def("wait_gather", &FlatParam::wait_gather, py::call_guard<py::gil_scoped_release>())
+      .def("free_full", &FlatParam::free_full)
       .def_property(
           "reshard_after_forward", [](const FlatParam& f) { return f.options().reshard_after_forward; },
           &FlatParam::set_reshard_after_forward)
@@ -112,6 +117,10 @@ TORCHPAR_PYBIND(fsdp) {
       .def("register_post_backward", &FsdpEngine::register_post_backward)
       .def("pre_backward", &FsdpEngine::pre_backward, py::call_guard<py::gil_scoped_release>())
       .def("post_backward", &FsdpEngine::post_backward, py::call_guard<py::gil_scoped_release>())
+      .def("unshard", &FsdpEngine::unshard, py::arg("unit"), py::call_guard<py::gil_scoped_release>())
+      .def("wait_unshard", &FsdpEngine::wait_unshard, py::arg("unit"), py::call_guard<py::gil_scoped_release>())
+      .def("set_forward_prefetch", &FsdpEngine::set_forward_prefetch, py::arg("unit"), py::arg("targets"))
+      .def("set_backward_prefetch", &FsdpEngine::set_backward_prefetch, py::arg("unit"), py::arg("targets"))
       .def("reshard_all", &FsdpEngine::reshard_all, py::call_guard<py::gil_scoped_release>())
       .def("reshard", &FsdpEngine::reshard, py::arg("unit"), py::call_guard<py::gil_scoped_release>())
       .def("forward_order", &FsdpEngine::forward_order)

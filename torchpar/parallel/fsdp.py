@@ -79,11 +79,55 @@ class FSDPModule:
                 m._fsdp.flat.reshard_after_backward = bool(reshard_after_backward)
 
     def reshard(self):
-        """Free this unit's gathered parameters now (not recursive, as torch's). Every rank of the
-        group must do the same before the next forward, whose all-gathers depend on it."""
+        """Free this unit's gathered parameters now (not recursive, as torch's); the module's
+        parameters are its pieces again. Every rank of the group must do the same before the next
+        forward, whose all-gathers depend on it."""
         unit = self._fsdp
         if unit.engine is not None:
             unit.engine.reshard(unit.index)
+        elif unit.flat.gathered():  # unshard() before the first forward
+            if unit.flat.gather_in_flight():
+                unit.flat.wait_gather()
+            unit.flat.unshard_requested = False
+            unit.flat.free_full()
+        unit.register(unit.sharded)
+
+    def unshard(self, async_op=False):
+        """All-gather this unit's parameters now (not recursive), as torch's FSDP2: the module's
+        parameters are then the gathered ones, and the next forward finds them so (kept into its
+        step, where no shard was written since) and does not gather them again. Call it alike on
+        every rank of the group (the all-gather is a collective), e.g. ``model.unshard(async_op=
+        True)`` before the forward, so that the root's all-gather overlaps loading the batch.
+        With ``async_op`` returns an ``UnshardHandle``, whose ``wait()`` waits for it."""
+        unit = self._fsdp
+        if unit.engine is not None:
+            unit.engine.unshard(unit.index)
+        else:  # before the first forward made the engine: it keeps the unit at its first step
+            unit.flat.unshard_requested = True
+            if not unit.flat.gathered():
+                unit.flat.start_gather()
+        handle = UnshardHandle(unit)
+        if async_op:
+            return handle
+        handle.wait()
+        return None
+
+    def set_modules_to_forward_prefetch(self, modules):
+        """The fully_shard modules whose all-gathers this one's forward launches, instead of the
+        next unit's (torch FSDP2's explicit prefetching): two or more overlap deeper, at the
+        memory of the units gathered meanwhile. The forward all-gathers keep one order on every
+        rank, so the units between this one and a listed one are launched too; a listed unit
+        that runs before this one is not gathered again (fsdp_engine.h, "Explicit
+        prefetching"). Units of the same model only; set it alike on every rank."""
+        self._fsdp.prefetch["forward"] = _prefetch_targets(self, modules, "set_modules_to_forward_prefetch")
+        _apply_prefetch(self._fsdp)
+
+    def set_modules_to_backward_prefetch(self, modules):
+        """The same for backward: this unit's backward launches the all-gathers of the units from
+        the next one in backward order to the furthest listed one. Set it alike on every rank:
+        in backward the all-gathers interleave with the reduce-scatters."""
+        self._fsdp.prefetch["backward"] = _prefetch_targets(self, modules, "set_modules_to_backward_prefetch")
+        _apply_prefetch(self._fsdp)
 
     @contextmanager
     def no_sync(self):
@@ -118,6 +162,46 @@ class FSDPModule:
         return self._fsdp.engine
 
 
+class UnshardHandle:
+    """What ``FSDPModule.unshard(async_op=True)`` returns: ``wait()`` waits for the all-gather
+    and makes the module's parameters the gathered ones."""
+
+    def __init__(self, unit):
+        self._unit = unit
+
+    def wait(self):
+        unit = self._unit
+        if unit.engine is not None:
+            unit.engine.wait_unshard(unit.index)
+        elif unit.flat.gather_in_flight():
+            unit.flat.wait_gather()
+        if unit.flat.gathered() and not unit.flat.gather_in_flight():
+            unit.register(unit.unsharded)
+
+
+def _prefetch_targets(module, modules, what):
+    modules = list(modules)
+    for m in modules:
+        if not isinstance(m, FSDPModule):
+            raise TypeError(f"torchpar fully_shard: {what} takes fully_shard modules, got a {type(m).__name__}")
+        if m._fsdp.engine is not None and module._fsdp.engine is not None and m._fsdp.engine is not module._fsdp.engine:
+            raise ValueError(f"torchpar fully_shard: {what}: a {type(m).__name__} of another model (units prefetch "
+                             "units of the same model only)")
+    return [m._fsdp for m in modules]
+
+
+def _apply_prefetch(unit):
+    """Hands a unit's prefetch lists to its engine (once it has one: the root's first forward)."""
+    if unit.engine is None:
+        return
+    for kind, setter in (("forward", unit.engine.set_forward_prefetch), ("backward", unit.engine.set_backward_prefetch)):
+        targets = unit.prefetch.get(kind)
+        if targets is not None and any(t.engine is not unit.engine for t in targets):
+            raise ValueError(f"torchpar fully_shard: set_modules_to_{kind}_prefetch lists a module that is not part "
+                             "of this one's model (units prefetch units of the same model only)")
+        setter(unit.index, None if targets is None else [t.index for t in targets])
+
+
 @dataclass
 class Shard:
     """One rank's piece of a parameter in a ``sharded_state_dict``: elements
@@ -144,6 +228,7 @@ class _Unit:
         self.engine = None
         self.index = None
         self.sharded_form = False
+        self.prefetch = {}            # "forward"/"backward" -> [_Unit]: set_modules_to_*_prefetch
         for p in sharded:
             _UNIT_OF[id(p)] = self
 
@@ -284,6 +369,8 @@ def _lazy_init(root):
     engine = _C.FsdpEngine([u.flat for u in units], 0)
     for i, u in enumerate(units):
         u.engine, u.index = engine, i
+    for u in units:
+        _apply_prefetch(u)
 
 
 def _pre_forward(module, args, kwargs):
