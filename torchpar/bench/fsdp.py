@@ -7,6 +7,8 @@ the same GPT (AdamW, next-token loss on random tokens):
 - ``torch_fsdp2``  torch.distributed.fsdp.fully_shard, the same way (DeviceMesh over the group)
 - ``hsdp``, ``torch_hsdp``  the two with hybrid sharding on a (2 replicas, W/2 shards) mesh (only
   at an even world size of 4 or more)
+- ``fsdp_prefetch2``, ``torch_fsdp2_prefetch2``  the first two with FSDP2's explicit prefetching,
+  two blocks ahead in forward and backward (only when named in ``--systems``)
 - whatever ``torchpar.bench._zero_systems.SYSTEMS`` adds when it exists (a dict
   name -> make(model, group, lr) -> (wrapped_model, optimizer): DDP, ZeRO-1/2, torch's ZeRO)
 
@@ -114,12 +116,27 @@ def _make_torch_hsdp(model, group, lr):
     return _shard_blocks_then_root(fully_shard, model, lr, mesh=_hybrid_mesh(group))
 
 
+def _prefetch_two_ahead(made):
+    """FSDP2's explicit prefetching as its tutorial sets it (the same calls on both stacks): each
+    block launches the next two blocks' all-gathers in forward and the two before it in backward."""
+    model, opt = made
+    blocks = list(model.blocks)
+    for i, block in enumerate(blocks):
+        block.set_modules_to_forward_prefetch(blocks[i + 1:i + 3])
+        block.set_modules_to_backward_prefetch(blocks[max(i - 2, 0):i][::-1])
+    return model, opt
+
+
 # Hybrid sharding needs an even world of at least 4 ranks (2 replicas of 2 or more shards).
 HYBRID = ("hsdp", "torch_hsdp")
+# Run when asked for by name (--systems) only.
+EXPLICIT_PREFETCH = ("fsdp_prefetch2", "torch_fsdp2_prefetch2")
 
 
 def systems():
-    out = {"fsdp": _make_fsdp, "torch_fsdp2": _make_torch_fsdp2, "hsdp": _make_hsdp, "torch_hsdp": _make_torch_hsdp}
+    out = {"fsdp": _make_fsdp, "torch_fsdp2": _make_torch_fsdp2, "hsdp": _make_hsdp, "torch_hsdp": _make_torch_hsdp,
+           "fsdp_prefetch2": lambda *a: _prefetch_two_ahead(_make_fsdp(*a)),
+           "torch_fsdp2_prefetch2": lambda *a: _prefetch_two_ahead(_make_torch_fsdp2(*a))}
     try:
         from torchpar.bench._zero_systems import SYSTEMS
         out.update(SYSTEMS)
@@ -267,7 +284,8 @@ def main(argv=None):
     if args.hosts:
         args.world_size = args.hosts * args.ranks_per_host
     hybrid_ok = args.world_size >= 4 and args.world_size % 2 == 0
-    args.systems = args.systems or [name for name in systems() if hybrid_ok or name not in HYBRID]
+    args.systems = args.systems or [name for name in systems()
+                                    if (hybrid_ok or name not in HYBRID) and name not in EXPLICIT_PREFETCH]
 
     meta = {k: getattr(args, k) for k in ("world_size", "dim", "layers", "heads", "vocab", "seq", "batch",
                                           "threads", "warmup", "rounds", "systems")}
