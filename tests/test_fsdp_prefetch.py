@@ -8,7 +8,7 @@ import pytest
 import torch
 from torch import nn
 
-from test_fsdp import Net, _assert_matches, _batch, _loss, _part, _pool, _setup, _shard_model
+from test_fsdp import Net, _batch, _pool, _setup, _shard_model, _step_both
 from torchpar.parallel import FSDPModule, UnshardHandle
 
 on_backends = pytest.mark.parametrize("backend", ["torchpar", "gloo"])
@@ -22,14 +22,8 @@ def _train(ctx, model, ref, steps, before_forward=lambda model: None):
     traces = []
     for step in range(steps):
         x, y = _batch(step, 2 * ctx.world_size)
-        opt.zero_grad()
         before_forward(model)
-        _loss(model(_part(x, ctx)), _part(y, ctx)).backward()
-        opt.step()
-        ref_opt.zero_grad()
-        _loss(ref(x), y).backward()
-        ref_opt.step()
-        _assert_matches(model.state_dict(), ref, step)
+        _step_both(ctx, (model, opt), (ref, ref_opt), x, y, step)
         traces.append([tuple(e) for e in model.fsdp_engine.trace()])
     return traces
 
