@@ -5,9 +5,10 @@ backward's reduction, its fully_shard peers in a unit's all-gather or reduce-sca
 tensor-parallel peers (at any pp) in a tp all-reduce; before, they waited there until the
 group's timeout, or until the failed rank's process exited. Now the failed rank frees them (DDP: the owed buckets, zeros; tp and fully_shard
 groups: aborted with its error as the reason) and joins the step's closing all-reduce with its
-failure flag up, so that every rank raises (ParallelGPT._fail). The groups time out after
-``TIMEOUT`` s and each test is stopped after ``BOUND`` s: no time is measured, the bound only
-tells a prompt failure from one at the timeout (as tests/test_pipeline_failures.py does).
+failure flag up, so that every rank raises (ParallelGPT._fail). The world group times out
+after ``TIMEOUT`` s, the mesh's groups after torch's default (30 min), and each test is stopped
+after ``BOUND`` s: no time is measured, the bound only tells a prompt failure from one at a
+timeout (as tests/test_pipeline_failures.py does).
 """
 import time
 from datetime import timedelta
@@ -19,7 +20,7 @@ import torch.distributed as dist
 import torchpar
 from harness import spawn
 from test_gpt_3d import CFG, LR, STEPS, _batch, _reference_losses
-from torchpar.models.parallel_gpt import Layout, ParallelGPT
+from torchpar.models.parallel_gpt import Layout, ParallelGPT, _peer_lost
 
 TIMEOUT = 900  # the groups': a rank that waits this long has missed the failure
 BOUND = 90     # each test's, far below TIMEOUT
@@ -111,7 +112,7 @@ ABORTING = {
     "2x2x1": (Layout(dp=2, tp=2, microbatches=2), 1, "forward"),
     # 2 replicas of 2 shards: rank 1's shard group {0, 1} and replicate group {1, 3} aborted.
     "hsdp-2x2x1x1": (Layout(dp=4, fsdp=True, dp_replicate=2, microbatches=2), 1, "backward"),
-    # fully_shard over the whole world: the world group itself is aborted.
+    # fully_shard over the whole world: DeviceMesh's group for it is the default group, aborted.
     "fsdp-4x1x1": (Layout(dp=4, fsdp=True, microbatches=2), 2, "forward"),
     # pp = 2, tp = 2: stage 1's tp rank 0 raises; its tp peer (rank 3) waited in a tp all-reduce
     # until the timeout, and stage 0's rank 1 on it (the schedule aborts pipeline groups only).
@@ -127,3 +128,16 @@ def test_every_rank_raises_when_one_fails_alone(name):
     layout, failing, where = ABORTING[name]
     results = spawn(_one_rank_raises, 4, "torchpar", layout, failing, where, 0, timeout=BOUND)
     _check_every_rank_raised(results, failing, where)
+
+
+def test_a_stuck_or_gone_peer_is_not_waited_for_again():
+    """Review finding: a rank whose collective timed out (a peer stuck) joined the closing
+    all-reduce, which waited for that peer too: a second timeout. It recognises the cause in
+    its error, in the error's causes and in a reason relayed by an abort or a pipeline."""
+    timeout = RuntimeError("torchpar all_reduce failed: Timed out after 10000 ms: timed out waiting for rank 3")
+    relayed = RuntimeError("Schedule1F1B: pipeline rank 0 stopped waiting for its peers because pipeline stage 1 "
+                           "failed in the forward: DistBackendError: ... timed out waiting for rank 3")
+    wrapped = RuntimeError("boom")
+    wrapped.__cause__ = RuntimeError("rank 2 (pid 7) has exited; the group cannot continue")
+    assert _peer_lost(timeout) and _peer_lost(relayed) and _peer_lost(wrapped)
+    assert not _peer_lost(RuntimeError("the group was aborted by rank 1: RuntimeError: boom in forward"))

@@ -45,6 +45,7 @@ every rank of a data-parallel replica (as examples/train_gpt.py does).
 """
 import contextlib
 import os
+import re
 from dataclasses import dataclass
 from typing import Optional
 
@@ -395,12 +396,13 @@ class ParallelGPT:
         loss, failed = self._mean_loss(losses)
         if failed:
             goes_on = not self.pipelined and self.layout.tp == 1 and not self.layout.fsdp
+            what = ("the optimizer did not step and this rank's gradients are not the step's (the next step zeroes "
+                    "them)" if train else "the loss is not the batch's")
             raise RuntimeError(
-                f"ParallelGPT: rank {dist.get_rank()}: the step failed on rank(s) {', '.join(map(str, failed))} "
-                f"(their error says why); the optimizer did not step and this rank's gradients are not the step's "
-                + ("(the next step zeroes them)" if goes_on else
-                   "(the failed ranks' tensor-parallel, pipeline and fully_shard groups are aborted: build a new "
-                   "ParallelGPT to go on)"))
+                f"ParallelGPT: rank {dist.get_rank()}: the {'step' if train else 'evaluation'} failed on rank(s) "
+                f"{', '.join(map(str, failed))} (their error says why); {what}"
+                + ("" if goes_on else f"; the failed ranks' tensor-parallel, pipeline and fully_shard groups are "
+                   f"aborted: {_REBUILD}"))
         return loss
 
     def _fail(self, error, reducer, completed):
@@ -416,27 +418,33 @@ class ParallelGPT:
         - At pp = 1 a DDP stage issues what its synchronised backward still owes the dp peers,
           zeros (``Reducer.abandon_backward``): their reduction completes, and the model and its
           groups go on with the next step.
-        Only torchpar's abort reaches the peers: with another backend's tp or fully_shard groups,
-        or pipeline at all, the rank raises at once, as before. A KeyboardInterrupt or SystemExit
-        aborts and disarms only (its process usually ends)."""
+        Only torchpar's abort reaches the peers, and on the CPU only (not a peer inside an NCCL
+        kernel): with other groups the rank raises at once, as before. Nor does it wait for its
+        peers where the error says one of them is stuck or gone (a timeout, an exited rank,
+        ``_peer_lost``): the closing all-reduce would wait for that one too, a second timeout
+        (review), so it only aborts. A KeyboardInterrupt or SystemExit aborts and disarms only
+        (its process usually ends)."""
         L = self.layout
         reason = clip_reason(f"{type(error).__name__}: {error}") + (
-            f" [the step of ParallelGPT's rank {dist.get_rank()} failed; the group is aborted: build a new ParallelGPT]")
+            f" [the step of ParallelGPT's rank {dist.get_rank()} failed; the group is aborted: {_REBUILD}]")
         groups = {id(self.tp_group): self.tp_group} if L.tp > 1 else {}
         if not self.pipelined:
             for m in self.modules[0].modules():
                 if isinstance(m, FSDPModule):
                     groups.update((id(g), g) for g in (m._fsdp.group, m._fsdp.replicate_group) if g is not None)
         reached = all([abort_with_reason(g, reason) for g in groups.values() if dist.get_world_size(g) > 1])
+        reached = reached and (not groups or self.device.type == "cpu")
+        settle = isinstance(error, Exception) and not _peer_lost(error)
         if reducer is not None:
-            if not isinstance(error, Exception):
+            if not settle:
                 reducer.cancel_backward()  # left armed, the next step's first no_sync backward would reduce
             elif reducer.completed_backwards == completed:
                 try:
                     reducer.abandon_backward()
                 except Exception:  # noqa: BLE001 - this rank's own error is the one to raise
                     reached = abort_with_reason(self.dp_group, reason) and reached
-        if isinstance(error, Exception) and reached and (not self.pipelined or dist.get_backend() == "torchpar"):
+        pipeline_reached = not self.pipelined or (dist.get_backend() == "torchpar" and self.device.type == "cpu")
+        if settle and reached and pipeline_reached:
             with contextlib.suppress(Exception):  # a group the failure broke: the peers' own errors come
                 self._mean_loss([], failed=True)
 
@@ -535,6 +543,23 @@ class ParallelGPT:
         for m in self.modules:
             m.eval()
         return self._run(self.schedule.eval, idx, target, train=False)
+
+
+# What a user does after a failure aborted groups. DeviceMesh reuses the default group for a mesh
+# dimension spanning the whole job (tp or fully_shard over every rank): then that one is aborted.
+_REBUILD = ("build a new ParallelGPT (and, where the aborted group is the default one, destroy_process_group() "
+            "and init_process_group() first)")
+
+
+def _peer_lost(error):
+    """Whether ``error``, its causes, or a reason passed along in them (an abort's, a published
+    pipeline failure's) says that a peer is stuck or gone: a timeout, an exited rank."""
+    seen, texts = set(), []
+    while error is not None and id(error) not in seen:
+        seen.add(id(error))
+        texts.append(str(error))
+        error = error.__cause__ or error.__context__
+    return re.search(r"timed out|has exited|closed the connection", " ".join(texts), re.IGNORECASE) is not None
 
 
 def rank_device(device):
