@@ -8,7 +8,7 @@ import pytest
 import torch
 from torch import nn
 
-from test_fsdp import Net, _batch, _pool, _setup, _shard_model, _step_both
+from test_fsdp import Net, _assert_matches, _batch, _loss, _part, _pool, _setup, _shard_model, _step_both
 from torchpar.parallel import FSDPModule, UnshardHandle
 
 on_backends = pytest.mark.parametrize("backend", ["torchpar", "gloo"])
@@ -79,6 +79,39 @@ def test_reshard_after_unshard_gives_the_pieces_back():
         assert (7, 5) in full and all(len(s) == 1 for s in pieces)
 
 
+def _late_wait_and_load(ctx):
+    """Review findings: a handle waited after the forward registered the gathered parameters
+    (the optimizer's zero_grad then missed the pieces: training drifted); load_state_dict after
+    unshard() refused the full tensors, after loading part of them."""
+    _setup(ctx)
+    model = Net()
+    ref = copy.deepcopy(model)
+    _shard_model(model, ctx.pg)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    for step in range(3):
+        handle = model.unshard(async_op=True)
+        x, y = _batch(step, 2 * ctx.world_size)
+        loss = _loss(model(_part(x, ctx)), _part(y, ctx))
+        handle.wait()  # late: the forward has waited already
+        assert model.inp.weight.dim() == 1, "the gathered parameters came back after forward"
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        ref_opt.zero_grad()
+        _loss(ref(x), y).backward()
+        ref_opt.step()
+        _assert_matches(model.state_dict(), ref, step)
+    fresh = Net(seed=1).state_dict()
+    model.unshard()
+    model.load_state_dict(fresh)
+    _assert_matches(model.state_dict(), Net(seed=1), "load")
+
+
+def test_a_late_wait_changes_nothing_and_a_load_after_unshard_loads():
+    _pool("torchpar", 2).run(_late_wait_and_load)
+
+
 def _explicit_prefetch(ctx):
     _setup(ctx)
     model = Net(depth=4)
@@ -100,9 +133,8 @@ def test_explicit_prefetch_launches_two_units_ahead_and_trains_as_single_process
             # Units 1..4 are the blocks. Forward (from the first step: the lists need no
             # recorded order): block 1's forward launches blocks 2 and 3 before it ends.
             assert first(("pre_forward", 1)) < first(("all_gather_launch", 3)) < first(("post_forward", 1)), step
-            if step == 0:
-                continue  # backward prefetches once the order is agreed (the first forward's end)
-            # Backward: block 4's backward launches blocks 3 and 2 before block 3's starts.
+            # Backward (the order is agreed at the first forward's end): block 4's backward
+            # launches blocks 3 and 2 before block 3's starts.
             assert last[("pre_backward", 4)] < last[("all_gather_launch", 2)] < last[("pre_backward", 3)], step
 
 

@@ -270,7 +270,11 @@ void FsdpEngine::check_unit(int64_t unit) const {
 void FsdpEngine::unshard(int64_t unit) {
   std::lock_guard<std::mutex> lock(mutex_);
   check_unit(unit);
-  units_[unit].flat->unshard_requested = true;
+  FlatParam& flat = *units_[unit].flat;
+  if (flat.gathered() && !flat.gather_is_current()) {
+    reshard_locked(unit);  // kept from before a load or an optimizer step: the user reads it next (review)
+  }
+  flat.unshard_requested = true;
   prefetch_locked(unit);
 }
 

@@ -80,10 +80,10 @@
 // unit may list the units its pre_forward (pre_backward) prefetches instead of the next one, for
 // deeper overlap at the memory of more gathered units. The forward all-gathers still follow the
 // stream, so a listed unit is reached by advancing the stream past it: the units between are
-// launched too, and every rank issues the same all-gathers in the same order whatever it lists.
-// In backward the all-gathers interleave with the reduce-scatters, so the lists must be the same
-// on every rank (as torch requires); the units from the next one to the furthest listed one are
-// launched, in backward order. A listed unit already passed (before u in forward, after u in
+// launched too. The lists must be the same on every rank, as torch requires: other collectives on
+// the group during forward (an unshard() among them) would pair with other all-gathers, and in
+// backward the all-gathers interleave with the reduce-scatters. In backward the units from the
+// next one to the furthest listed one are launched, in backward order. A listed unit already passed (before u in forward, after u in
 // backward) is not gathered again.
 
 #pragma once

@@ -90,6 +90,7 @@ class FSDPModule:
                 unit.flat.wait_gather()
             unit.flat.unshard_requested = False
             unit.flat.free_full()
+        unit.unshard_handle = None
         unit.register(unit.sharded)
 
     def unshard(self, async_op=False):
@@ -106,7 +107,7 @@ class FSDPModule:
             unit.flat.unshard_requested = True
             if not unit.flat.gathered():
                 unit.flat.start_gather()
-        handle = UnshardHandle(unit)
+        handle = unit.unshard_handle = UnshardHandle(unit)
         if async_op:
             return handle
         handle.wait()
@@ -115,10 +116,12 @@ class FSDPModule:
     def set_modules_to_forward_prefetch(self, modules):
         """The fully_shard modules whose all-gathers this one's forward launches, instead of the
         next unit's (torch FSDP2's explicit prefetching): two or more overlap deeper, at the
-        memory of the units gathered meanwhile. The forward all-gathers keep one order on every
-        rank, so the units between this one and a listed one are launched too; a listed unit
-        that runs before this one is not gathered again (fsdp_engine.h, "Explicit
-        prefetching"). Units of the same model only; set it alike on every rank."""
+        memory of the units gathered meanwhile. The forward all-gathers keep one order, so the
+        units between this one and a listed one are launched too; a listed unit that runs before
+        this one is not gathered again (fsdp_engine.h, "Explicit prefetching"). Units of the
+        same model only; set it alike on every rank, as torch requires (other collectives on the
+        group during forward, an ``unshard()`` among them, would pair with different
+        all-gathers)."""
         self._fsdp.prefetch["forward"] = _prefetch_targets(self, modules, "set_modules_to_forward_prefetch")
         _apply_prefetch(self._fsdp)
 
@@ -164,13 +167,19 @@ class FSDPModule:
 
 class UnshardHandle:
     """What ``FSDPModule.unshard(async_op=True)`` returns: ``wait()`` waits for the all-gather
-    and makes the module's parameters the gathered ones."""
+    and makes the module's parameters the gathered ones. As torch's, it acts once, and only
+    until the unit's forward (which waits for the gather itself) or ``reshard()``: a later
+    ``wait()`` does nothing (review: it registered gathered parameters after forward had put the
+    pieces back, which the optimizer's ``zero_grad`` and clipping then missed)."""
 
     def __init__(self, unit):
         self._unit = unit
 
     def wait(self):
         unit = self._unit
+        if unit.unshard_handle is not self:
+            return
+        unit.unshard_handle = None
         if unit.engine is not None:
             unit.engine.wait_unshard(unit.index)
         elif unit.flat.gather_in_flight():
@@ -180,14 +189,22 @@ class UnshardHandle:
 
 
 def _prefetch_targets(module, modules, what):
+    """The units of ``modules``, checked before anything is stored (review: a refused list was
+    kept, and failed the next call or the first forward)."""
     modules = list(modules)
     for m in modules:
         if not isinstance(m, FSDPModule):
             raise TypeError(f"torchpar fully_shard: {what} takes fully_shard modules, got a {type(m).__name__}")
-        if m._fsdp.engine is not None and module._fsdp.engine is not None and m._fsdp.engine is not module._fsdp.engine:
-            raise ValueError(f"torchpar fully_shard: {what}: a {type(m).__name__} of another model (units prefetch "
-                             "units of the same model only)")
-    return [m._fsdp for m in modules]
+    targets = [m._fsdp for m in modules]
+    if module._fsdp.engine is not None:
+        _check_prefetch(what, targets, lambda t: t.engine is module._fsdp.engine)
+    return targets
+
+
+def _check_prefetch(what, targets, same_model):
+    if not all(same_model(t) for t in targets):
+        raise ValueError(f"torchpar fully_shard: {what} lists a module of another model (units prefetch units of "
+                         "the same model only)")
 
 
 def _apply_prefetch(unit):
@@ -196,9 +213,6 @@ def _apply_prefetch(unit):
         return
     for kind, setter in (("forward", unit.engine.set_forward_prefetch), ("backward", unit.engine.set_backward_prefetch)):
         targets = unit.prefetch.get(kind)
-        if targets is not None and any(t.engine is not unit.engine for t in targets):
-            raise ValueError(f"torchpar fully_shard: set_modules_to_{kind}_prefetch lists a module that is not part "
-                             "of this one's model (units prefetch units of the same model only)")
         setter(unit.index, None if targets is None else [t.index for t in targets])
 
 
@@ -229,6 +243,7 @@ class _Unit:
         self.index = None
         self.sharded_form = False
         self.prefetch = {}            # "forward"/"backward" -> [_Unit]: set_modules_to_*_prefetch
+        self.unshard_handle = None    # the UnshardHandle of an unshard() its forward has not consumed
         for p in sharded:
             _UNIT_OF[id(p)] = self
 
@@ -366,6 +381,10 @@ def _lazy_init(root):
         raise ValueError("torchpar fully_shard: the units of one model must all replicate over the same group "
                          "(hybrid sharding), or none of them: apply fully_shard with the same mesh or "
                          "replicate_group to every submodule and the root")
+    members = {id(u) for u in units}
+    for u in units:  # before anything is attached: a refused list leaves no half-made engine
+        for kind, targets in u.prefetch.items():
+            _check_prefetch(f"set_modules_to_{kind}_prefetch", targets, lambda t: id(t) in members)
     engine = _C.FsdpEngine([u.flat for u in units], 0)
     for i, u in enumerate(units):
         u.engine, u.index = engine, i
@@ -378,6 +397,7 @@ def _pre_forward(module, args, kwargs):
     if unit.engine is None:
         _lazy_init(module)
     grad = torch.is_grad_enabled()
+    unit.unshard_handle = None  # the forward waits for an unshard() itself
     unit.engine.pre_forward(unit.index, grad)
     unit.register(unit.unsharded)
     if unit.param_dtype is not None:
@@ -466,6 +486,7 @@ def _load_state_dict_pre_hook(module, state_dict, prefix, local_metadata, strict
     layout. Then the entry becomes the piece, which nn.Module's loader copies onto itself."""
     unit = module._fsdp
     flat = unit.flat
+    unit.register(unit.sharded)  # after unshard() the gathered ones are registered (review): load into the pieces
     for _, _, i, name in unit.sites:
         key = prefix + name
         if key not in state_dict:
