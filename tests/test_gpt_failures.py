@@ -1,14 +1,14 @@
 """ParallelGPT: a step that raises on one rank alone raises on every rank, promptly.
 
 A rank whose step raises owes its peers collectives: at pp = 1 its DDP peers wait in the last
-backward's reduction, its fully_shard peers in a unit's all-gather or reduce-scatter, its
-tensor-parallel peers (at any pp) in a tp all-reduce; before, they waited there until the
-group's timeout, or until the failed rank's process exited. Now the failed rank frees them (DDP: the owed buckets, zeros; tp and fully_shard
-groups: aborted with its error as the reason) and joins the step's closing all-reduce with its
-failure flag up, so that every rank raises (ParallelGPT._fail). The world group times out
-after ``TIMEOUT`` s, the mesh's groups after torch's default (30 min), and each test is stopped
-after ``BOUND`` s: no time is measured, the bound only tells a prompt failure from one at a
-timeout (as tests/test_pipeline_failures.py does).
+backward's reduction, its fully_shard peers in a unit's all-gather or reduce-scatter, its tensor-
+parallel peers (at any pp) in a tp all-reduce; before, they waited there until the group's timeout,
+or until the failed rank's process exited. Now the failed rank frees them (DDP: the owed buckets,
+zeros; tp and fully_shard groups: aborted with its error as the reason) and joins the step's
+closing all-reduce with its failure flag up, so that every rank raises (ParallelGPT._fail). The
+world group times out after ``TIMEOUT`` s, the mesh's groups after torch's default (30 min), and
+each test is stopped after ``BOUND`` s: no time is measured, the bound only tells a prompt failure
+from one at a timeout (as tests/test_pipeline_failures.py does).
 """
 import time
 from datetime import timedelta

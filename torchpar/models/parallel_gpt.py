@@ -383,7 +383,8 @@ class ParallelGPT:
         idx, target = (t.chunk(self.layout.dp)[self.dp_rank].to(self.device) for t in (idx, target))
         losses = []
         module = self.modules[0]
-        reducer = module.reducer if train and not self.pipelined and isinstance(module, DistributedDataParallel) else None
+        ddp = train and not self.pipelined and isinstance(module, DistributedDataParallel)
+        reducer = module.reducer if ddp else None
         completed = reducer.completed_backwards if reducer is not None else None
         try:
             if self.pipelined:

@@ -211,7 +211,8 @@ def _apply_prefetch(unit):
     """Hands a unit's prefetch lists to its engine (once it has one: the root's first forward)."""
     if unit.engine is None:
         return
-    for kind, setter in (("forward", unit.engine.set_forward_prefetch), ("backward", unit.engine.set_backward_prefetch)):
+    engine = unit.engine
+    for kind, setter in (("forward", engine.set_forward_prefetch), ("backward", engine.set_backward_prefetch)):
         targets = unit.prefetch.get(kind)
         setter(unit.index, None if targets is None else [t.index for t in targets])
 
