@@ -11,7 +11,8 @@ from torch import nn
 from test_fsdp import Net, _assert_matches, _batch, _loss, _part, _pool, _setup, _shard_model, _step_both
 from torchpar.parallel import FSDPModule, UnshardHandle
 
-on_backends = pytest.mark.parametrize("backend", ["torchpar", "gloo"])
+# gloo in make test-slow (make test's time budget).
+on_backends = pytest.mark.parametrize("backend", ["torchpar", pytest.param("gloo", marks=pytest.mark.slow)])
 
 
 def _train(ctx, model, ref, steps, before_forward=lambda model: None):
