@@ -83,8 +83,8 @@
 // launched too. The lists must be the same on every rank, as torch requires: other collectives on
 // the group during forward (an unshard() among them) would pair with other all-gathers, and in
 // backward the all-gathers interleave with the reduce-scatters. In backward the units from the
-// next one to the furthest listed one are launched, in backward order. A listed unit already passed (before u in forward, after u in
-// backward) is not gathered again.
+// next one to the furthest listed one are launched, in backward order. A listed unit already
+// passed (before u in forward, after u in backward) is not gathered again.
 
 #pragma once
 
@@ -143,8 +143,9 @@ class FsdpEngine : public std::enable_shared_from_this<FsdpEngine> {
   void pre_backward(int64_t unit);
   void post_backward(int64_t unit);
 
-  // FSDPModule.unshard(): launch u's all-gather now (no-op where it is gathered or in flight) and
-  // keep it into the next step (see "Explicit prefetching"); wait_unshard waits for it.
+  // FSDPModule.unshard(): launch u's all-gather now (none where it is gathered or in flight from
+  // the current shard; a stale kept copy is freed first) and keep it into the next step (see
+  // "Kept gathered"); wait_unshard waits for it.
   void unshard(int64_t unit);
   void wait_unshard(int64_t unit);
   // FSDPModule.set_modules_to_forward_prefetch / set_modules_to_backward_prefetch: the units

@@ -61,7 +61,7 @@ from torchpar.parallel import DistributedDataParallel, MixedPrecision, clip_grad
 from torchpar.parallel.pipeline import (PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B,
                                         ScheduleZeroBubble)
 from torchpar.parallel.fsdp import FSDPModule
-from torchpar.parallel.pipeline.failure import abort_with_reason, clip_reason
+from torchpar.parallel.pipeline.failure import abort_with_reason, clip_reason, fully_shard_groups
 from torchpar.parallel.pipeline.schedules import reduce_in_last_backward, syncing_fsdp_modules
 from torchpar.parallel.pipeline.split import split_boundaries
 from torchpar.parallel.tensor import (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding,
@@ -430,10 +430,9 @@ class ParallelGPT:
             f" [the step of ParallelGPT's rank {dist.get_rank()} failed; the group is aborted: {_REBUILD}]")
         groups = {id(self.tp_group): self.tp_group} if L.tp > 1 else {}
         if not self.pipelined:
-            for m in self.modules[0].modules():
-                if isinstance(m, FSDPModule):
-                    groups.update((id(g), g) for g in (m._fsdp.group, m._fsdp.replicate_group) if g is not None)
-        reached = all([abort_with_reason(g, reason) for g in groups.values() if dist.get_world_size(g) > 1])
+            sharded = [m for m in self.modules[0].modules() if isinstance(m, FSDPModule)]
+            groups.update((key, g) for key, (g, _) in fully_shard_groups(sharded).items())
+        reached = all([abort_with_reason(g, reason) for g in groups.values()])
         reached = reached and (not groups or self.device.type == "cpu")
         settle = isinstance(error, Exception) and not _peer_lost(error)
         if reducer is not None:

@@ -166,12 +166,7 @@ class ShardedPeers:
     def __init__(self, sched, modules):
         self.sched = sched
         self.modules = modules
-        self.groups = {}  # id -> (group, device of its flag)
-        for m in modules:
-            device = m._fsdp.sharded[0].device if m._fsdp.sharded else torch.device("cpu")
-            for group in (m._fsdp.group, m._fsdp.replicate_group):  # hybrid sharding: both
-                if group is not None and dist.get_world_size(group) > 1:
-                    self.groups.setdefault(id(group), (group, device))
+        self.groups = fully_shard_groups(modules)
         self.started = False
 
     def agree_to_start(self, failed):
@@ -201,6 +196,18 @@ class ShardedPeers:
                 for group, _ in self.groups.values():
                     abort_with_reason(group, reason)
             raise
+
+
+def fully_shard_groups(modules):
+    """{id: (group, device of a flag sent over it)}: the groups of more than one rank that the
+    fully_shard ``modules`` shard over and, under hybrid sharding, replicate over."""
+    groups = {}
+    for m in modules:
+        device = m._fsdp.sharded[0].device if m._fsdp.sharded else torch.device("cpu")
+        for group in (m._fsdp.group, m._fsdp.replicate_group):
+            if group is not None and dist.get_world_size(group) > 1:
+                groups.setdefault(id(group), (group, device))
+    return groups
 
 
 def clip_reason(text, limit=700):
