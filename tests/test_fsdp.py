@@ -538,12 +538,12 @@ def test_state_dict_round_trips_across_world_sizes(backend):
 
 # ---- O2 mixed precision: bfloat16 compute, float32 master shards and reduction ----
 
-def _bf16_vs_master_reference(ctx, steps=3):
+def _bf16_vs_master_reference(ctx, steps=3, **shard_kwargs):
     _setup(ctx)
     model = Net()
     master = copy.deepcopy(model)                # the float32 master weights, one process
     policy = MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-    _shard_model(model, ctx.pg, mixed_precision=policy)
+    _shard_model(model, ctx.pg, mixed_precision=policy, **shard_kwargs)
     assert all(p.dtype == torch.float32 for p in model.parameters())
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     ref_opt = torch.optim.SGD(master.parameters(), lr=0.1)
@@ -792,7 +792,7 @@ def _assert_pieces_registered(model, with_grads=False):
         assert all(p.grad is not None for p in registered)
 
 
-def _pattern_grads_match(ctx, pattern, steps=2):
+def _pattern_grads_match(ctx, pattern, steps=2, **shard_kwargs):
     _setup(ctx)
     if pattern == "checkpoint_no_early_stop":
         model = CheckpointedNetNoEarlyStop(use_reentrant=False)
@@ -801,7 +801,7 @@ def _pattern_grads_match(ctx, pattern, steps=2):
     else:
         model = Net()
     ref = copy.deepcopy(model)
-    _shard_model(model, ctx.pg)
+    _shard_model(model, ctx.pg, **shard_kwargs)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
     for step in range(steps):

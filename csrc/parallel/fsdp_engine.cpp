@@ -102,15 +102,23 @@ void FsdpEngine::prefetch_locked(int64_t unit) {
   }
 }
 
-void FsdpEngine::reshard_locked(int64_t unit) {
+void FsdpEngine::reshard_locked(int64_t unit, bool after_forward) {
   FlatParam& flat = *units_[unit].flat;
   if (flat.gather_in_flight()) {  // prefetched, then not used
     flat.wait_gather();
     record(FsdpEvent::kGatherWait, unit);
   }
   if (flat.padded_numel() > 0 && flat.gathered()) {
+    if (after_forward && flat.post_forward_group()) {
+      flat.free_full_to_post_forward();
+      record(FsdpEvent::kReshardToPostForward, unit);
+      return;
+    }
     flat.free_full();
     record(FsdpEvent::kReshard, unit);
+  }
+  if (!after_forward) {  // (in forward, a unit freed already keeps the slice it was freed to)
+    flat.drop_post_forward();
   }
 }
 
@@ -218,7 +226,7 @@ void FsdpEngine::pre_forward(int64_t unit, bool grad_enabled) {
       // first forward the stream is index order, and a unit before this one may still run.
       if (order_recorded_ && step_forward_) {
         for (int64_t at = stream_pos_[unit] - 1; at >= 0 && !units_[stream_[at]].ran; --at) {
-          if (units_[stream_[at]].flat->options().reshard_after_forward) reshard_locked(stream_[at]);
+          if (units_[stream_[at]].flat->options().reshard_after_forward) reshard_locked(stream_[at], grad_enabled);
         }
       }
     }
@@ -230,7 +238,6 @@ void FsdpEngine::pre_forward(int64_t unit, bool grad_enabled) {
   if (!in_backward()) {
     advance_stream_locked(forward_prefetch_end_locked(unit));
   }
-  (void)grad_enabled;
 }
 
 size_t FsdpEngine::forward_prefetch_end_locked(int64_t unit) const {
@@ -396,14 +403,17 @@ bool FsdpEngine::post_forward(int64_t unit, bool grad_enabled) {
       for (size_t v = 0; v < units_.size(); ++v) reshard_locked(static_cast<int64_t>(v));
       return true;
     }
-    // Units gathered for the stream only, freed as the ranks that ran them freed them.
+    // Units gathered for the stream only, freed as the ranks that ran them freed them (to the
+    // same post-forward slices: their backward gathers those).
     for (size_t v = 0; v < units_.size(); ++v) {
-      if (!units_[v].ran && units_[v].flat->options().reshard_after_forward) reshard_locked(static_cast<int64_t>(v));
+      if (!units_[v].ran && units_[v].flat->options().reshard_after_forward) {
+        reshard_locked(static_cast<int64_t>(v), true);
+      }
     }
     return false;  // backward starts with the root's parameters
   }
   if (u.flat->options().reshard_after_forward || !grad_enabled) {
-    reshard_locked(unit);
+    reshard_locked(unit, grad_enabled);  // a backward follows: keep the post-forward slice, if any
     return true;
   }
   return false;

@@ -103,7 +103,8 @@ struct FsdpEvent {
     kPreForward, kPostForward, kGatherLaunch, kGatherWait, kReshard,
     kPreBackward, kPostBackward, kReduceScatterLaunch, kReduceScatterWait, kFinalize,
     kSkippedBackward,  // the collectives of a unit this rank's forward did not run (see below)
-    kAllReduceLaunch, kAllReduceWait  // hybrid sharding: a reduced shard across the replicas
+    kAllReduceLaunch, kAllReduceWait,  // hybrid sharding: a reduced shard across the replicas
+    kReshardToPostForward  // freed after forward, its post-forward slice kept (reshard_after_forward=N)
   } kind;
   int64_t unit;  // -1 for kFinalize
 };
@@ -199,7 +200,9 @@ class FsdpEngine : public std::enable_shared_from_this<FsdpEngine> {
   // order, or every unit from there to the furthest one u lists.
   void prefetch_in_backward_locked(int64_t unit);
   void check_unit(int64_t unit) const;
-  void reshard_locked(int64_t unit);
+  // Free u's gathered parameters (and a post-forward slice); `after_forward`, in a forward a
+  // backward follows: free them to u's post-forward slice where u has a post-forward group.
+  void reshard_locked(int64_t unit, bool after_forward = false);
   // At the end of u's backward: free it, or keep it gathered (see "Kept gathered").
   void release_after_backward_locked(int64_t unit);
   bool keeps_after_backward(int64_t unit) const;

@@ -181,11 +181,30 @@ void FlatParam::bind(std::vector<at::Tensor> sharded, std::vector<at::Tensor> un
 
 bool FlatParam::gathered() const { return padded_numel() == 0 || full_.storage().nbytes() > 0; }
 
+void FlatParam::set_post_forward_group(c10::intrusive_ptr<c10d::ProcessGroup> post_forward_group) {
+  post_forward_shard_.reset();
+  if (post_forward_group) {
+    const int64_t n = post_forward_group->getSize();
+    TORCH_CHECK(n > 1 && n < world_ && world_ % n == 0, "torchpar fully_shard: a post-forward group of ", n,
+                " ranks; it must divide the unit's group of ", world_, " into groups of more than one rank");
+  }
+  post_forward_ = std::move(post_forward_group);
+}
+
 void FlatParam::start_gather() {
   if (gathered() || gather_work_) {
     return;
   }
   allocate_storage(full_, static_cast<size_t>(padded_numel()) * full_.element_size());
+  // The slices a forward kept are as current as the gather they were cut from: after an optimizer
+  // step or a load (the same on every rank) they are dropped and the shards gathered instead.
+  const bool from_slices = post_forward_shard_.defined() && gather_is_current_ignoring_storage();
+  if (from_slices) {
+    gather_input_ = std::move(post_forward_shard_);
+    gather_work_ = post_forward_->_allgather_base(gather_target_, gather_input_);
+    return;
+  }
+  post_forward_shard_.reset();
   gathered_version_ = static_cast<int64_t>(shard_._version());
   gathered_steps_ = optimizer_steps;
   gather_input_ = compute_dtype_ == shard_.scalar_type() ? shard_ : shard_.to(compute_dtype_);
@@ -203,16 +222,29 @@ void FlatParam::wait_gather() {
 
 bool FlatParam::gathered_and_current() const { return !gather_work_ && gather_is_current(); }
 
-bool FlatParam::gather_is_current() const {
-  return gathered() && static_cast<int64_t>(shard_._version()) == gathered_version_ &&
-         optimizer_steps == gathered_steps_;
+bool FlatParam::gather_is_current() const { return gathered() && gather_is_current_ignoring_storage(); }
+
+bool FlatParam::gather_is_current_ignoring_storage() const {
+  return static_cast<int64_t>(shard_._version()) == gathered_version_ && optimizer_steps == gathered_steps_;
 }
 
 void FlatParam::free_full() {
   TORCH_CHECK(!gather_work_, "torchpar fully_shard: freeing a unit whose all-gather is in flight");
+  post_forward_shard_.reset();
   if (padded_numel() > 0) {
     free_storage(full_);
   }
+}
+
+void FlatParam::free_full_to_post_forward() {
+  TORCH_CHECK(!gather_work_, "torchpar fully_shard: freeing a unit whose all-gather is in flight");
+  at::Tensor slice;
+  if (post_forward_ && padded_numel() > 0 && gather_is_current()) {
+    const int64_t n = padded_numel() / post_forward_->getSize();
+    slice = full_.narrow(0, post_forward_->getRank() * n, n).clone();
+  }
+  free_full();
+  post_forward_shard_ = std::move(slice);
 }
 
 at::Tensor FlatParam::empty_packed() const {
@@ -361,6 +393,7 @@ void FlatParam::load_full_param(size_t i, const at::Tensor& value) {
   TORCH_CHECK(value.sizes() == at::IntArrayRef(shapes_[i]), "torchpar fully_shard: the state_dict's '", names_[i],
               "' has shape ", value.sizes(), " but the model's parameter has ", at::IntArrayRef(shapes_[i]));
   at::NoGradGuard no_grad;
+  post_forward_shard_.reset();
   auto [start, length] = shard_range(i);
   if (length > 0) {
     shard_.narrow(0, offsets_[i] + start - rank_ * shard_numel_, length)
@@ -372,6 +405,9 @@ int64_t FlatParam::shard_bytes() const { return static_cast<int64_t>(shard_.nbyt
 
 int64_t FlatParam::full_bytes() const {
   int64_t bytes = static_cast<int64_t>(full_.storage().nbytes());
+  if (post_forward_shard_.defined()) {
+    bytes += static_cast<int64_t>(post_forward_shard_.nbytes());
+  }
   if (gather_input_.defined() && !gather_input_.is_same(shard_)) {
     bytes += static_cast<int64_t>(gather_input_.nbytes());
   }

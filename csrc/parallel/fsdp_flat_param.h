@@ -73,8 +73,20 @@ class FlatParam {
   at::ScalarType compute_dtype() const { return compute_dtype_; }
   at::ScalarType reduce_dtype() const { return reduce_dtype_; }
   const FlatParamOptions& options() const { return options_; }
-  // Set between steps (FSDPModule.set_reshard_after_forward), never while a forward runs.
-  void set_reshard_after_forward(bool reshard) { options_.reshard_after_forward = reshard; }
+  // Set between steps (FSDPModule.set_reshard_after_forward), never while a forward runs; a
+  // bool, so it also drops the post-forward group (as torch's FSDP2 does).
+  void set_reshard_after_forward(bool reshard) {
+    options_.reshard_after_forward = reshard;
+    post_forward_.reset();
+    post_forward_shard_.reset();
+  }
+  // fully_shard(reshard_after_forward=N): the group of N ranks (N dividing the world size, e.g.
+  // the ranks of one host) among which a forward leaves the unit sharded, so that its backward
+  // all-gathers over those N only (torch FSDP2's int reshard_after_forward; ZeRO++'s hierarchical
+  // partitioning, Wang et al. 2023, arXiv:2306.10209). Each keeps 1/N of the gathered vector in
+  // the compute dtype: slice `post_forward_group->getRank()`. Null: reshard over the whole group.
+  void set_post_forward_group(c10::intrusive_ptr<c10d::ProcessGroup> post_forward_group);
+  const c10::intrusive_ptr<c10d::ProcessGroup>& post_forward_group() const { return post_forward_; }
 
   // ---- tensors handed to Python once, which wraps them in nn.Parameter and binds them ----
   // Parameter i's piece of this rank's shard, a 1-D view of the master shard.
@@ -93,6 +105,12 @@ class FlatParam {
   bool gather_in_flight() const { return static_cast<bool>(gather_work_); }
   void wait_gather();
   void free_full();                       // release the full storage (reshard)
+  // After a forward with a post-forward group: keep this rank's slice of the gathered vector
+  // (where it is of the current shard), then free the full storage. The next start_gather
+  // all-gathers the slices over the post-forward group, not the shards over the group.
+  void free_full_to_post_forward();
+  bool holds_post_forward() const { return post_forward_shard_.defined(); }
+  void drop_post_forward() { post_forward_shard_.reset(); }
   // Gathered, and the shard not written since its gather started: no optimizer step over it
   // (optimizer_steps), no in-place write that bumps its version counter (a checkpoint load); a
   // write through `.data`, which has a counter of its own, is not seen.
@@ -160,12 +178,13 @@ class FlatParam {
   // ---- checkpoints ----
   // Every parameter full-shaped in the master dtype (a collective: every rank calls it).
   std::vector<at::Tensor> gather_full_params();
-  // Copy this rank's piece of parameter i out of the full tensor `value` (no communication).
+  // Copy this rank's piece of parameter i out of the full tensor `value` (no communication); drops
+  // a post-forward slice (on every rank, whether or not its piece is empty).
   void load_full_param(size_t i, const at::Tensor& value);
 
   // ---- memory the unit holds now, in bytes, by kind ----
   int64_t shard_bytes() const;
-  int64_t full_bytes() const;             // gathered storage (+ the cast shard being sent)
+  int64_t full_bytes() const;             // gathered storage (+ the cast shard being sent, a post-forward slice)
   int64_t unsharded_grad_bytes() const;
   int64_t accumulator_bytes() const;
   // Storages behind the sharded parameters' .grad, added to `seen` (shared storages once).
@@ -179,6 +198,8 @@ class FlatParam {
   // Hybrid sharding: a message where the replicate group's members hold different shards (their
   // shard rank or shard group size differ), or "" (one all-gather over the replicate group).
   std::string misaligned_replicas(const at::Device& device) const;
+  // The shard not written since the last gather began (whether or not the full storage is held).
+  bool gather_is_current_ignoring_storage() const;
   // A packed gradient buffer (see start_reduce_scatter): chunk stride, and `src` (flat) written
   // (or added) at flat offset `offset`, split at the chunk boundaries.
   int64_t packed_stride() const { return shard_numel_ + world_; }
@@ -201,7 +222,9 @@ class FlatParam {
   at::Tensor shard_;          // this rank's shard, master dtype, [shard_numel]
   at::Tensor full_;           // [padded_numel], compute dtype; its storage is freed and refilled
   at::Tensor gather_target_;  // full_'s storage through its own TensorImpl (see start_gather)
-  at::Tensor gather_input_;   // the shard in the compute dtype, alive while the gather runs
+  at::Tensor gather_input_;   // the shard in the compute dtype (or a post-forward slice) while the gather runs
+  c10::intrusive_ptr<c10d::ProcessGroup> post_forward_;  // see set_post_forward_group, or null
+  at::Tensor post_forward_shard_;  // [padded_numel / N], compute dtype, held from forward to backward
   c10::intrusive_ptr<c10d::Work> gather_work_;
   int64_t gathered_version_ = -1;  // shard_'s version counter when the last gather started
   int64_t gathered_steps_ = -1;    // optimizer_steps then

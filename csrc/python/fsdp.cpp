@@ -31,6 +31,7 @@ const char* event_name(FsdpEvent::Kind kind) {
     case FsdpEvent::kSkippedBackward: return "skipped_backward";
     case FsdpEvent::kAllReduceLaunch: return "all_reduce_launch";
     case FsdpEvent::kAllReduceWait: return "all_reduce_wait";
+    case FsdpEvent::kReshardToPostForward: return "reshard_to_post_forward";
   }
   return "?";
 }
@@ -92,6 +93,16 @@ TORCHPAR_PYBIND(fsdp) {
       .def("gather_in_flight", &FlatParam::gather_in_flight)
       .def("wait_gather", &FlatParam::wait_gather, py::call_guard<py::gil_scoped_release>())
       .def("free_full", &FlatParam::free_full)
+      .def_property(
+          "post_forward_group",
+          [](const FlatParam& f) -> std::optional<c10::intrusive_ptr<c10d::ProcessGroup>> {
+            if (!f.post_forward_group()) return std::nullopt;
+            return f.post_forward_group();
+          },
+          [](FlatParam& f, std::optional<c10::intrusive_ptr<c10d::ProcessGroup>> g) {
+            f.set_post_forward_group(g.value_or(c10::intrusive_ptr<c10d::ProcessGroup>()));
+          })
+      .def("holds_post_forward", &FlatParam::holds_post_forward)
       .def_property(
           "reshard_after_forward", [](const FlatParam& f) { return f.options().reshard_after_forward; },
           &FlatParam::set_reshard_after_forward)

@@ -9,6 +9,9 @@ the same GPT (AdamW, next-token loss on random tokens):
   at an even world size of 4 or more)
 - ``fsdp_prefetch2``, ``torch_fsdp2_prefetch2``  the first two with FSDP2's explicit prefetching,
   two blocks ahead in forward and backward (only when named in ``--systems``)
+- ``fsdp_reshard_half``, ``torch_fsdp2_reshard_half``  the first two with ``reshard_after_forward
+  = W/2``: backward all-gathers within halves of the ranks (with ``--hosts 2``, within each host;
+  only when named in ``--systems``, at an even world size of 4 or more)
 - whatever ``torchpar.bench._zero_systems.SYSTEMS`` adds when it exists (a dict
   name -> make(model, group, lr) -> (wrapped_model, optimizer): DDP, ZeRO-1/2, torch's ZeRO)
 
@@ -89,15 +92,15 @@ def _shard_blocks_then_root(fully_shard, model, lr, **kwargs):
     return model, torch.optim.AdamW(model.parameters(), lr=lr)
 
 
-def _make_fsdp(model, group, lr):
+def _make_fsdp(model, group, lr, **kwargs):
     from torchpar.parallel import fully_shard
-    return _shard_blocks_then_root(fully_shard, model, lr, group=group)
+    return _shard_blocks_then_root(fully_shard, model, lr, group=group, **kwargs)
 
 
-def _make_torch_fsdp2(model, group, lr):
+def _make_torch_fsdp2(model, group, lr, **kwargs):
     from torch.distributed.device_mesh import DeviceMesh
     from torch.distributed.fsdp import fully_shard
-    return _shard_blocks_then_root(fully_shard, model, lr, mesh=DeviceMesh.from_group(group, "cpu"))
+    return _shard_blocks_then_root(fully_shard, model, lr, mesh=DeviceMesh.from_group(group, "cpu"), **kwargs)
 
 
 def _hybrid_mesh(group):
@@ -116,6 +119,14 @@ def _make_torch_hsdp(model, group, lr):
     return _shard_blocks_then_root(fully_shard, model, lr, mesh=_hybrid_mesh(group))
 
 
+def _reshard_to_half(make):
+    """The system `make` with FSDP2's int reshard_after_forward = W/2: forward leaves each unit
+    sharded within a half of the ranks (one host's with --hosts 2), where backward gathers it."""
+    def made(model, group, lr):
+        return make(model, group, lr, reshard_after_forward=dist.get_world_size(group) // 2)
+    return made
+
+
 def _prefetch_two_ahead(made):
     """FSDP2's explicit prefetching as its tutorial sets it (the same calls on both stacks): each
     block launches the next two blocks' all-gathers in forward and the two before it in backward."""
@@ -127,16 +138,19 @@ def _prefetch_two_ahead(made):
     return model, opt
 
 
-# Hybrid sharding needs an even world of at least 4 ranks (2 replicas of 2 or more shards).
-HYBRID = ("hsdp", "torch_hsdp")
+# Hybrid sharding needs an even world of at least 4 ranks (2 replicas of 2 or more shards); so
+# does resharding to half of it (to 2 or more ranks).
+HYBRID = ("hsdp", "torch_hsdp", "fsdp_reshard_half", "torch_fsdp2_reshard_half")
 # Run when asked for by name (--systems) only.
-EXPLICIT_PREFETCH = ("fsdp_prefetch2", "torch_fsdp2_prefetch2")
+EXPLICIT_PREFETCH = ("fsdp_prefetch2", "torch_fsdp2_prefetch2", "fsdp_reshard_half", "torch_fsdp2_reshard_half")
 
 
 def systems():
     out = {"fsdp": _make_fsdp, "torch_fsdp2": _make_torch_fsdp2, "hsdp": _make_hsdp, "torch_hsdp": _make_torch_hsdp,
            "fsdp_prefetch2": lambda *a: _prefetch_two_ahead(_make_fsdp(*a)),
-           "torch_fsdp2_prefetch2": lambda *a: _prefetch_two_ahead(_make_torch_fsdp2(*a))}
+           "torch_fsdp2_prefetch2": lambda *a: _prefetch_two_ahead(_make_torch_fsdp2(*a)),
+           "fsdp_reshard_half": _reshard_to_half(_make_fsdp),
+           "torch_fsdp2_reshard_half": _reshard_to_half(_make_torch_fsdp2)}
     try:
         from torchpar.bench._zero_systems import SYSTEMS
         out.update(SYSTEMS)

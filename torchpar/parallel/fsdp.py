@@ -18,6 +18,7 @@ This file installs the module hooks that call it and swaps the module's register
 between the pieces (outside forward) and the gathered ones (inside). It uses the public c10d API
 only (all-gather into a tensor, reduce-scatter of a tensor), so it runs on torchpar, gloo and nccl.
 """
+import warnings
 import weakref
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -58,10 +59,14 @@ class FSDPModule:
     def set_reshard_after_forward(self, reshard_after_forward, *, recurse=True):
         """Whether forward frees each unit's gathered parameters (backward then gathers them
         again) or keeps them until its backward (``fully_shard(reshard_after_forward=...)``).
-        Set between steps. The root unit always keeps its own, as backward starts with it."""
+        Set between steps. The root unit always keeps its own, as backward starts with it. A
+        bool, as torch's: it also ends resharding to a smaller group (``fully_shard``'s int)."""
+        if not isinstance(reshard_after_forward, bool):
+            raise ValueError(f"set_reshard_after_forward takes a bool, got {reshard_after_forward!r} "
+                             "(an int, the number of ranks to reshard to, goes to fully_shard)")
         for m in self.modules() if recurse else [self]:
             if isinstance(m, FSDPModule):
-                m._fsdp.flat.reshard_after_forward = bool(reshard_after_forward)
+                m._fsdp.flat.reshard_after_forward = reshard_after_forward
 
     def set_reshard_after_backward(self, reshard_after_backward, *, recurse=True):
         """With False, a backward that does not sync gradients (under ``no_sync`` or
@@ -286,6 +291,13 @@ def fully_shard(module, group=None, reshard_after_forward=True, mixed_precision=
     inputs are cast to it), gradients are reduce-scattered in ``reduce_dtype``. Build the
     optimizer afterwards, on ``module.parameters()``. Returns ``module``.
 
+    ``reshard_after_forward``: True frees the gathered parameters after forward (backward gathers
+    them again), False keeps them until backward. An int N, as torch's FSDP2 (a divisor of the
+    shard group's size W, e.g. the ranks of one host): forward leaves each rank 1/N of the
+    gathered parameters, so that backward all-gathers among N ranks only (blocks of N consecutive
+    ranks of the shard group), at W/N times the shard's size (in the compute dtype) held per unit
+    from its forward to its backward.
+
     Hybrid sharding (HSDP, as torch's FSDP2 with a 2-D mesh; Zhang et al. 2022, "MiCS",
     arXiv:2205.00119): ``mesh``, a ``DeviceMesh`` of shape (replicate, shard), shards over its
     second dimension and replicates over its first; ``replicate_group`` says the same with groups
@@ -306,6 +318,7 @@ def fully_shard(module, group=None, reshard_after_forward=True, mixed_precision=
     group = group if group is not None else dist.group.WORLD
     if group is None:
         raise RuntimeError("torchpar fully_shard: call torch.distributed.init_process_group first")
+    reshard_after_forward, post_forward_size = _reshard_after_forward(reshard_after_forward, group.size())
     if isinstance(module, FSDPModule):
         raise ValueError(f"torchpar fully_shard: {type(module).__name__} is already sharded")
     sites, params, index = [], [], {}
@@ -336,6 +349,8 @@ def fully_shard(module, group=None, reshard_after_forward=True, mixed_precision=
                else p.detach().to(mp.master_dtype).requires_grad_(p.requires_grad) for _, p in params]
     flat = _C.FlatParam(tensors, [n for n, _ in params], group, reshard_after_forward, param_dtype, reduce_dtype,
                         replicate_group)
+    if post_forward_size:
+        flat.post_forward_group = _post_forward_group(group, post_forward_size)
     sharded = [nn.Parameter(v, requires_grad=p.requires_grad) for v, (_, p) in zip(flat.shard_views(), params)]
     unsharded = [nn.Parameter(v, requires_grad=p.requires_grad) for v, (_, p) in zip(flat.unsharded_views(), params)]
     flat.bind(sharded, unsharded)
@@ -357,6 +372,50 @@ def fully_shard(module, group=None, reshard_after_forward=True, mixed_precision=
     module.register_state_dict_post_hook(_state_dict_hook)
     module.register_load_state_dict_pre_hook(_load_state_dict_pre_hook)
     return module
+
+
+def _reshard_after_forward(value, shard_size):
+    """fully_shard's ``reshard_after_forward`` -> (bool, size of the post-forward groups or
+    None), read as torch's FSDP2 reads it: an int must divide the shard group's size; 1 keeps the
+    parameters gathered (False, with a warning: True was likely meant), the group's size is True."""
+    if isinstance(value, bool):
+        return value, None
+    if not isinstance(value, int):
+        raise ValueError("torchpar fully_shard: reshard_after_forward is a bool or an int (the number of ranks to "
+                         f"reshard to after forward), got {value!r}")
+    if value < 1 or shard_size % value:
+        raise ValueError(f"torchpar fully_shard: reshard_after_forward={value} must divide the shard group's "
+                         f"{shard_size} ranks")
+    if value == 1:
+        warnings.warn("torchpar fully_shard: reshard_after_forward=1 (an int) reshards to 1 rank: the parameters "
+                      "stay gathered until backward, as with False; True frees them", stacklevel=3)
+        return False, None
+    return True, (value if value < shard_size else None)
+
+
+# (backend, ranks) -> the post-forward group of those ranks, made once: every unit resharding to
+# the same ranks shares it (new_group names such a group by its ranks, so a second one would clash).
+_POST_FORWARD_GROUPS = {}
+
+
+def _post_forward_group(group, size):
+    """This rank's block of ``size`` consecutive ranks of ``group`` as a process group of its own,
+    made by its members only (``use_local_synchronization``: the other blocks, and ranks outside
+    ``group``, take no part, as where ``group`` is a pipeline stage's data-parallel group)."""
+    ranks = dist.get_process_group_ranks(group)
+    start = group.rank() // size * size
+    block = tuple(ranks[start:start + size])
+    key = (str(dist.get_backend(group)), block)
+    made = _POST_FORWARD_GROUPS.get(key)
+    if made is not None:
+        try:
+            dist.get_process_group_ranks(made)  # raises once destroy_process_group() has run
+            return made
+        except (KeyError, RuntimeError, ValueError):
+            pass
+    made = dist.new_group(list(block), backend=key[0], use_local_synchronization=True)
+    _POST_FORWARD_GROUPS[key] = made
+    return made
 
 
 def _carry_over(params, sharded, unsharded):
