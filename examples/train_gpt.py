@@ -3,6 +3,7 @@
     torchrun --standalone --nproc_per_node=8 examples/train_gpt.py --dp 2 --tp 2 --pp 2
     torchrun --standalone --nproc_per_node=4 examples/train_gpt.py --dp 2 --tp 2 --fsdp --dtype bfloat16
     torchrun --standalone --nproc_per_node=4 examples/train_gpt.py --dp 4 --fsdp --dp-replicate 2
+    torchrun --nnodes=2 --nproc_per_node=4 ... examples/train_gpt.py --dp 8 --fsdp --reshard-after-forward 4
     torchrun --standalone --nproc_per_node=4 examples/train_gpt.py --tp 2 --pp 2 --device cuda
 
 The model is torchpar.models.GPT, made parallel by torchpar.models.ParallelGPT (parallelize plan,
@@ -38,6 +39,16 @@ MODELS = {
 }
 
 
+def _reshard_after_forward(value):
+    """--reshard-after-forward: true, false or a number of ranks."""
+    if value.lower() in ("true", "false"):
+        return value.lower() == "true"
+    try:
+        return int(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"true, false or a number of ranks, not {value!r}") from None
+
+
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
@@ -49,6 +60,10 @@ def parse_args(argv=None):
     g.add_argument("--dp-replicate", type=int, default=1,
                    help="with --fsdp: the dp ranks as this many replicas, each sharded over dp / dp-replicate "
                         "ranks (hybrid sharding, HSDP)")
+    g.add_argument("--reshard-after-forward", type=_reshard_after_forward, default=True, metavar="{true,false,N}",
+                   help="with --fsdp: free each block's gathered parameters after forward (true), keep them (false), "
+                        "or keep 1/N of them among N ranks, e.g. one host's, whose backward all-gathers then stay "
+                        "among those N")
     g.add_argument("--schedule", choices=list(SCHEDULES), default="1f1b")
     g.add_argument("--virtual-stages", type=int, default=None, help="stages per pipeline rank (interleaved: 2)")
     g.add_argument("--sequence-parallel", action="store_true")
@@ -204,7 +219,7 @@ def main(argv=None):
         cfg = model_config(args)
         layout = Layout(args.dp, args.tp, args.pp, args.fsdp, args.schedule, args.virtual_stages,
                         args.sequence_parallel, args.dtype, args.recompute, args.micro_batches,
-                        args.dp_replicate)
+                        args.dp_replicate, args.reshard_after_forward)
         check_layout(cfg, layout, world, args.batch_size)  # every rank, before any collective
         check_device(args)
         save, load = checkpoint_functions(args)

@@ -98,6 +98,8 @@ LAYOUTS = {
     "hsdp-2x1x1x2": Layout(dp=2, pp=2, fsdp=True, dp_replicate=2, microbatches=2),
     "hsdp-2x1x2x1": Layout(dp=2, tp=2, fsdp=True, dp_replicate=2, microbatches=2),
     "hsdp-sp-2x1x2x1": Layout(dp=2, tp=2, fsdp=True, dp_replicate=2, sequence_parallel=True, microbatches=2),
+    # fully_shard over 4 ranks, each unit resharded among 2 after forward (its backward all-gathers)
+    "fsdp-raf2-4x1x1": Layout(dp=4, fsdp=True, reshard_after_forward=2, microbatches=2),
     "gpipe-1x1x4": Layout(pp=4, schedule="gpipe", microbatches=2),
     "selective-1x2x2": Layout(tp=2, pp=2, recompute="selective", microbatches=2),
     "full-2x1x2": Layout(dp=2, pp=2, recompute="full", microbatches=2),
@@ -258,6 +260,10 @@ def test_check_layout_lists_every_problem():
         check_layout(CFG, Layout(tp=8, pp=2), 8)
     with pytest.raises(ValueError, match=r"batch size 6 does not split into dp x micro-batches = 2 x 2"):
         check_layout(CFG, Layout(dp=2, pp=2, microbatches=2), 4, batch_size=6)
+    with pytest.raises(ValueError, match=r"reshard_after_forward=3 must be a bool or a divisor of the 2 ranks"):
+        check_layout(CFG, Layout(dp=4, fsdp=True, dp_replicate=2, reshard_after_forward=3), 4)
+    with pytest.raises(ValueError, match=r"reshard_after_forward=2 needs fsdp"):
+        check_layout(CFG, Layout(dp=4, reshard_after_forward=2), 4)
     with pytest.raises(ValueError, match=r"tie_embeddings with pp = 1 and 2 virtual stages"):
         check_layout(GPTConfig.tiny(tie_embeddings=True), Layout(dp=4, schedule="interleaved"), 4)
     check_layout(GPTConfig.tiny(tie_embeddings=True), Layout(dp=2, pp=2), 4)  # each end stage its copy

@@ -47,7 +47,7 @@ import contextlib
 import os
 import re
 from dataclasses import dataclass
-from typing import Optional
+from typing import Optional, Union
 
 import torch
 import torch.distributed as dist
@@ -77,7 +77,10 @@ class Layout:
     """How the job is laid out: ``dp * tp * pp`` must be the world size. ``virtual_stages``:
     stages per pipeline rank (the interleaved schedule's v; default 2 for it, else 1).
     ``microbatches``: per step and data-parallel rank. ``dp_replicate`` (with ``fsdp``): the dp
-    ranks as that many replicas of ``dp / dp_replicate`` shards each (hybrid sharding)."""
+    ranks as that many replicas of ``dp / dp_replicate`` shards each (hybrid sharding).
+    ``reshard_after_forward`` (with ``fsdp``): fully_shard's, a bool or the number of ranks N (a
+    divisor of the shard group's size; e.g. the ranks of one host) among which each unit stays
+    sharded from its forward to its backward, whose all-gathers then stay among them."""
     dp: int = 1
     tp: int = 1
     pp: int = 1
@@ -89,6 +92,7 @@ class Layout:
     recompute: str = "none"
     microbatches: int = 1
     dp_replicate: int = 1
+    reshard_after_forward: Union[bool, int] = True
 
     def __post_init__(self):
         if self.virtual_stages is None:
@@ -100,6 +104,8 @@ class Layout:
 
     def __str__(self):
         shard = f"hsdp {self.dp_replicate}x{self.dp // self.dp_replicate}" if self.dp_replicate > 1 else "fsdp"
+        if self.reshard_after_forward is not True:
+            shard += f" reshard_after_forward={self.reshard_after_forward}"
         extras = [n for n, on in ((shard, self.fsdp), ("sp", self.sequence_parallel)) if on]
         return (f"dp={self.dp} tp={self.tp} pp={self.pp} {self.schedule}"
                 f"{f' v={self.virtual_stages}' if self.virtual_stages > 1 else ''} {self.dtype}"
@@ -121,6 +127,12 @@ def check_layout(cfg: GPTConfig, layout: Layout, world_size: int, batch_size: Op
                    "are replicas already (DDP)")
     if L.dp % L.dp_replicate:
         bad.append(f"dp={L.dp} does not split into dp_replicate={L.dp_replicate} replicas")
+    raf, shards = L.reshard_after_forward, L.dp // L.dp_replicate
+    if raf is not True and not L.fsdp:
+        bad.append(f"reshard_after_forward={raf} needs fsdp (it says when fully_shard frees the gathered parameters)")
+    elif not isinstance(raf, bool) and (not isinstance(raf, int) or raf < 1 or shards % raf):
+        bad.append(f"reshard_after_forward={raf!r} must be a bool or a divisor of the {shards} ranks each unit is "
+                   "sharded over (dp / dp_replicate)")
     if L.schedule not in SCHEDULES:
         bad.append(f"schedule {L.schedule!r} is not one of {sorted(SCHEDULES)}")
     elif L.virtual_stages > 1 and L.schedule != "interleaved":
@@ -312,12 +324,13 @@ class ParallelGPT:
         if self.device.type != "cpu":
             part.to(self.device)  # the same Parameter objects: parallelize's hooks and markers stay
         if self.layout.fsdp:
+            raf = self.layout.reshard_after_forward
             if self.tied_copy:  # each copy a unit of its own: dp rank d holds the same elements of both
                 for embedding in ([part.tok_emb] if part.first else []) + ([part.lm_head] if part.last else []):
-                    fully_shard(embedding, mesh=self.shard_mesh, mixed_precision=mp)
+                    fully_shard(embedding, mesh=self.shard_mesh, mixed_precision=mp, reshard_after_forward=raf)
             for block in part.blocks.values():
-                fully_shard(block, mesh=self.shard_mesh, mixed_precision=mp)
-            return fully_shard(part, mesh=self.shard_mesh, mixed_precision=mp)
+                fully_shard(block, mesh=self.shard_mesh, mixed_precision=mp, reshard_after_forward=raf)
+            return fully_shard(part, mesh=self.shard_mesh, mixed_precision=mp, reshard_after_forward=raf)
         if self.layout.dp == 1 and mp is None:
             return part  # nothing to average: no reducer, no per-step all-reduce over one rank
         device_ids = [self.device.index] if self.device.type != "cpu" else None
