@@ -9,8 +9,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from test_fsdp import (Net, _assert_matches, _batch, _bf16_vs_master_reference, _loss, _part,
-                       _pattern_grads_match, _pool, _setup, _shard_model, _skip_grads_match)
+from test_fsdp import (Net, _batch, _bf16_vs_master_reference, _pattern_grads_match, _pool, _setup, _shard_model,
+                       _skip_grads_match, _step_both)
 from torchpar.parallel import FSDPModule, fully_shard
 
 WORLD = 4
@@ -29,25 +29,22 @@ def _train_to_pairs(ctx, steps=3):
     _shard_model(model, ctx.pg, reshard_after_forward=N)
     blocks = _units(model)[1:]
     groups = {tuple(dist.get_process_group_ranks(b._fsdp.flat.post_forward_group)) for b in blocks}
+    seen = []
+
+    def between_forward_and_backward(module, args, out):
+        # Each block holds its slice only (1/N of the gathered vector, float32), the root its
+        # gathered parameters (backward starts with them).
+        seen.append(([(b._fsdp.flat.holds_post_forward(), b._fsdp.flat.gathered()) for b in blocks],
+                     model.fsdp_engine.memory()["gathered"]))
+
+    model.register_forward_hook(between_forward_and_backward)  # after fully_shard's own
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
-    seen = []
     for step in range(steps):
         x, y = _batch(step, 2 * ctx.world_size)
-        opt.zero_grad()
-        loss = _loss(model(_part(x, ctx)), _part(y, ctx))
-        # Between forward and backward: each block holds its slice only (1/N of the gathered
-        # vector, float32), the root its gathered parameters (backward starts with them).
-        held = [(b._fsdp.flat.holds_post_forward(), b._fsdp.flat.gathered()) for b in blocks]
-        memory = model.fsdp_engine.memory()["gathered"]
-        loss.backward()
-        after = [b._fsdp.flat.holds_post_forward() for b in blocks]
-        opt.step()
-        ref_opt.zero_grad()
-        _loss(ref(x), y).backward()
-        ref_opt.step()
-        _assert_matches(model.state_dict(), ref, step)
-        seen.append((held, memory, after, [tuple(e) for e in model.fsdp_engine.trace()]))
+        _step_both(ctx, (model, opt), (ref, ref_opt), x, y, step)
+        seen[-1] += ([b._fsdp.flat.holds_post_forward() for b in blocks],
+                     [tuple(e) for e in model.fsdp_engine.trace()])
     root, full = _units(model)[0]._fsdp.flat, [b._fsdp.flat.padded_numel for b in blocks]
     return groups, seen, 4 * root.padded_numel, full
 
