@@ -53,7 +53,7 @@ test: test-cpp test-py
 # `make test` stays inside CI's budget: the slowest cases carry @pytest.mark.slow (or are named
 # in their module's SLOW_VARIANTS, tests/conftest.py) and run in `make test-slow` (CI runs both).
 test-py: build
-	$(PY) -m pytest -q -m "not slow" tests
+	$(PY) -m pytest -q -m "not slow" --durations=25 tests
 
 test-slow: build
 	$(PY) -m pytest -q -m slow tests || test $$? -eq 5

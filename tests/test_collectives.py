@@ -11,6 +11,11 @@ from collective_cases import (DTYPES, OPS, SIZES, assert_equal, gloo_agrees, mak
                               reduce_op, reference, strided)
 from harness import SMALL_BUFFERS, TRANSPORTS, get_pool, transport_env
 
+
+# In make test-slow (make test's time budget): variants whose shared-memory twins run in make test.
+SLOW_VARIANTS = {"test_all_reduce_matches_reference_for_every_op_and_size[float32-4-tcp]",
+                 "test_all_reduce_matches_reference_for_every_op_and_size[float32-3-tcp]"}
+
 pytestmark = [pytest.mark.timeout(300), pytest.mark.parametrize("transport", TRANSPORTS)]
 
 WORLD_SIZES = [1, 2, 3, 4]

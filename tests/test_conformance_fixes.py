@@ -14,7 +14,10 @@ from harness import SMALL_BUFFERS, TRANSPORTS, get_pool, spawn, transport_env
 pytestmark = [pytest.mark.timeout(120), pytest.mark.parametrize("transport", TRANSPORTS)]
 # For make test's time budget (conftest.py): these variants run in make test-slow.
 SLOW_VARIANTS = {"test_monitored_barrier_names_the_late_ranks[True-tcp]",
-                 "test_monitored_barrier_names_the_late_ranks[False-shm]"}
+                 "test_monitored_barrier_names_the_late_ranks[False-shm]",
+                 "test_the_group_and_ddp_logging_name_the_backend[plain-tcp]",
+                 "test_the_group_and_ddp_logging_name_the_backend[debug-detail-shm]",
+                 "test_the_group_and_ddp_logging_name_the_backend[debug-detail-tcp]"}
 
 
 def pool(world_size, transport):

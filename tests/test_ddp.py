@@ -17,6 +17,10 @@ from harness import get_pool, transport_env
 from torchpar import _C
 from torchpar.parallel import DistributedDataParallel as DDP
 
+
+# In make test-slow (make test's time budget): the 4-rank TCP twin of a case run over shared memory.
+SLOW_VARIANTS = {"test_training_equals_single_process_for_every_bucket_size[copy-0-8-4-torchpar-over-tcp]"}
+
 BACKENDS = ["torchpar", "gloo"]
 # The core equivalence tests also run with the torchpar backend over its TCP transport.
 TCP = "torchpar-over-tcp"
