@@ -479,6 +479,37 @@ def test_accumulation_without_sync_equals_synced_sum(backend, world_size, use_co
     _pool(backend, world_size).run(_no_sync_accumulation, use_context)
 
 
+def _divided_gradients(ctx):
+    """set_gradient_divide_factor(1.0) on every unit but the root (it is not recursive): their
+    gradients are the sum of the ranks' gradients, the root's their mean."""
+    _setup(ctx)
+    model = Net()
+    ref = copy.deepcopy(model)
+    _shard_model(model, ctx.pg)
+    for block in model.blocks:
+        block.set_gradient_divide_factor(1.0)
+    x, y = _batch(0, 2 * ctx.world_size)
+    _loss(model(_part(x, ctx)), _part(y, ctx)).backward()
+    for xr, yr in zip(x.chunk(ctx.world_size), y.chunk(ctx.world_size)):
+        _loss(ref(xr), yr).backward()  # the sum of the ranks' gradients
+    for name, p in ref.named_parameters():
+        if not name.startswith("blocks."):
+            p.grad /= ctx.world_size
+    _assert_shard_grads(model, ref, 0)
+    errors = []
+    for bad in (0, -1.0, float("inf"), "2"):
+        try:
+            model.set_gradient_divide_factor(bad)
+        except ValueError as e:
+            errors.append(str(e))
+    return errors
+
+
+def test_gradient_divide_factor_replaces_the_mean_per_unit():
+    for errors in _pool("torchpar", 2).run(_divided_gradients):
+        assert len(errors) == 4 and all("positive finite number or None" in e for e in errors), errors
+
+
 # ---- state_dict: full and sharded forms ----
 
 def _train_and_save(ctx, steps=2):

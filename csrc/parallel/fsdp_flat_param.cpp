@@ -356,7 +356,7 @@ std::vector<double> FlatParam::reduced_tags(const at::Tensor& reduced) const {
 void FlatParam::deliver_grads(const at::Tensor& out) {
   at::NoGradGuard no_grad;
   at::Tensor reduced = out.narrow(0, 0, shard_numel_);
-  reduced.div_(static_cast<double>(world_ * replicas_));
+  reduced.div_(gradient_divide_factor.value_or(static_cast<double>(world_ * replicas_)));
   for (size_t i = 0; i < sharded_.size(); ++i) {
     if (!requires_grad_[i]) {
       continue;

@@ -148,9 +148,13 @@ class FlatParam {
   };
   ReplicaSlots replica_slots(const at::Tensor& reduced) const;
   // Divide the summed shard by the number of ranks that summed it (the world size, times the
-  // replicas under hybrid sharding) and hand it to the sharded parameters' .grad (assigned as
-  // views of `reduced` when .grad is undefined, added otherwise).
+  // replicas under hybrid sharding), or by gradient_divide_factor where set, and hand it to the
+  // sharded parameters' .grad (assigned as views of `reduced` when .grad is undefined, added
+  // otherwise).
   void deliver_grads(const at::Tensor& reduced);
+  // torch FSDP2's set_gradient_divide_factor: what the sum over the ranks is divided by instead
+  // (1: the sum itself, e.g. for a loss that is a sum over tokens normalised by hand).
+  std::optional<double> gradient_divide_factor;
   bool has_accumulator() const { return accumulator_.defined(); }
   // no_sync's local sum (undefined while there is none). A pipeline step that raised puts back
   // the one it found, so its partial sums are not reduced by the next step (schedules.py).

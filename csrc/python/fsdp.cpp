@@ -85,6 +85,7 @@ TORCHPAR_PYBIND(fsdp) {
       .def("bind", &FlatParam::bind, py::arg("sharded"), py::arg("unsharded"))
       .def("gathered", &FlatParam::gathered)
       .def_readwrite("requires_grad_sync", &FlatParam::requires_grad_sync)
+      .def_readwrite("gradient_divide_factor", &FlatParam::gradient_divide_factor)
       .def_readwrite("requires_all_reduce", &FlatParam::requires_all_reduce)
       .def_readwrite("reshard_after_backward", &FlatParam::reshard_after_backward)
       .def_readwrite("optimizer_steps", &FlatParam::optimizer_steps)

@@ -18,6 +18,7 @@ This file installs the module hooks that call it and swaps the module's register
 between the pieces (outside forward) and the gathered ones (inside). It uses the public c10d API
 only (all-gather into a tensor, reduce-scatter of a tensor), so it runs on torchpar, gloo and nccl.
 """
+import math
 import warnings
 import weakref
 from contextlib import contextmanager
@@ -55,6 +56,21 @@ class FSDPModule:
         for m in self.modules() if recurse else [self]:
             if isinstance(m, FSDPModule):
                 m._fsdp.flat.requires_all_reduce = bool(requires_all_reduce)
+
+    def set_gradient_divide_factor(self, factor):
+        """What this unit's summed gradients are divided by (not recursive, as torch's FSDP2):
+        by default the number of data-parallel ranks (the mean); e.g. 1.0 keeps the sum, for a
+        loss summed over tokens and normalised by the global token count by hand. ``None``
+        restores the default. Set it alike on every rank."""
+        if factor is not None and not (isinstance(factor, (int, float)) and math.isfinite(factor) and factor > 0):
+            raise ValueError(f"set_gradient_divide_factor: a positive finite number or None, got {factor!r}")
+        self._fsdp.flat.gradient_divide_factor = None if factor is None else float(factor)
+
+    def set_reduce_scatter_divide_factor(self, factor):
+        """Deprecated name of ``set_gradient_divide_factor`` (as in torch's FSDP2)."""
+        warnings.warn("set_reduce_scatter_divide_factor is deprecated: use set_gradient_divide_factor",
+                      FutureWarning, stacklevel=2)
+        self.set_gradient_divide_factor(factor)
 
     def set_reshard_after_forward(self, reshard_after_forward, *, recurse=True):
         """Whether forward frees each unit's gathered parameters (backward then gathers them
