@@ -93,6 +93,28 @@ def _bad_sizes(ctx):
     return errors
 
 
+def _blocks_split_by_another_group(ctx):
+    """Review finding: a group splitting a block (ranks 1 and 2) left the block's ranks with
+    different numbers of registered groups, under which torch names their post-forward group
+    differently: a hang. Now a ValueError on every rank; then a group of ranks 0 and 3 evens the
+    counts again for the pool's later tests."""
+    _setup(ctx)
+    dist.new_group([1, 2])
+    try:
+        fully_shard(Net(seed=3).blocks[0], ctx.pg, reshard_after_forward=N)
+        error = None
+    except ValueError as e:
+        error = str(e)
+    dist.new_group([0, 3])
+    return error, fully_shard(Net().blocks[0], ctx.pg, reshard_after_forward=None)._fsdp.flat.reshard_after_forward
+
+
+def test_a_block_split_by_another_group_raises_and_none_is_true():
+    for error, none in _pool("torchpar", WORLD).run(_blocks_split_by_another_group):
+        assert error and "registered different numbers of process groups" in error, error
+        assert none is True
+
+
 def test_trivial_and_bad_sizes():
     for warned, one, whole in _pool("torchpar", WORLD).run(_trivial_sizes):
         assert any("reshard_after_forward=1" in w for w in warned), warned

@@ -85,10 +85,10 @@ class GPT(nn.Module):
 
 # ---- the systems: make(model, group, lr) -> (wrapped model, optimizer) ----
 
-def _shard_blocks_then_root(fully_shard, model, lr, **kwargs):
+def _shard_blocks_then_root(fully_shard, model, lr, reshard_after_forward=True, **kwargs):
     for b in model.blocks:
-        fully_shard(b, **kwargs)
-    fully_shard(model, **kwargs)
+        fully_shard(b, reshard_after_forward=reshard_after_forward, **kwargs)
+    fully_shard(model, **kwargs)  # the root keeps its parameters for backward on both stacks
     return model, torch.optim.AdamW(model.parameters(), lr=lr)
 
 
@@ -300,6 +300,9 @@ def main(argv=None):
     hybrid_ok = args.world_size >= 4 and args.world_size % 2 == 0
     args.systems = args.systems or [name for name in systems()
                                     if (hybrid_ok or name not in HYBRID) and name not in EXPLICIT_PREFETCH]
+    if not hybrid_ok and set(args.systems) & set(HYBRID):
+        raise SystemExit(f"--systems {','.join(sorted(set(args.systems) & set(HYBRID)))}: needs an even world size "
+                         f"of 4 or more, not {args.world_size}")
 
     meta = {k: getattr(args, k) for k in ("world_size", "dim", "layers", "heads", "vocab", "seq", "batch",
                                           "threads", "warmup", "rounds", "systems")}

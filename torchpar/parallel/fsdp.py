@@ -394,6 +394,8 @@ def _reshard_after_forward(value, shard_size):
     """fully_shard's ``reshard_after_forward`` -> (bool, size of the post-forward groups or
     None), read as torch's FSDP2 reads it: an int must divide the shard group's size; 1 keeps the
     parameters gathered (False, with a warning: True was likely meant), the group's size is True."""
+    if value is None:  # torch's default: True but for the root, which keeps its own here anyway
+        return True, None
     if isinstance(value, bool):
         return value, None
     if not isinstance(value, int):
@@ -422,6 +424,17 @@ def _post_forward_group(group, size):
     start = group.rank() // size * size
     block = tuple(ranks[start:start + size])
     key = (str(dist.get_backend(group)), block)
+    # new_group names a locally synchronised group by its ranks and the number of groups this rank
+    # has registered: ranks of one block that made different groups before (a group splitting the
+    # block) would wait for each other under different names (a hang; review finding). Checked
+    # over the whole group, so that every rank raises.
+    counts = [None] * group.size()
+    dist.all_gather_object(counts, len(dist.distributed_c10d._world.pg_names), group=group)
+    split = [ranks[b:b + size] for b in range(0, len(ranks), size) if len(set(counts[b:b + size])) > 1]
+    if split:
+        raise ValueError(f"torchpar fully_shard: reshard_after_forward={size}: the ranks {split[0]} registered "
+                         f"different numbers of process groups ({counts}), so torch cannot name their post-forward "
+                         "group alike; make every group on all ranks of a block, or call fully_shard first")
     made = _POST_FORWARD_GROUPS.get(key)
     if made is not None:
         try:

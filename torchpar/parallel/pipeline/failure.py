@@ -200,11 +200,12 @@ class ShardedPeers:
 
 def fully_shard_groups(modules):
     """{id: (group, device of a flag sent over it)}: the groups of more than one rank that the
-    fully_shard ``modules`` shard over and, under hybrid sharding, replicate over."""
+    fully_shard ``modules`` shard over, under hybrid sharding replicate over, and with an int
+    reshard_after_forward gather their backward in (a failed rank aborts them all)."""
     groups = {}
     for m in modules:
         device = m._fsdp.sharded[0].device if m._fsdp.sharded else torch.device("cpu")
-        for group in (m._fsdp.group, m._fsdp.replicate_group):
+        for group in (m._fsdp.group, m._fsdp.replicate_group, m._fsdp.flat.post_forward_group):
             if group is not None and dist.get_world_size(group) > 1:
                 groups.setdefault(id(group), (group, device))
     return groups
