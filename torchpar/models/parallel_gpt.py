@@ -444,7 +444,7 @@ class ParallelGPT:
         groups = {id(self.tp_group): self.tp_group} if L.tp > 1 else {}
         if not self.pipelined:
             sharded = [m for m in self.modules[0].modules() if isinstance(m, FSDPModule)]
-            groups.update((key, g) for key, (g, _) in fully_shard_groups(sharded).items())
+            groups.update((key, g) for key, (g, _) in fully_shard_groups(sharded, post_forward=True).items())
         reached = all([abort_with_reason(g, reason) for g in groups.values()])
         reached = reached and (not groups or self.device.type == "cpu")
         settle = isinstance(error, Exception) and not _peer_lost(error)

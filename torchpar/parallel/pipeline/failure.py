@@ -167,6 +167,10 @@ class ShardedPeers:
         self.sched = sched
         self.modules = modules
         self.groups = fully_shard_groups(modules)
+        # Aborted on failure: those, and the groups the units' backward gathers their post-forward
+        # slices in (reshard_after_forward=N). Those are subsets of the shard groups, whose
+        # agreement already reaches all their members: they take no part in agree_to_start.
+        self.aborted = fully_shard_groups(modules, post_forward=True)
         self.started = False
 
     def agree_to_start(self, failed):
@@ -193,19 +197,21 @@ class ShardedPeers:
                 reason = clip_reason(f"{type(e).__name__}: {e}") + (
                     f" [the step of {type(self.sched).__name__}'s pipeline rank {self.sched.rank} (global rank "
                     f"{dist.get_rank()}) failed; the groups its fully_shard stages shard over are aborted: make new ones]")
-                for group, _ in self.groups.values():
+                for group, _ in self.aborted.values():
                     abort_with_reason(group, reason)
             raise
 
 
-def fully_shard_groups(modules):
+def fully_shard_groups(modules, post_forward=False):
     """{id: (group, device of a flag sent over it)}: the groups of more than one rank that the
-    fully_shard ``modules`` shard over, under hybrid sharding replicate over, and with an int
-    reshard_after_forward gather their backward in (a failed rank aborts them all)."""
+    fully_shard ``modules`` shard over and, under hybrid sharding, replicate over; with
+    ``post_forward``, also those their backward gathers in (reshard_after_forward=N), which a
+    failed rank aborts with the others."""
     groups = {}
     for m in modules:
         device = m._fsdp.sharded[0].device if m._fsdp.sharded else torch.device("cpu")
-        for group in (m._fsdp.group, m._fsdp.replicate_group, m._fsdp.flat.post_forward_group):
+        extra = (m._fsdp.flat.post_forward_group,) if post_forward else ()
+        for group in (m._fsdp.group, m._fsdp.replicate_group) + extra:
             if group is not None and dist.get_world_size(group) > 1:
                 groups.setdefault(id(group), (group, device))
     return groups
