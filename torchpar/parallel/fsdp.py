@@ -28,9 +28,10 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.optim.optimizer import register_optimizer_step_post_hook
-from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
+from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from torchpar import _C
+from torchpar.parallel.fsdp_policies import check_unsupported, precision
 
 
 class FSDPModule:
@@ -253,14 +254,14 @@ class _Unit:
     """Python-side state of one unit: where its parameters are registered, and its two sets of
     parameter objects (the pieces, the gathered)."""
 
-    def __init__(self, flat, group, sites, sharded, unsharded, param_dtype, replicate_group=None):
+    def __init__(self, flat, group, sites, sharded, unsharded, precision, replicate_group=None):
         self.flat = flat
         self.group = group            # the process group it shards over
         self.replicate_group = replicate_group  # hybrid sharding: the one it all-reduces over
         self.sites = sites            # (module, attribute, parameter index, name relative to the unit)
         self.sharded = sharded
         self.unsharded = unsharded
-        self.param_dtype = param_dtype
+        self.precision = precision    # fsdp_policies.Precision: the dtypes it gathers, reduces, casts to
         self.engine = None
         self.index = None
         self.sharded_form = False
@@ -298,7 +299,8 @@ _TAKEN = {}
 
 
 def fully_shard(module, group=None, reshard_after_forward=True, mixed_precision=None, *, mesh=None,
-                replicate_group=None):
+                replicate_group=None, mp_policy=None, offload_policy=None, ignored_params=None,
+                shard_placement_fn=None, dp_mesh_dims=None):
     """Shard the parameters of ``module`` not owned by an already sharded submodule over
     ``group`` (default: the world), as torch's ``torch.distributed.fsdp.fully_shard``. Every rank
     must wrap the same model in the same order (checked: shapes, dtypes; collectives per call).
@@ -320,7 +322,19 @@ def fully_shard(module, group=None, reshard_after_forward=True, mixed_precision=
     (``group`` shards, ``replicate_group`` holds this rank's counterparts in the other replicas).
     Parameters are gathered within the shard group only; each reduced gradient shard is then
     all-reduced across the replicas. A 1-D ``mesh`` is the same as its group. Every unit of one
-    model must use the same replicate group."""
+    model must use the same replicate group.
+
+    torch FSDP2's arguments, as it reads them: ``mp_policy``, a ``MixedPrecisionPolicy``
+    (``param_dtype``, ``reduce_dtype``, ``output_dtype``, ``cast_forward_inputs``; the shards keep
+    the module's dtype), instead of ``mixed_precision``; ``ignored_params``, parameters left as
+    they are (not sharded, their gradients not reduced); ``offload_policy``: ``OffloadPolicy()``,
+    or ``CPUOffloadPolicy`` for parameters on CPU (already where it would put them; refused on a
+    device); ``shard_placement_fn`` may only give ``Shard(0)`` or None (a unit shards one flat
+    parameter); ``dp_mesh_dims`` and a list of modules are refused."""
+    if isinstance(module, (list, tuple)):
+        raise NotImplementedError("torchpar fully_shard: a list of modules (one unit for several) is not supported: "
+                                  "apply fully_shard to their common parent, or to each")
+    exact = precision(mixed_precision, mp_policy)
     if mesh is not None:
         if group is not None or replicate_group is not None:
             raise ValueError("torchpar fully_shard: pass a mesh, or groups (group, replicate_group), not both")
@@ -338,10 +352,11 @@ def fully_shard(module, group=None, reshard_after_forward=True, mixed_precision=
     if isinstance(module, FSDPModule):
         raise ValueError(f"torchpar fully_shard: {type(module).__name__} is already sharded")
     sites, params, index = [], [], {}
+    ignored = {id(p) for p in ignored_params or ()}
 
     def walk(mod, prefix):
         for attr, p in mod._parameters.items():
-            if p is not None:
+            if p is not None and id(p) not in ignored:
                 if id(p) not in index:
                     index[id(p)] = len(params)
                     params.append((prefix + attr, p))
@@ -358,20 +373,19 @@ def fully_shard(module, group=None, reshard_after_forward=True, mixed_precision=
                 f"torchpar fully_shard: parameter '{name}' of {type(module).__name__} is already sharded "
                 f"as {taken[1]} (a tied parameter); parameters shared by several modules must be in one "
                 "unit: apply fully_shard to their common parent only")
-    mp = mixed_precision
-    param_dtype = mp.param_dtype if mp is not None else None
-    reduce_dtype = (mp.reduce_dtype or param_dtype) if mp is not None else None
-    tensors = [p if mp is None or p.dtype == mp.master_dtype
-               else p.detach().to(mp.master_dtype).requires_grad_(p.requires_grad) for _, p in params]
-    flat = _C.FlatParam(tensors, [n for n, _ in params], group, reshard_after_forward, param_dtype, reduce_dtype,
-                        replicate_group)
+    check_unsupported(params, offload_policy, shard_placement_fn, dp_mesh_dims)
+    master = exact.master_dtype
+    tensors = [p if master is None or p.dtype == master
+               else p.detach().to(master).requires_grad_(p.requires_grad) for _, p in params]
+    flat = _C.FlatParam(tensors, [n for n, _ in params], group, reshard_after_forward, exact.param_dtype,
+                        exact.reduce_dtype, replicate_group)
     if post_forward_size:
         flat.post_forward_group = _post_forward_group(group, post_forward_size)
     sharded = [nn.Parameter(v, requires_grad=p.requires_grad) for v, (_, p) in zip(flat.shard_views(), params)]
     unsharded = [nn.Parameter(v, requires_grad=p.requires_grad) for v, (_, p) in zip(flat.unsharded_views(), params)]
     flat.bind(sharded, unsharded)
     _carry_over(params, sharded, unsharded)
-    unit = _Unit(flat, group, sites, sharded, unsharded, param_dtype, replicate_group)
+    unit = _Unit(flat, group, sites, sharded, unsharded, exact, replicate_group)
     unit.register(sharded)
     for name, p in params:
         _TAKEN[id(p)] = (weakref.ref(p, lambda _, key=id(p): _TAKEN.pop(key, None)),
@@ -489,10 +503,8 @@ def _pre_forward(module, args, kwargs):
     unit.unshard_handle = None  # the forward waits for an unshard() itself
     unit.engine.pre_forward(unit.index, grad)
     unit.register(unit.unsharded)
-    if unit.param_dtype is not None:
-        def cast(x):
-            return x.to(unit.param_dtype) if isinstance(x, torch.Tensor) and x.is_floating_point() else x
-        args, kwargs = tree_map(cast, (args, kwargs))
+    if unit.precision.cast_inputs:
+        args, kwargs = unit.precision.cast((args, kwargs), unit.precision.param_dtype)
     if grad:
         args, kwargs = _register_post_backward(unit, args, kwargs)
     return args, kwargs
@@ -529,6 +541,7 @@ def _post_forward(module, args, output):
     unit = module._fsdp
     grad = torch.is_grad_enabled()
     unit.engine.post_forward(unit.index, grad)  # (the pieces are registered back by _restore_pieces)
+    output = unit.precision.cast(output, unit.precision.output_dtype)
     tensors = [t for t in tree_flatten(output)[0] if isinstance(t, torch.Tensor) and t.requires_grad]
     if grad and tensors:
         # Runs when the first gradient reaches the unit's outputs, before its backward: gather
