@@ -13,7 +13,9 @@ from torch.distributed.fsdp import fully_shard as torch_fully_shard
 from torch.distributed.tensor import DTensor, Shard
 
 from test_fsdp import Net, _batch, _part, _pool
-from torchpar.parallel import MixedPrecision, fully_shard
+import copy
+
+from torchpar.parallel import MixedPrecision, fully_shard, register_fsdp_forward_method
 
 on_backends = pytest.mark.parametrize("backend", ["torchpar", "gloo"])
 
@@ -192,3 +194,49 @@ def test_what_a_flat_unit_cannot_do_is_refused_on_every_rank(case):
     for result in _pool("torchpar", 2).run(_refused, case):
         assert result is not None and result[0] is kind and text in result[1], result
 
+
+
+# ---- register_fsdp_forward_method ----
+
+class _Encoder(Net):
+    def encode(self, x):
+        """Uses the root's own parameters (inp) outside forward, and a block."""
+        return self.blocks[0](self.inp(x)).sum(dim=1)
+
+
+def _forward_method(ctx):
+    torch.set_num_threads(1)
+    model = _Encoder()
+    ref = copy.deepcopy(model)
+    for b in model.blocks:
+        fully_shard(b, ctx.pg)
+    fully_shard(model, ctx.pg)
+    register_fsdp_forward_method(model, "encode")
+    with torch.no_grad():
+        torch.testing.assert_close(model.encode(torch.ones(2, 5)), ref.encode(torch.ones(2, 5)))
+    x = torch.randn(2 * ctx.world_size, 5, generator=torch.Generator().manual_seed(3))
+    model.encode(_part(x, ctx)).pow(2).mean().backward()
+    ref.encode(x).pow(2).mean().backward()
+    # The pieces are registered again after the method, holding the reduced gradients: the mean
+    # over ranks of the parts' gradients, which is the whole batch's (the loss is a mean).
+    pieces = dict(model.named_parameters())
+    checked = 0
+    for name, shard in model.sharded_state_dict().items():
+        want = dict(ref.named_parameters())[name].grad
+        if want is None or shard.local.numel() == 0:
+            continue
+        got = pieces[name].grad
+        torch.testing.assert_close(got, want.flatten()[shard.start:shard.start + got.numel()],
+                                   msg=lambda m: f"{name}: {m}")
+        checked += 1
+    assert checked >= 4  # inp and block 0's pieces on this rank
+    torch.testing.assert_close(model.state_dict()["inp.weight"], ref.inp.weight.detach())
+
+
+def test_a_registered_forward_method_gathers_and_reduces_as_forward():
+    _pool("torchpar", 2).run(_forward_method)
+
+
+def test_register_fsdp_forward_method_needs_a_fully_shard_module():
+    with pytest.raises(ValueError, match="not a fully_shard module"):
+        register_fsdp_forward_method(nn.Linear(2, 2), "forward")

@@ -7,9 +7,9 @@ ranks (``clip_grad_norm_``)."""
 from torchpar.parallel import pipeline, tensor
 from torchpar.parallel.clip_grad import clip_grad_norm_
 from torchpar.parallel.ddp import DistributedDataParallel
-from torchpar.parallel.fsdp import FSDPModule, UnshardHandle, fully_shard
+from torchpar.parallel.fsdp import FSDPModule, UnshardHandle, fully_shard, register_fsdp_forward_method
 from torchpar.parallel.mixed_precision import MixedPrecision
 from torchpar.parallel.parallelize import parallelize
 
 __all__ = ["DistributedDataParallel", "FSDPModule", "MixedPrecision", "clip_grad_norm_", "fully_shard", "UnshardHandle",
-           "parallelize", "pipeline", "tensor"]
+           "parallelize", "register_fsdp_forward_method", "pipeline", "tensor"]

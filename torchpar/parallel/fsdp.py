@@ -18,6 +18,7 @@ This file installs the module hooks that call it and swaps the module's register
 between the pieces (outside forward) and the gathered ones (inside). It uses the public c10d API
 only (all-gather into a tensor, reduce-scatter of a tensor), so it runs on torchpar, gloo and nccl.
 """
+import functools
 import math
 import warnings
 import weakref
@@ -402,6 +403,26 @@ def fully_shard(module, group=None, reshard_after_forward=True, mixed_precision=
     module.register_state_dict_post_hook(_state_dict_hook)
     module.register_load_state_dict_pre_hook(_load_state_dict_pre_hook)
     return module
+
+
+def register_fsdp_forward_method(module, method_name):
+    """Run ``module.<method_name>`` as its forward is run (torch FSDP2's function of that name):
+    the unit gathered before it, freed (and its gradients reduced in backward) after, for a method
+    that uses the module's own parameters outside ``forward``, e.g. ``encode`` or a ``generate``
+    that calls submodules directly. Not for methods that call ``self(...)``: that forward gathers
+    the unit itself."""
+    if not isinstance(module, FSDPModule):
+        raise ValueError(f"register_fsdp_forward_method: {type(module).__name__} is not a fully_shard module")
+    method = getattr(module, method_name)  # bound: the class's, or one registered before
+
+    @functools.wraps(method)
+    def run_as_forward(*args, **kwargs):
+        args, kwargs = _pre_forward(module, args, kwargs)
+        try:
+            return _post_forward(module, args, method(*args, **kwargs))
+        finally:
+            _restore_pieces(module, args, None)
+    setattr(module, method_name, run_as_forward)
 
 
 def _reshard_after_forward(value, shard_size):
