@@ -460,7 +460,11 @@ def _assert_shard_grads(model, ref, step):
     for u in (m._fsdp for m in model.modules() if isinstance(m, FSDPModule)):
         for _, _, i, name in u.sites:
             start, length = u.flat.shard_range(i)
-            expected = ref.get_parameter(_full_name(model, u, name)).grad.reshape(-1)[start:start + length]
+            expected = ref.get_parameter(_full_name(model, u, name)).grad
+            if expected is None:  # no rank had a gradient for it: none is delivered
+                assert u.sharded[i].grad is None, f"step {step}, {name}: {u.sharded[i].grad}"
+                continue
+            expected = expected.reshape(-1)[start:start + length]
             torch.testing.assert_close(u.sharded[i].grad, expected, rtol=1e-5, atol=1e-6,
                                        msg=lambda m: f"step {step}, {name}: {m}")
 
@@ -603,6 +607,71 @@ def _bf16_vs_master_reference(ctx, steps=3, **shard_kwargs):
 @multi_rank
 def test_bf16_mixed_precision_matches_float32_master_reference(backend, world_size):
     _pool(backend, world_size).run(_bf16_vs_master_reference)
+
+
+# ---- parameters some or all ranks did not use ----
+
+class _Sometimes(Net):
+    """Net with a parameter no rank uses (``spare``) and one used where ``use`` is true."""
+
+    def __init__(self):
+        super().__init__()
+        self.spare = nn.Linear(3, 3)
+        self.sometimes = nn.Linear(3, 3)
+
+    def forward(self, x, use):
+        out = super().forward(x)
+        return self.sometimes(out) if use else out
+
+
+def _unused_vs_single_process(ctx, accumulate, steps=2):
+    """Rank 0 uses ``sometimes`` (in the first micro-batch only, when accumulating: the one kept
+    unreduced by no_sync or reduced within the replica only); no rank uses
+    ``spare``. One process: the same per-rank losses, averaged. AdamW with weight decay steps a
+    parameter whose .grad is zeros, and leaves one whose .grad is None, as one process does."""
+    from torch.distributed.device_mesh import init_device_mesh
+    _setup(ctx)
+    model, ref = _Sometimes(), _Sometimes()
+    ref.load_state_dict(model.state_dict())
+    layout = ({"mesh": init_device_mesh("cpu", (2, ctx.world_size // 2))} if accumulate == "within replica"
+              else {"group": ctx.pg})
+    for b in model.blocks:
+        fully_shard(b, **layout)
+    fully_shard(model, **layout)
+    opt, ref_opt = (torch.optim.AdamW(m.parameters(), lr=1e-2, weight_decay=0.1) for m in (model, ref))
+    halves = (slice(0, 1), slice(1, 2)) if accumulate else (slice(0, 2),)
+    for step in range(steps):
+        x, y = _batch(step, 2 * ctx.world_size)
+        opt.zero_grad()
+        ref_opt.zero_grad()
+        for h, half in enumerate(halves):
+            last = h == len(halves) - 1
+            use = ctx.rank == 0 and h == 0
+            sync = contextlib.nullcontext()
+            if accumulate == "no_sync" and not last:
+                sync = model.no_sync()
+            model.set_requires_all_reduce(accumulate != "within replica" or last)
+            with sync:
+                (_loss(model(_part(x, ctx)[half], use), _part(y, ctx)[half]) / len(halves)).backward()
+            for r in range(ctx.world_size):
+                xr, yr = (t.chunk(ctx.world_size)[r][half] for t in (x, y))
+                (_loss(ref(xr, r == 0 and h == 0), yr) / len(halves) / ctx.world_size).backward()
+        assert model.spare.weight.grad is None and model.spare.bias.grad is None
+        assert model.sometimes.weight.grad is not None
+        opt.step()
+        ref_opt.step()
+        _assert_matches(model.state_dict(), ref, step)
+
+
+@on_backends
+@pytest.mark.parametrize("accumulate", [None, "no_sync"])
+def test_a_parameter_no_rank_used_keeps_its_grad_as_one_process_does(backend, accumulate):
+    _pool(backend, 2).run(_unused_vs_single_process, accumulate)
+
+
+@on_backends
+def test_unused_parameters_under_hybrid_sharding_that_reduces_within_the_replica(backend):
+    _pool(backend, 4).run(_unused_vs_single_process, "within replica")
 
 
 # ---- bad input: a clear error on every rank ----
@@ -963,8 +1032,8 @@ def _branch_grads_match(ctx, steps=3):
         ref_opt.zero_grad()
         for x, y in zip(xs, ys):
             _loss(ref(x), y).backward()
-        for p in ref.parameters():
-            p.grad = torch.zeros_like(p) if p.grad is None else p.grad / ctx.world_size
+        for p in ref.parameters():  # a parameter no rank used keeps .grad None, in both
+            p.grad = None if p.grad is None else p.grad / ctx.world_size
         _assert_shard_grads(model, ref, step)
         opt.step()
         ref_opt.step()

@@ -249,8 +249,8 @@ void FlatParam::free_full_to_post_forward() {
 
 at::Tensor FlatParam::empty_packed() const {
   at::Tensor packed = step_buffer_empty(world_ * packed_stride(), shard_.options().dtype(reduce_dtype_));
-  // The tag slots, and the padding after the last parameter, are zero.
-  packed.view({world_, packed_stride()}).narrow(1, shard_numel_, world_).zero_();
+  // The tag and used slots, and the padding after the last parameter, are zero.
+  packed.view({world_, packed_stride()}).narrow(1, shard_numel_, packed_stride() - shard_numel_).zero_();
   const int64_t padding = padded_numel() - numel_;
   if (padding > 0) {
     pack(packed, numel_, at::zeros({padding}, packed.options()), false);
@@ -270,6 +270,10 @@ void FlatParam::pack(at::Tensor& packed, int64_t offset, const at::Tensor& src, 
   }
 }
 
+void FlatParam::mark_used(at::Tensor& packed, size_t i) const {
+  packed.view({world_, packed_stride()}).select(1, used_slot(i)).fill_(1);
+}
+
 at::Tensor FlatParam::take_grads() {
   at::NoGradGuard no_grad;
   at::Tensor packed;
@@ -279,6 +283,7 @@ at::Tensor FlatParam::take_grads() {
     at::Tensor grad = unsharded_.empty() ? at::Tensor() : unsharded_[i].grad();
     if (grad.defined()) {
       pack(packed, offsets_[i], grad.reshape(-1), accumulated);
+      mark_used(packed, i);
       unsharded_[i].mutable_grad().reset();
     } else if (!accumulated && numels_[i] > 0) {
       pack(packed, offsets_[i], at::zeros({numels_[i]}, packed.options()), false);
@@ -295,6 +300,7 @@ void FlatParam::accumulate_grads_locally() {
   for (size_t i = 0; i < unsharded_.size(); ++i) {
     if (unsharded_[i].grad().defined()) {
       pack(accumulator_, offsets_[i], unsharded_[i].grad().reshape(-1), true);
+      mark_used(accumulator_, i);
       unsharded_[i].mutable_grad().reset();
     }
   }
@@ -357,8 +363,10 @@ void FlatParam::deliver_grads(const at::Tensor& out) {
   at::NoGradGuard no_grad;
   at::Tensor reduced = out.narrow(0, 0, shard_numel_);
   reduced.div_(gradient_divide_factor.value_or(static_cast<double>(world_ * replicas_)));
+  const at::Tensor used = out.narrow(0, used_slot(0), static_cast<int64_t>(size()))
+                              .to(at::Device(at::kCPU), at::kDouble).contiguous();
   for (size_t i = 0; i < sharded_.size(); ++i) {
-    if (!requires_grad_[i]) {
+    if (!requires_grad_[i] || used.data_ptr<double>()[i] <= 0) {
       continue;
     }
     auto [start, length] = shard_range(i);
@@ -429,12 +437,13 @@ int64_t FlatParam::accumulator_bytes() const {
 
 void FlatParam::add_partial(const at::Tensor& reduced) {
   at::NoGradGuard no_grad;
-  const at::Tensor chunk = reduced.narrow(0, 0, shard_numel_);
+  at::Tensor chunk = reduced.narrow(0, 0, packed_stride());
   if (partial_.defined()) {
     partial_.add_(chunk);
   } else {
     partial_ = chunk.clone();
   }
+  partial_.narrow(0, shard_numel_, world_).zero_();  // the tags are each reduce-scatter's own
 }
 
 bool FlatParam::take_partial(at::Tensor& out) {
@@ -442,7 +451,7 @@ bool FlatParam::take_partial(at::Tensor& out) {
     return false;
   }
   at::NoGradGuard no_grad;
-  out.narrow(0, 0, shard_numel_).add_(partial_);
+  out.narrow(0, 0, packed_stride()).add_(partial_);  // the gradients, and how many ranks had each
   partial_.reset();
   return true;
 }

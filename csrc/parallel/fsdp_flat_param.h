@@ -133,7 +133,11 @@ class FlatParam {
   // world_size tag slots: this rank writes `tag` into slot `rank` of every chunk (the others stay
   // zero), so after the sum each rank reads every rank's tag exactly (one non-zero term per slot)
   // and can tell whether all of them reduced the same unit (reduced_tags). `tag` must be an
-  // integer the reduce dtype represents exactly.
+  // integer the reduce dtype represents exactly. After the tags, one slot per parameter, 1 in
+  // every chunk where this rank has a gradient for it: summed, how many ranks had one, so that a
+  // parameter no rank used keeps its .grad as one process leaves it (None stays None; as torch's
+  // DDP, and FSDP2 where no rank has a gradient), instead of receiving zeros that an optimizer
+  // with weight decay or momentum would step on.
   std::pair<c10::intrusive_ptr<c10d::Work>, at::Tensor> start_reduce_scatter(at::Tensor& packed, double tag);
   // The tags of a finished reduce-scatter's output, one per rank.
   std::vector<double> reduced_tags(const at::Tensor& reduced) const;
@@ -150,7 +154,7 @@ class FlatParam {
   // Divide the summed shard by the number of ranks that summed it (the world size, times the
   // replicas under hybrid sharding), or by gradient_divide_factor where set, and hand it to the
   // sharded parameters' .grad (assigned as views of `reduced` when .grad is undefined, added
-  // otherwise).
+  // otherwise), but for parameters no rank had a gradient for (their .grad is left as it is).
   void deliver_grads(const at::Tensor& reduced);
   // torch FSDP2's set_gradient_divide_factor: what the sum over the ranks is divided by instead
   // (1: the sum itself, e.g. for a loss that is a sum over tokens normalised by hand).
@@ -206,7 +210,10 @@ class FlatParam {
   bool gather_is_current_ignoring_storage() const;
   // A packed gradient buffer (see start_reduce_scatter): chunk stride, and `src` (flat) written
   // (or added) at flat offset `offset`, split at the chunk boundaries.
-  int64_t packed_stride() const { return shard_numel_ + world_; }
+  int64_t packed_stride() const { return shard_numel_ + world_ + static_cast<int64_t>(size()); }
+  int64_t used_slot(size_t i) const { return shard_numel_ + world_ + static_cast<int64_t>(i); }
+  // Mark parameter i as having a gradient on this rank, in every chunk of `packed`.
+  void mark_used(at::Tensor& packed, size_t i) const;
   at::Tensor empty_packed() const;
   void pack(at::Tensor& packed, int64_t offset, const at::Tensor& src, bool add) const;
 
@@ -232,8 +239,8 @@ class FlatParam {
   c10::intrusive_ptr<c10d::Work> gather_work_;
   int64_t gathered_version_ = -1;  // shard_'s version counter when the last gather started
   int64_t gathered_steps_ = -1;    // optimizer_steps then
-  at::Tensor accumulator_;    // no_sync's local gradient sum, [padded_numel], reduce dtype
-  at::Tensor partial_;        // requires_all_reduce false: the shard group's sums, [shard_numel]
+  at::Tensor accumulator_;    // no_sync's local gradient sum, packed, reduce dtype
+  at::Tensor partial_;        // requires_all_reduce false: the shard group's sums, [packed_stride]
   std::vector<at::Tensor> sharded_, unsharded_;
 };
 
