@@ -257,7 +257,7 @@ class ParallelGPT:
         mp = MixedPrecision(dtype) if dtype != torch.float32 else None
         modules = [self._wrap(part, mp) for part in self.parts]
         self.modules = modules
-        self.stages = [PipelineStage(m, i, num_stages, self.pp_group, device=self.device)
+        self.stages = [PipelineStage(m, i, num_stages, self.device, group=self.pp_group)
                        for m, i in zip(modules, indices)]
         self.has_first = any(p.first for p in self.parts)
         self.has_last = any(p.last for p in self.parts)

@@ -23,11 +23,12 @@ _CACHE_KEYS = 16  # input shapes remembered (variable sequence length)
 class Executor:
     """State of one step while the action list runs."""
 
-    def __init__(self, sched, key, first_mbs, targets, train, ddp=None, fsdp=None, settled=None):
+    def __init__(self, sched, key, first_mbs, targets, train, ddp=None, fsdp=None, settled=None, kwarg_mbs=None):
         self.s = sched
         self.group = sched.group
         self.key = key
         self.first_mbs = first_mbs
+        self.kwarg_mbs = kwarg_mbs  # per micro-batch keyword arguments of this rank's stages, or None
         self.targets = targets
         self.train = train
         self.split_stages = split_stages(sched, train)
@@ -227,7 +228,8 @@ class Executor:
         st = self.s._by_index[stage]
         args = self._inputs(mb, stage)
         t_wait = time.perf_counter()
-        outs = st.forward(mb, args, capture=stage in self.split_stages)
+        kwargs = self.kwarg_mbs[mb] if self.kwarg_mbs else {}
+        outs = st.forward(mb, args, capture=stage in self.split_stages, kwargs=kwargs)
         if stage not in self.out_specs:
             self.out_specs[stage] = _comm.specs(outs)
             # Receives of one tag match the peer's sends in posting order, so the ones deferred

@@ -42,17 +42,26 @@ from torchpar.parallel.pipeline.stage import PipelineStage
 _KIND_IDS = {"gpipe": 0, "1f1b": 1, "interleaved_1f1b": 2, "zb_h1": 3, "custom": 4}
 
 
-def _split_batch(tensors, m, what):
+def _split_batch(tensors, m, what, names=None):
     out = [[] for _ in range(m)]
     for i, t in enumerate(tensors):
+        label = f"{what} {names[i] if names else i}"
         if not isinstance(t, torch.Tensor):
-            raise TypeError(f"{what} {i} is a {type(t).__name__}, not a tensor")
+            raise TypeError(f"{label} is a {type(t).__name__}, not a tensor")
         if t.dim() == 0 or t.shape[0] % m != 0:
-            raise ValueError(f"{what} {i} has batch size {t.shape[0] if t.dim() else 'none (0-d)'}, "
+            raise ValueError(f"{label} has batch size {t.shape[0] if t.dim() else 'none (0-d)'}, "
                              f"which does not split into {m} micro-batches")
         for j, piece in enumerate(t.chunk(m)):
             out[j].append(piece)
     return out
+
+
+def _split_kwargs(kwargs, m):
+    """The keyword arguments of each micro-batch, as torch's default chunk specs make them:
+    tensors split along dimension 0 like the batch, anything else given whole to each."""
+    names = [k for k, v in kwargs.items() if isinstance(v, torch.Tensor)]
+    pieces = _split_batch([kwargs[k] for k in names], m, "keyword argument", [repr(k) for k in names])
+    return [{**kwargs, **dict(zip(names, piece))} for piece in pieces]
 
 
 class _PipelineSchedule:
@@ -95,15 +104,18 @@ class _PipelineSchedule:
 
     # ---- public API ----
 
-    def step(self, *args, target=None, losses=None, trace=None):
+    def step(self, *args, target=None, losses=None, trace=None, return_outputs=True, **kwargs):
         """One training step over ``args`` (the whole batch, on the first stage's rank) and
-        ``target`` (on the last stage's rank). Returns the last stage's output, else None."""
-        return self._run(self._train_actions, args, target, losses, trace, train=True)
+        ``target`` (on the last stage's rank), as torch's. Returns the last stage's output (None
+        elsewhere, or with ``return_outputs=False``). ``kwargs`` go to the forward of every
+        stage of this rank, tensors split into micro-batches along dimension 0 (an attention
+        mask), others whole; each rank passes its own."""
+        return self._run(self._train_actions, args, target, losses, trace, kwargs, return_outputs, train=True)
 
-    def eval(self, *args, target=None, losses=None, trace=None):
+    def eval(self, *args, target=None, losses=None, trace=None, return_outputs=True, **kwargs):
         """Forward only (no gradients); losses are computed when a target is given."""
         with torch.no_grad():
-            return self._run(self._eval_actions, args, target, losses, trace, train=False)
+            return self._run(self._eval_actions, args, target, losses, trace, kwargs, return_outputs, train=False)
 
     # ---- one step ----
 
@@ -133,12 +145,13 @@ class _PipelineSchedule:
         self._failure.agree(rows[0][8])
         return rows[0][4]  # rank 0 holds stage 0
 
-    def _run(self, actions, args, target, losses, trace, train):
+    def _run(self, actions, args, target, losses, trace, kwargs, return_outputs, train):
         m = self.n_microbatches
         first = self._by_index.get(0)
         last = self._by_index.get(self.num_stages - 1)
-        err, first_mbs, targets = None, None, None
+        err, first_mbs, targets, kwarg_mbs = None, None, None, None
         try:
+            kwarg_mbs = _split_kwargs(kwargs, m) if kwargs else None
             if first is not None:
                 if not args:
                     raise ValueError("the first stage's rank must pass the batch to step()")
@@ -172,7 +185,7 @@ class _PipelineSchedule:
                 _data_parallel_outcome(self, ddp if agree else {},
                                        lambda: _release_data_parallel_peers(ddp, armed, settled),
                                        lambda: _disarm(ddp, armed, settled)):
-            out = self._run_actions(actions, first_mbs, targets, err, train, ddp, settled, sharded)
+            out = self._run_actions(actions, first_mbs, targets, kwarg_mbs, err, train, ddp, settled, sharded)
         for module in after_step.values():
             _average_gradients(module)
         outputs, step_losses, stats, events = out
@@ -182,9 +195,9 @@ class _PipelineSchedule:
             losses.extend(step_losses)
         if trace:
             _write_trace(trace, events, stats["start"], self.rank, self.group)
-        return outputs
+        return outputs if return_outputs else None
 
-    def _run_actions(self, actions, first_mbs, targets, err, train, ddp, settled, sharded):
+    def _run_actions(self, actions, first_mbs, targets, kwarg_mbs, err, train, ddp, settled, sharded):
         """Agrees on the step with the other pipeline ranks (and a fully_shard stage's
         data-parallel peers, ``sharded``) and runs this rank's actions."""
         try:
@@ -213,7 +226,7 @@ class _PipelineSchedule:
                     no_sync.enter_context(module.no_sync())
                 for modules in fsdp_modules.values():
                     no_sync.push(reduce_in_last_backward(modules))
-                executor = Executor(self, key, first_mbs, targets, train, ddp, fsdp, settled)
+                executor = Executor(self, key, first_mbs, targets, train, ddp, fsdp, settled, kwarg_mbs)
                 try:
                     return executor.run(actions)
                 except BaseException as e:  # KeyboardInterrupt too: the peers must not wait for the timeout

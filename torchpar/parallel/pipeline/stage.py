@@ -118,14 +118,23 @@ class _MicroBatch:
 
 
 class PipelineStage:
-    """``module`` as stage ``stage_index`` of ``num_stages`` on the pipeline ``group`` (default:
-    the world). Shapes and dtypes of the tensors between stages are not given: the schedule
-    learns them on the first step, and again whenever the first stage's input shape changes.
-    ``device``: where the stage receives its inputs and output gradients (default: the device
-    of the module's parameters, the CPU for a module without any), as torch's PipelineStage."""
+    """``submodule`` as stage ``stage_index`` of ``num_stages`` on the pipeline ``group`` (default:
+    the world), with torch's signature. Shapes and dtypes of the tensors between stages need not be
+    given: the schedule learns them on the first step, and again whenever the first stage's input
+    shape changes, so ``input_args`` and ``output_args`` (torch's static shapes) are accepted and
+    not needed. ``device``: where the stage receives its inputs and output gradients (default: the
+    device of the module's parameters, the CPU for a module without any). ``dw_builder`` (torch's
+    custom weight-gradient closure) is refused: ``ScheduleZeroBubble`` splits backward itself."""
 
-    def __init__(self, module, stage_index, num_stages, group=None, device=None):
-        self.submod = module
+    def __init__(self, submodule, stage_index, num_stages, device=None, input_args=None, output_args=None,
+                 group=None, dw_builder=None):
+        if isinstance(device, dist.ProcessGroup):
+            raise TypeError("PipelineStage: the fourth argument is the device, as in torch's PipelineStage; pass the "
+                            "pipeline's process group as group=")
+        if dw_builder is not None:
+            raise NotImplementedError("PipelineStage: dw_builder is not supported; ScheduleZeroBubble splits each "
+                                      "backward into its input and weight gradients itself")
+        module = self.submod = submodule
         if device is None:
             device = next((p.device for p in module.parameters()), torch.device("cpu"))
         self.device = torch.device(device)
@@ -154,8 +163,9 @@ class PipelineStage:
 
     # ---- forward ----
 
-    def forward(self, mb, args, capture=False):
-        """Runs the module on micro-batch ``mb``'s ``args`` and keeps what backward needs."""
+    def forward(self, mb, args, capture=False, kwargs=None):
+        """Runs the module on micro-batch ``mb``'s ``args`` (and ``kwargs``) and keeps what
+        backward needs."""
         hooks, captured = [], []
         if capture and torch.is_grad_enabled():
             direct = not torch.is_autocast_enabled()
@@ -168,7 +178,7 @@ class PipelineStage:
                                           _param_ids(module)))
             hooks = [m.register_forward_hook(keep) for m in self._owners]
         try:
-            outputs = _as_tuple(self.submod(*args))
+            outputs = _as_tuple(self.submod(*args, **(kwargs or {})))
         finally:
             for h in hooks:
                 h.remove()

@@ -1,0 +1,93 @@
+"""torch.distributed.pipelining's calling conventions on torchpar's pipeline: ``PipelineStage``'s
+positional ``device`` and its static-shape arguments, keyword arguments to ``step``/``eval``
+split into micro-batches and given to every stage of the rank, and ``return_outputs``.
+"""
+import copy
+
+import pytest
+import torch
+from torch import nn
+
+from test_pipeline import BACKENDS, SCHEDULES, _data, _mse, _pool
+from torchpar.parallel.pipeline import PipelineStage, ScheduleGPipe
+
+
+class _Masked(nn.Module):
+    """A stage whose forward takes a per-sample mask and a plain scale by keyword."""
+
+    def __init__(self, width=8):
+        super().__init__()
+        self.lin = nn.Linear(width, width)
+
+    def forward(self, x, mask=None, scale=1.0):
+        return torch.tanh(self.lin(x)) * mask[:, None] * scale
+
+
+def _with_kwargs(ctx, schedule):
+    torch.set_num_threads(1)
+    torch.manual_seed(0)
+    model = nn.ModuleList([_Masked(), _Masked()])
+    ref = copy.deepcopy(model)
+    x, y = _data(0, 8)
+    mask = (torch.arange(8) % 3 != 0).float()
+    m = 4
+    # One process: the mean over micro-batches of the micro-batches' losses (scale_grads).
+    for xs, ys, ms in zip(x.chunk(m), y.chunk(m), mask.chunk(m)):
+        (_mse(ref[1](ref[0](xs, mask=ms, scale=0.5), mask=ms, scale=0.5), ys) / m).backward()
+    stage = PipelineStage(copy.deepcopy(model[ctx.rank]), ctx.rank, 2, torch.device("cpu"), input_args=(x[:2],),
+                          group=ctx.pg)
+    sched = SCHEDULES[schedule](stage, m, loss_fn=_mse)
+    first = ctx.rank == 0
+    out = sched.step(*((x,) if first else ()), target=None if first else y, mask=mask, scale=0.5)
+    for p, q in zip(stage.submod.parameters(), ref[ctx.rank].parameters()):
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-5, atol=1e-6)
+    if not first:  # the output, and none with return_outputs=False
+        with torch.no_grad():
+            want = model[1](model[0](x, mask=mask, scale=0.5), mask=mask, scale=0.5)
+        torch.testing.assert_close(out, want, rtol=1e-5, atol=1e-6)
+    quiet = sched.step(*((x,) if first else ()), target=None if first else y, return_outputs=False, mask=mask)
+    evaluated = sched.eval(*((x,) if first else ()), mask=mask, scale=0.5)
+    return out is None, quiet is None, evaluated is None
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "zb_h1"])
+def test_step_keyword_arguments_reach_every_stage_per_micro_batch(backend, schedule):
+    first, last = _pool(backend, 2).run(_with_kwargs, schedule)
+    assert first == (True, True, True)       # the first stage returns nothing
+    assert last == (False, True, False)      # the last returns the output unless told not to
+
+
+def _kwarg_does_not_split(ctx):
+    torch.set_num_threads(1)
+    stage = PipelineStage(_Masked(), ctx.rank, 2, group=ctx.pg)
+    x, y = _data(0, 8)
+    try:
+        ScheduleGPipe(stage, 4, loss_fn=_mse).step(*((x,) if ctx.rank == 0 else ()),
+                                                   target=y if ctx.rank else None, mask=torch.ones(6))
+    except ValueError as e:
+        return str(e)
+    return None
+
+
+def test_a_keyword_tensor_that_does_not_split_is_refused_on_every_rank():
+    for err in _pool("torchpar", 2).run(_kwarg_does_not_split):
+        assert err and "keyword argument 'mask' has batch size 6" in err and "4 micro-batches" in err, err
+
+
+def _positional_group(ctx):
+    try:
+        PipelineStage(_Masked(), ctx.rank, 2, ctx.pg)
+    except TypeError as e:
+        return str(e)
+    return None
+
+
+def test_a_group_passed_where_torch_takes_the_device_is_refused():
+    for err in _pool("torchpar", 2).run(_positional_group):
+        assert err and "fourth argument is the device" in err, err
+
+
+def test_dw_builder_is_refused():
+    with pytest.raises(NotImplementedError, match="dw_builder"):
+        PipelineStage(_Masked(), 0, 1, dw_builder=lambda: None)
