@@ -136,6 +136,20 @@ def test_function_without_groups_equals_torch(norm_type):
         torch.testing.assert_close(p.grad, q.grad)
 
 
+def test_function_takes_torch_arguments_a_single_tensor_and_refuses_a_nonfinite_norm():
+    ours, theirs = _model_with_grads(), _model_with_grads()
+    # torch's positional arguments, and a single tensor (not iterated over its rows).
+    got = clip_grad_norm_(ours[0].weight, 0.5, 2.0, False, True)
+    want = torch.nn.utils.clip_grad_norm_(theirs[0].weight, 0.5, 2.0, False, True)
+    torch.testing.assert_close(got, want)
+    torch.testing.assert_close(ours[0].weight.grad, theirs[0].weight.grad)
+    ours[2].weight.grad[0, 0] = math.inf
+    before = [p.grad.clone() for p in ours.parameters()]
+    with pytest.raises(RuntimeError, match="norm of order 2.0 of the gradients is inf"):
+        clip_grad_norm_(ours.parameters(), 0.5, error_if_nonfinite=True)
+    assert all(torch.equal(p.grad, b) for p, b in zip(ours.parameters(), before))  # nothing scaled
+
+
 def test_function_counts_only_counted_and_scales_every_gradient():
     """``counted`` decides the norm (here: the first layer's), every gradient is scaled."""
     model, ref = _model_with_grads(), _model_with_grads()

@@ -20,7 +20,8 @@ import torch
 import torch.distributed as dist
 
 
-def clip_grad_norm_(parameters, max_norm, norm_type=2.0, *, counted=None, groups=(), device=None):
+def clip_grad_norm_(parameters, max_norm, norm_type=2.0, error_if_nonfinite=False, foreach=None, *, counted=None,
+                    groups=(), device=None):
     """Scales the gradients of ``parameters`` in place so that the global ``norm_type``-norm
     (``inf`` too) is at most ``max_norm``, exactly as ``torch.nn.utils.clip_grad_norm_`` does
     on the whole model (coefficient ``max_norm / (norm + 1e-6)``, clamped to 1). Returns the
@@ -32,8 +33,13 @@ def clip_grad_norm_(parameters, max_norm, norm_type=2.0, *, counted=None, groups
     one after the other (a sum over each group in turn is the sum over their product). Every
     rank of those groups must call it, with or without gradients. ``device``: where the norm
     is reduced when this rank holds no parameter (default: the first parameter's, else the
-    CPU)."""
-    params = list(parameters)
+    CPU). ``error_if_nonfinite``: raise (on every rank, before scaling anything) when the global
+    norm is nan or inf, as torch's; ``foreach`` is accepted for torch's signature (the scaling is
+    one in-place multiply per gradient either way). ``parameters`` and ``counted`` may be single
+    tensors, as in torch."""
+    params = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
+    if isinstance(counted, torch.Tensor):
+        counted = [counted]
     counted = params if counted is None else list(counted)
     norm_type = float(norm_type)
     if device is None:
@@ -61,6 +67,10 @@ def clip_grad_norm_(parameters, max_norm, norm_type=2.0, *, counted=None, groups
             dist.all_reduce(total, op=op, group=group)
     if norm_type != math.inf:
         total = total ** (1.0 / norm_type)
+    if error_if_nonfinite and not torch.isfinite(total):  # the same total on every rank: all raise
+        raise RuntimeError(f"torchpar clip_grad_norm_: the total norm of order {norm_type} of the gradients is "
+                           f"{total.item()}, so they cannot be clipped; error_if_nonfinite=False clips anyway "
+                           "(as torch.nn.utils.clip_grad_norm_)")
     coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
     with torch.no_grad():
         for p in params:
