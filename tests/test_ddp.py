@@ -778,6 +778,41 @@ def test_torch_constructor_arguments_in_torch_order(backend):
     _pool(backend, 2).run(_torch_signature)
 
 
+def _torch_213_arguments(ctx):
+    """torch 2.13's newer constructor arguments: a 1-D device_mesh for the group,
+    forward_sync_buffers (broadcast_buffers' new name), and its speed settings."""
+    from torch.distributed.device_mesh import DeviceMesh
+    _setup(ctx)
+    mesh = DeviceMesh.from_group(ctx.pg, "cpu")
+    model, ref = _mlp(7), _mlp(7)
+    kwargs = dict(device_mesh=mesh, forward_sync_buffers=True, skip_all_reduce_unused_params=True,
+                  batched_grad_copy=True)
+    ddp = DDP(model, **kwargs)
+    assert ddp.process_group is mesh.get_group(0) and ddp.broadcast_buffers
+    _train_side_by_side(ctx, (ddp, nn.parallel.DistributedDataParallel(ref, **kwargs)), (model, ref), steps=2)
+    # At init, buffers are synced unless the old name said False, as in torch.
+    seen = {}
+    for name, kw in (("broadcast_buffers=False", {"broadcast_buffers": False}),
+                     ("forward_sync_buffers=False", {"forward_sync_buffers": False})):
+        for cls in (DDP, nn.parallel.DistributedDataParallel):
+            m = nn.BatchNorm1d(3)
+            m.running_mean.fill_(float(ctx.rank))
+            cls(m, process_group=ctx.pg, **kw)
+            seen[name, cls.__module__] = float(m.running_mean[0])
+    with pytest.raises(NotImplementedError, match="bucket_cap_mb_list"):
+        DDP(_mlp(), process_group=ctx.pg, bucket_cap_mb_list=[1, 25])
+    with pytest.raises(ValueError, match="not both"):
+        DDP(_mlp(), process_group=ctx.pg, device_mesh=mesh)
+    return seen
+
+
+@on_backends
+def test_torch_213_constructor_arguments_train_as_torch_ddp(backend):
+    for rank, seen in enumerate(_pool(backend, 2).run(_torch_213_arguments)):
+        for (name, _), value in seen.items():
+            assert value == (rank if name == "broadcast_buffers=False" else 0), (name, seen)
+
+
 def _constructor_refusals(ctx):
     with pytest.raises(ValueError, match="be None for a CPU module"):
         DDP(_mlp(), device_ids=[0], process_group=ctx.pg)

@@ -40,7 +40,8 @@ class DistributedDataParallel(nn.Module, Joinable):
     """Wraps ``module`` so that ``loss.backward()`` leaves gradients averaged over
     ``process_group`` (default: the world) in every parameter's ``.grad``.
 
-    Arguments match torch's DDP, in its order, so that code written for it runs unchanged:
+    Arguments match torch's DDP (2.13), in its order, so that code written for it runs unchanged
+    (docs/ddp.md lists the few it refuses):
     ``device_ids`` names the one device a CUDA module lives on (inputs are moved there, as
     torch does), and ``init_sync=False`` skips the model check and broadcast. With
     ``static_graph=True`` the first step records how many gradients each parameter gets
@@ -70,13 +71,37 @@ class DistributedDataParallel(nn.Module, Joinable):
     between two such backwards other than zeroing it (clipping each micro-batch) is not followed.
     """
 
-    def __init__(self, module, device_ids=None, output_device=None, dim=0, broadcast_buffers=True,
+    def __init__(self, module, device_ids=None, output_device=None, dim=0, broadcast_buffers=None,
                  init_sync=True, process_group=None, bucket_cap_mb=None, find_unused_parameters=False,
                  check_reduction=False, gradient_as_bucket_view=False, static_graph=False,
-                 mixed_precision=None, grad_reduce_dtype=None, shard_gradients=False):
+                 delay_all_reduce_named_params=None, param_to_hook_all_reduce=None, mixed_precision=None,
+                 device_mesh=None, skip_all_reduce_unused_params=False, bucket_cap_mb_list=None,
+                 batched_grad_copy=False, forward_sync_buffers=None, *, grad_reduce_dtype=None,
+                 shard_gradients=False):
         super().__init__()
         Joinable.__init__(self)
         self.module = module
+        for name, value in (("delay_all_reduce_named_params", delay_all_reduce_named_params),
+                            ("param_to_hook_all_reduce", param_to_hook_all_reduce),
+                            ("bucket_cap_mb_list", bucket_cap_mb_list)):
+            if value is not None:
+                raise NotImplementedError(f"torchpar DDP: {name} is not supported (buckets are sized by "
+                                          "bucket_cap_mb and all reduced as backward fills them)")
+        # skip_all_reduce_unused_params and batched_grad_copy are torch's speed settings: the
+        # reducer already leaves out what no rank used (the .grad of those stays as it is) and
+        # copies each gradient into its bucket once.
+        if device_mesh is not None:
+            if process_group is not None:
+                raise ValueError("torchpar DDP: pass process_group or device_mesh, not both")
+            if device_mesh.ndim != 1:
+                raise ValueError(f"torchpar DDP: a 1-D device_mesh, got {device_mesh.ndim} dimensions")
+            process_group = device_mesh.get_group(0)
+        self.device_mesh = device_mesh
+        # torch's reading: forward_sync_buffers (its new name) wins and buffers are synced at init
+        # whatever it says; broadcast_buffers=False (the old name) skips the init sync too.
+        init_sync_buffers = True if forward_sync_buffers is not None else broadcast_buffers is not False
+        self.forward_sync_buffers = (forward_sync_buffers if forward_sync_buffers is not None
+                                     else broadcast_buffers is not False)
         self.process_group = process_group if process_group is not None else dist.group.WORLD
         if self.process_group is None:
             raise RuntimeError("torchpar DDP: call torch.distributed.init_process_group first")
@@ -97,7 +122,6 @@ class DistributedDataParallel(nn.Module, Joinable):
         self.device, self.output_device = _single_device(module, device_ids, output_device)
         self.dim = dim
         self.static_graph = static_graph
-        self.broadcast_buffers = broadcast_buffers
         self.find_unused_parameters = find_unused_parameters
         self.gradient_as_bucket_view = gradient_as_bucket_view
         self.grad_reduce_dtype = grad_reduce_dtype
@@ -107,7 +131,8 @@ class DistributedDataParallel(nn.Module, Joinable):
         if init_sync:
             _verify_same_model(named, self.process_group)
             with torch.no_grad():
-                _broadcast_from_rank0([p for _, p in named] + list(module.buffers()), self.process_group)
+                _broadcast_from_rank0([p for _, p in named] + (list(module.buffers()) if init_sync_buffers else []),
+                                      self.process_group)
 
         if bucket_cap_mb is None:
             bucket_cap_mb = 25  # torch's default
@@ -203,6 +228,16 @@ class DistributedDataParallel(nn.Module, Joinable):
 
     def join_hook(self, **kwargs):
         return _JoinHook(self)
+
+    @property
+    def broadcast_buffers(self):
+        """Whether rank 0's buffers are broadcast before each forward (torch's older name of
+        ``forward_sync_buffers``)."""
+        return self.forward_sync_buffers
+
+    @broadcast_buffers.setter
+    def broadcast_buffers(self, value):
+        self.forward_sync_buffers = value
 
     @property
     def join_device(self):
