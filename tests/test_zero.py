@@ -112,9 +112,9 @@ def _train_vs_torch_zero(ctx, backend, stage):
     torch.set_num_threads(1)
     group = _group(ctx, backend)
     ours_model, torch_model = _mlp(3), _mlp(3)
-    ours, opt = _wrap(ctx, group, ours_model, stage)
+    ours, opt = _wrap(ctx, group, ours_model, stage, parameters_as_bucket_view=True)
     theirs = nn.parallel.DistributedDataParallel(torch_model, process_group=group)
-    ref_opt = TorchZero(theirs.parameters(), torch.optim.AdamW, group, lr=1e-2)
+    ref_opt = TorchZero(theirs.parameters(), torch.optim.AdamW, group, True, lr=1e-2)  # torch's positional order
     for step in range(3):
         x, y = _batch(step, 2 * ctx.world_size)
         for ddp, o in ((ours, opt), (theirs, ref_opt)):
@@ -343,6 +343,8 @@ def _wrong_optimizer(ctx, backend):
     ZeroRedundancyOptimizer(copy.deepcopy(model).parameters(), torch.optim.AdamW, group, lr=1.0)
     with pytest.raises(RuntimeError, match="no torchpar.optim.ZeroRedundancyOptimizer was built"):
         ddp(torch.randn(2, 6))
+    with pytest.raises(NotImplementedError, match="overlap_with_ddp"):
+        ZeroRedundancyOptimizer(model.parameters(), torch.optim.AdamW, group, False, True, lr=1.0)
 
 
 @on_backends

@@ -49,10 +49,18 @@ _BUCKET_CAP_MB = 25  # as DDP's
 class ZeroRedundancyOptimizer(Optimizer, Joinable):
     """``ZeroRedundancyOptimizer(params, torch.optim.AdamW, lr=1e-3)`` on every rank of
     ``process_group`` (default: the world), with the same ``params`` on each. ``optim`` is the
-    local ``optimizer_class`` instance over this rank's shard (its masters under O2)."""
+    local ``optimizer_class`` instance over this rank's shard (its masters under O2).
 
-    def __init__(self, params, optimizer_class, process_group=None, *, bucket_cap_mb=_BUCKET_CAP_MB,
-                 mixed_precision=None, loss_scaler=None, **defaults):
+    torch's ``parameters_as_bucket_view`` is accepted and changes nothing here (the parameters stay
+    tensors of their own; the all-gather after the step goes through buckets either way);
+    ``overlap_with_ddp=True`` (the step run inside DDP's comm hook) is refused."""
+
+    def __init__(self, params, optimizer_class, process_group=None, parameters_as_bucket_view=False,
+                 overlap_with_ddp=False, *, bucket_cap_mb=_BUCKET_CAP_MB, mixed_precision=None, loss_scaler=None,
+                 **defaults):
+        if overlap_with_ddp:
+            raise NotImplementedError("torchpar ZeRO: overlap_with_ddp is not supported; the step all-gathers the "
+                                      "updated shards after it (torchpar's DDP(shard_gradients=True) gives ZeRO-2)")
         self._ready = False  # Optimizer.__init__ calls add_param_group before we can shard
         super().__init__(params, defaults)
         Joinable.__init__(self)
