@@ -10,6 +10,7 @@ from torchpar.parallel.ddp import DistributedDataParallel
 from torchpar.parallel.fsdp import FSDPModule, UnshardHandle, fully_shard, register_fsdp_forward_method
 from torchpar.parallel.mixed_precision import MixedPrecision
 from torchpar.parallel.parallelize import parallelize
+from torchpar.parallel.torch_plan import parallelize_module
 
 __all__ = ["DistributedDataParallel", "FSDPModule", "MixedPrecision", "clip_grad_norm_", "fully_shard", "UnshardHandle",
-           "parallelize", "register_fsdp_forward_method", "pipeline", "tensor"]
+           "parallelize", "parallelize_module", "register_fsdp_forward_method", "pipeline", "tensor"]

@@ -1,0 +1,139 @@
+"""``torchpar.parallel.parallelize_module`` with torch's own plan (``ColwiseParallel``,
+``RowwiseParallel``, ``SequenceParallel``) against torch's ``parallelize_module`` with the same
+plan, in the same ranks (torch's on a gloo mesh): the same local outputs, gradients and weights,
+with and without sequence parallelism; what torchpar's layers do not compute is refused.
+"""
+import copy
+
+import pytest
+import torch
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput, RowwiseParallel,
+                                               SequenceParallel)
+from torch.distributed.tensor.parallel import parallelize_module as torch_parallelize_module
+
+from harness import get_pool
+from torchpar.parallel import parallelize_module
+from tp_util import BACKENDS, group_for
+
+
+class _Net(nn.Module):
+    """Token embedding, a LayerNorm'd MLP with a residual, a final norm and a head; [s, b] ids."""
+
+    def __init__(self, vocab=16, hidden=8):
+        super().__init__()
+        torch.manual_seed(0)
+        self.emb = nn.Embedding(vocab, hidden)
+        self.ln = nn.LayerNorm(hidden)
+        self.fc1 = nn.Linear(hidden, 4 * hidden)
+        self.fc2 = nn.Linear(4 * hidden, hidden)
+        self.ln_f = nn.LayerNorm(hidden)
+        self.head = nn.Linear(hidden, vocab, bias=False)
+
+    def forward(self, idx):
+        h = self.emb(idx)
+        h = h + self.fc2(torch.nn.functional.gelu(self.fc1(self.ln(h))))
+        return self.head(self.ln_f(h))
+
+
+def _plan(sequence_parallel):
+    if not sequence_parallel:
+        return {"emb": RowwiseParallel(input_layouts=Replicate()), "fc1": ColwiseParallel(),
+                "fc2": RowwiseParallel(), "head": ColwiseParallel()}
+    seq = Shard(0)  # torchpar's sequence parallelism is sequence first
+    return {"emb": RowwiseParallel(input_layouts=Replicate(), output_layouts=seq),
+            "ln": SequenceParallel(sequence_dim=0), "fc1": ColwiseParallel(input_layouts=seq),
+            "fc2": RowwiseParallel(output_layouts=seq), "ln_f": SequenceParallel(sequence_dim=0),
+            "head": ColwiseParallel(input_layouts=seq)}
+
+
+def _local(t, like=None):
+    """A DTensor's local part (laid out as ``like``, a parameter, where given: a gradient may
+    come back in another placement)."""
+    if not isinstance(t, DTensor):
+        return t
+    return (t.redistribute(t.device_mesh, like.placements) if like is not None else t).to_local()
+
+
+def _like_torch(ctx, backend, sequence_parallel):
+    torch.set_num_threads(1)
+    group = group_for(ctx, backend)
+    ours, theirs = _Net(), _Net()
+    plan = _plan(sequence_parallel)
+    with torch.no_grad():  # the planned modules start apart on each rank, alike on both stacks:
+        for m in (ours, theirs):  # src_data_rank=0 (both stacks' default) takes rank 0's
+            g = torch.Generator().manual_seed(100 + ctx.rank)
+            # (torch's SequenceParallel takes each rank's norm as it is: those start alike)
+            for name in (n for n, style in plan.items() if not isinstance(style, SequenceParallel)):
+                for p in m.get_submodule(name).parameters():
+                    p.add_(torch.randn(p.shape, generator=g) * ctx.rank)
+    parallelize_module(ours, DeviceMesh.from_group(group, "cpu"), plan)
+    torch_parallelize_module(theirs, DeviceMesh.from_group(ctx.gloo, "cpu"), _plan(sequence_parallel))
+    opts = [torch.optim.SGD(m.parameters(), lr=0.1) for m in (ours, theirs)]
+    idx = torch.randint(0, 16, (6, 2), generator=torch.Generator().manual_seed(1))  # [s, b]
+    for step in range(2):
+        outs = []
+        for m, opt in zip((ours, theirs), opts):
+            opt.zero_grad()
+            out = m(idx)
+            outs.append(out)
+            out.pow(2).mean().backward()  # a local loss of each rank's logits shard, the same on both
+        torch.testing.assert_close(outs[0], _local(outs[1]), rtol=1e-5, atol=1e-6)
+        for (name, p), q in zip(ours.named_parameters(), theirs.parameters()):
+            torch.testing.assert_close(p.grad, _local(q.grad, q), rtol=1e-5, atol=1e-6,
+                                       msg=lambda m: f"step {step}, {name}.grad: {m}")
+        for opt in opts:
+            opt.step()
+    return [tuple(p.shape) for p in ours.parameters()]
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("sequence_parallel", [False, True], ids=["tp", "tp-sp"])
+def test_torch_plan_computes_what_torch_parallelize_module_computes(backend, sequence_parallel):
+    shapes = get_pool(2, "torchpar").run(_like_torch, backend, sequence_parallel)[0]
+    assert shapes[0] == (8, 8) and shapes[3] == (16, 8)  # the vocabulary and fc1's outputs split in two
+
+
+REFUSED = {
+    "sequence_dim 1": ({"ln": SequenceParallel()}, "sequence_dim=1"),
+    "local output off": ({"fc1": ColwiseParallel(use_local_output=False)}, "use_local_output=False"),
+    "colwise embedding": ({"emb": ColwiseParallel()}, "embedding dimension"),
+    "gathered output": ({"head": ColwiseParallel(output_layouts=Replicate())}, "vocab_parallel_cross_entropy"),
+    "prepare input": ({"fc1": PrepareModuleInput(input_layouts=Shard(0), desired_input_layouts=Replicate())},
+                      "PrepareModuleInput is not supported"),
+    "layouts without SP": ({"fc1": ColwiseParallel(input_layouts=Shard(0))}, "without SequenceParallel"),
+}
+
+
+def _refused(ctx, case):
+    plan, _ = REFUSED[case]
+    model = _Net()
+    before = copy.deepcopy(model.state_dict())
+    try:
+        parallelize_module(model, DeviceMesh.from_group(ctx.pg, "cpu"), plan)
+    except NotImplementedError as e:
+        assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())  # nothing changed
+        return str(e)
+    return None
+
+
+@pytest.mark.parametrize("case", sorted(REFUSED))
+def test_what_torchpar_layers_do_not_compute_is_refused_by_plan_entry(case):
+    for err in get_pool(2, "torchpar").run(_refused, case):
+        assert err and REFUSED[case][1] in err, err
+
+
+def _whole_module(ctx):
+    torch.set_num_threads(1)
+    torch.manual_seed(0)
+    dense = nn.Linear(4, 6)
+    ref = copy.deepcopy(dense)
+    tp = parallelize_module(dense, DeviceMesh.from_group(ctx.pg, "cpu"), ColwiseParallel())
+    x = torch.randn(3, 4)
+    torch.testing.assert_close(tp(x), ref(x).chunk(2, -1)[ctx.rank])
+
+
+def test_a_style_for_the_module_itself_returns_its_parallel_form():
+    get_pool(2, "torchpar").run(_whole_module)
