@@ -330,6 +330,24 @@ def test_mlp_from_dense_refuses_other_activations(backend):
     get_pool(2).run(_mlp_from_dense_other_activation, backend)
 
 
+def _megatron_init_method(ctx):
+    """Megatron's init_method fills the whole weight (the same draws on every rank) before it is
+    split; biases start at zero, as Megatron's."""
+    init = lambda w: nn.init.normal_(w, std=0.02, generator=torch.Generator().manual_seed(5))  # noqa: E731
+    col = ColumnParallelLinear(8, 16, group=ctx.pg, init_method=init)
+    row = RowParallelLinear(16, 8, group=ctx.pg, init_method=init)
+    emb = VocabParallelEmbedding(32, 8, ctx.pg, init_method=init)
+    for layer, shape, dim in ((col, (16, 8), 0), (row, (8, 16), 1), (emb, (32, 8), 0)):
+        full = torch.empty(shape)
+        init(full)
+        torch.testing.assert_close(layer.weight, full.chunk(2, dim)[ctx.rank])
+    assert not col.bias.any() and not row.bias.any()
+
+
+def test_megatron_init_method_initialises_the_whole_weight_then_splits_it():
+    get_pool(2).run(_megatron_init_method)
+
+
 def _row_sequence_mismatch(ctx, backend):
     # A RowParallelLinear used on its own (input_is_parallel=True, its default): ranks whose
     # sequence lengths differ used to reach the all-reduce / reduce-scatter with different sizes

@@ -18,10 +18,11 @@ class VocabParallelEmbedding(nn.Module):
 
     Input: token ids, ``[s, b]`` under sequence parallelism (dim 0 the sequence; the output
     is then this rank's shard ``[s/tp, b, embedding_dim]``), any shape otherwise.
+    ``init_method``: Megatron's, a function filling the whole table in place before it is split.
     """
 
     def __init__(self, num_embeddings, embedding_dim, group=None, *, sequence_parallel=False,
-                 dtype=None, _weight=None):
+                 dtype=None, init_method=None, _weight=None):
         super().__init__()
         self.group = comm.resolve_group(group)
         self.rank, self.tp = comm.group_rank_and_size(self.group)
@@ -30,8 +31,11 @@ class VocabParallelEmbedding(nn.Module):
         self.sequence_parallel = sequence_parallel and self.tp > 1
         self.vocab_start = self.rank * (num_embeddings // self.tp)
         self.vocab_end = self.vocab_start + num_embeddings // self.tp
-        if _weight is None:
+        if _weight is None:  # the whole table (Megatron's init_method fills it in place), then this rank's rows
             _weight = nn.Embedding(num_embeddings, embedding_dim, dtype=dtype).weight
+            if init_method is not None:
+                with torch.no_grad():
+                    init_method(_weight)
         self.weight = nn.Parameter(_weight.detach()[self.vocab_start:self.vocab_end].clone())
 
     @classmethod

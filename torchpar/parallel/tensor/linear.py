@@ -8,8 +8,11 @@ A column layer followed by a row layer (the MLP, attention) thus communicates on
 once backward.
 
 Both initialise the full weight as ``nn.Linear(in_features, out_features)`` would (same RNG
-draws on every rank) and keep their shard, so a tensor-parallel model built from a seed equals
-the dense model built from that seed. ``from_dense`` shards an existing ``nn.Linear`` and
+draws on every rank), or with Megatron's ``init_method`` (bias zero, as Megatron's), and keep
+their shard, so a tensor-parallel model built from a seed equals the dense model built from that
+seed. Unlike Megatron-core's layers, which always return ``(output, bias)``, they return the
+output alone unless ``skip_bias_add`` (then ``(output, bias)``): they replace ``nn.Linear`` in a
+model (``parallelize``), so they keep its return. ``from_dense`` shards an existing ``nn.Linear`` and
 ``to_dense`` gathers it back.
 """
 import torch
@@ -19,8 +22,17 @@ from torch.nn import functional as F
 from torchpar.parallel.tensor import comm
 
 
-def _dense_linear(in_features, out_features, bias, dtype):
-    return nn.Linear(in_features, out_features, bias=bias, dtype=dtype)
+def _dense_linear(in_features, out_features, bias, dtype, init_method=None):
+    """The whole layer, initialised as ``nn.Linear``, or, with Megatron's ``init_method`` (a
+    function filling a weight in place), its weight by that and its bias with zeros, as
+    Megatron-LM initialises the master weight before splitting it."""
+    dense = nn.Linear(in_features, out_features, bias=bias, dtype=dtype)
+    if init_method is not None:
+        with torch.no_grad():
+            init_method(dense.weight)
+            if dense.bias is not None:
+                dense.bias.zero_()
+    return dense
 
 
 class ColumnParallelLinear(nn.Module):
@@ -41,7 +53,7 @@ class ColumnParallelLinear(nn.Module):
 
     def __init__(self, in_features, out_features, bias=True, gather_output=False,
                  sequence_parallel=False, group=None, dtype=None, *, skip_bias_add=False, stride=1,
-                 _weight=None, _bias=None):
+                 init_method=None, _weight=None, _bias=None):
         super().__init__()
         self.group = comm.resolve_group(group)
         self.rank, self.tp = comm.group_rank_and_size(self.group)
@@ -62,7 +74,7 @@ class ColumnParallelLinear(nn.Module):
         self.skip_bias_add = skip_bias_add
         self.check_input_sizes = True  # one tiny all-gather per call; see _check_input
         if _weight is None:
-            dense = _dense_linear(in_features, out_features, bias, dtype)
+            dense = _dense_linear(in_features, out_features, bias, dtype, init_method)
             _weight, _bias = dense.weight, dense.bias
         self.weight = nn.Parameter(self._shard(_weight.detach()).clone())
         self.bias = nn.Parameter(self._shard(_bias.detach()).clone()) if _bias is not None else None
@@ -131,7 +143,7 @@ class RowParallelLinear(nn.Module):
 
     def __init__(self, in_features, out_features, bias=True, input_is_parallel=True,
                  sequence_parallel=False, group=None, dtype=None, *, skip_bias_add=False,
-                 _weight=None, _bias=None):
+                 init_method=None, _weight=None, _bias=None):
         super().__init__()
         self.group = comm.resolve_group(group)
         self.rank, self.tp = comm.group_rank_and_size(self.group)
@@ -148,7 +160,7 @@ class RowParallelLinear(nn.Module):
         # layer, whose input comes from a column layer that has checked the same sizes.
         self.check_input_sizes = True
         if _weight is None:
-            dense = _dense_linear(in_features, out_features, bias, dtype)
+            dense = _dense_linear(in_features, out_features, bias, dtype, init_method)
             _weight, _bias = dense.weight, dense.bias
         self.weight = nn.Parameter(_weight.detach().chunk(self.tp, 1)[self.rank].clone())
         self.bias = nn.Parameter(_bias.detach().clone()) if _bias is not None else None
