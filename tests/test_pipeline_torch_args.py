@@ -9,7 +9,8 @@ import torch
 from torch import nn
 
 from test_pipeline import BACKENDS, SCHEDULES, _data, _mse, _pool
-from torchpar.parallel.pipeline import PipelineStage, ScheduleGPipe
+from torchpar.parallel.pipeline import (PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B,
+                                        ScheduleZeroBubble, get_schedule_class)
 
 
 class _Masked(nn.Module):
@@ -91,3 +92,13 @@ def test_a_group_passed_where_torch_takes_the_device_is_refused():
 def test_dw_builder_is_refused():
     with pytest.raises(NotImplementedError, match="dw_builder"):
         PipelineStage(_Masked(), 0, 1, dw_builder=lambda: None)
+
+
+def test_get_schedule_class_reads_torch_names_case_insensitively():
+    assert get_schedule_class("1f1b") is Schedule1F1B and get_schedule_class("GPipe") is ScheduleGPipe
+    assert get_schedule_class("interleaved1F1B") is ScheduleInterleaved1F1B
+    assert get_schedule_class("ZeroBubble") is ScheduleZeroBubble
+    with pytest.raises(NotImplementedError, match="'ZBVZeroBubble' schedule is not generated"):
+        get_schedule_class("ZBVZeroBubble")
+    with pytest.raises(ValueError, match="unknown schedule name 'pipedream'"):
+        get_schedule_class("pipedream")

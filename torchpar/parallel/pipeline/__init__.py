@@ -2,9 +2,9 @@
 ``split``, and the schedules GPipe, 1F1B, interleaved 1F1B and zero bubble (ZB-H1), whose
 action lists come from C++ (csrc/parallel/pipeline/). See docs/pipeline.md."""
 from torchpar.parallel.pipeline.schedules import (Schedule1F1B, ScheduleFromCSV, ScheduleGPipe,
-                                                  ScheduleInterleaved1F1B, ScheduleZeroBubble)
+                                                  ScheduleInterleaved1F1B, ScheduleZeroBubble, get_schedule_class)
 from torchpar.parallel.pipeline.split import split
 from torchpar.parallel.pipeline.stage import PipelineStage
 
 __all__ = ["PipelineStage", "split", "ScheduleGPipe", "Schedule1F1B", "ScheduleInterleaved1F1B",
-           "ScheduleZeroBubble", "ScheduleFromCSV"]
+           "ScheduleZeroBubble", "ScheduleFromCSV", "get_schedule_class"]
