@@ -74,6 +74,27 @@ class FSDPModule:
                       FutureWarning, stacklevel=2)
         self.set_gradient_divide_factor(factor)
 
+    def set_is_last_backward(self, is_last_backward):
+        """torch FSDP2's: whether the next backward is a step's last, after which it waits for the
+        pending reductions. Here every backward ends so (its reductions finished, its prefetch
+        state cleared), so False changes nothing but is accepted (checked to be a bool)."""
+        if not isinstance(is_last_backward, bool):
+            raise TypeError(f"set_is_last_backward takes a bool, got {is_last_backward!r}")
+
+    def set_reduce_scatter_unused_params(self, reduce_scatter_unused_params, *, recurse=True):
+        """torch FSDP2's: whether a rank's reduce-scatter includes zeros for parameters it got no
+        gradient for (needed when ranks use different parameters). Here it always does, and a
+        parameter no rank used keeps its .grad (docs/fsdp.md): either value is accepted."""
+        if not isinstance(reduce_scatter_unused_params, bool):
+            raise TypeError(f"set_reduce_scatter_unused_params takes a bool, got {reduce_scatter_unused_params!r}")
+
+    def set_force_sum_reduction_for_comms(self, enable):
+        """torch FSDP2's: reduce with SUM only and divide apart. The reduce-scatters and
+        all-reduces here are always sums, divided after (gloo has no AVG): either value is
+        accepted."""
+        if not isinstance(enable, bool):
+            raise TypeError(f"set_force_sum_reduction_for_comms takes a bool, got {enable!r}")
+
     def set_reshard_after_forward(self, reshard_after_forward, *, recurse=True):
         """Whether forward frees each unit's gathered parameters (backward then gathers them
         again) or keeps them until its backward (``fully_shard(reshard_after_forward=...)``).
