@@ -813,6 +813,27 @@ def test_torch_213_constructor_arguments_train_as_torch_ddp(backend):
             assert value == (rank if name == "broadcast_buffers=False" else 0), (name, seen)
 
 
+def _ignored_like_torch(ctx):
+    """torch's ignore list: the last layer's parameters start as each rank's own and train on
+    each rank's own gradient, on both stacks alike; the rest is synced and averaged."""
+    _setup(ctx)
+    model, ref = _mlp(7), _mlp(7)
+    for m in (model, ref):
+        with torch.no_grad():
+            m[5].weight.add_(float(ctx.rank))
+        nn.parallel.DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(m, ["5.weight", "5.bias"])
+    ddps = (DDP(model, process_group=ctx.pg), nn.parallel.DistributedDataParallel(ref, process_group=ctx.pg))
+    assert ddps[0].parameters_to_ignore == {"5.weight", "5.bias"}
+    _train_side_by_side(ctx, ddps, (model, ref), steps=2)
+    return float(model[5].weight[0, 0]), float(model[0].weight[0, 0])
+
+
+@on_backends
+def test_torch_ignore_list_leaves_those_parameters_to_each_rank_as_torch_ddp(backend):
+    (ignored0, synced0), (ignored1, synced1) = _pool(backend, 2).run(_ignored_like_torch)
+    assert synced0 == synced1 and ignored0 != ignored1
+
+
 def _constructor_refusals(ctx):
     with pytest.raises(ValueError, match="be None for a CPU module"):
         DDP(_mlp(), device_ids=[0], process_group=ctx.pg)

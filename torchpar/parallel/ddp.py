@@ -127,11 +127,15 @@ class DistributedDataParallel(nn.Module, Joinable):
         self.grad_reduce_dtype = grad_reduce_dtype
         self.require_backward_grad_sync = True
 
-        named = list(module.named_parameters())
+        # torch's ignore list (DistributedDataParallel._set_params_and_buffers_to_ignore_for_model):
+        # those parameters and buffers are neither synced nor reduced, left to the caller.
+        self.parameters_to_ignore = set(getattr(module, "_ddp_params_and_buffers_to_ignore", ()))
+        named = [(n, p) for n, p in module.named_parameters() if n not in self.parameters_to_ignore]
+        self._synced_buffers = [b for n, b in module.named_buffers() if n not in self.parameters_to_ignore]
         if init_sync:
             _verify_same_model(named, self.process_group)
             with torch.no_grad():
-                _broadcast_from_rank0([p for _, p in named] + (list(module.buffers()) if init_sync_buffers else []),
+                _broadcast_from_rank0([p for _, p in named] + (self._synced_buffers if init_sync_buffers else []),
                                       self.process_group)
 
         if bucket_cap_mb is None:
@@ -173,7 +177,7 @@ class DistributedDataParallel(nn.Module, Joinable):
             sync, buffer_src = _join_vote(sync, True, self.process_group, self.join_device)
         if sync and self.broadcast_buffers:
             with torch.no_grad():
-                _broadcast_from_rank0(list(self.module.buffers()), self.process_group, buffer_src)
+                _broadcast_from_rank0(self._synced_buffers, self.process_group, buffer_src)
         if sync and self._shard_layout is not None and not self._shard_layout.adopted:
             raise RuntimeError(
                 "torchpar DDP: shard_gradients=True leaves each rank only its shard of the "
@@ -229,6 +233,15 @@ class DistributedDataParallel(nn.Module, Joinable):
     def join_hook(self, **kwargs):
         return _JoinHook(self)
 
+    @staticmethod
+    def _set_params_and_buffers_to_ignore_for_model(module, params_and_buffers_to_ignore):
+        """torch's: names (as in ``module.named_parameters()`` / ``named_buffers()``) that a DDP
+        made on ``module`` afterwards neither syncs nor reduces."""
+        module._ddp_params_and_buffers_to_ignore = params_and_buffers_to_ignore
+        for name, p in module.named_parameters():
+            if name in params_and_buffers_to_ignore:
+                p._ddp_ignored = True
+
     @property
     def broadcast_buffers(self):
         """Whether rank 0's buffers are broadcast before each forward (torch's older name of
@@ -274,7 +287,7 @@ class _JoinHook(JoinHook):
             return
         if ddp.broadcast_buffers:
             with torch.no_grad():
-                _broadcast_from_rank0(list(ddp.module.buffers()), ddp.process_group, buffer_src)
+                _broadcast_from_rank0(ddp._synced_buffers, ddp.process_group, buffer_src)
         ddp.reducer.join_shadow_backward()
         for optimizer in shard_layout.optimizers_of(ddp._params):
             optimizer._shadow_step()  # the others' clipping and step() after this backward
@@ -286,8 +299,8 @@ class _JoinHook(JoinHook):
         src = torch.tensor([rank if is_last_joiner else -1], device=ddp.join_device)
         dist.all_reduce(src, op=dist.ReduceOp.MAX, group=group)
         with torch.no_grad():
-            _broadcast_from_rank0(list(ddp.module.parameters()) + list(ddp.module.buffers()), group,
-                                  group_src=int(src.item()))
+            synced = [p for n, p in ddp.module.named_parameters() if n not in ddp.parameters_to_ignore]
+            _broadcast_from_rank0(synced + ddp._synced_buffers, group, group_src=int(src.item()))
 
 
 class _QueueFinalize(torch.autograd.Function):
