@@ -241,6 +241,17 @@ def test_a_registered_forward_method_gathers_and_reduces_as_forward():
     _pool("torchpar", 2).run(_forward_method)
 
 
-def test_register_fsdp_forward_method_needs_a_fully_shard_module():
-    with pytest.raises(ValueError, match="not a fully_shard module"):
-        register_fsdp_forward_method(nn.Linear(2, 2), "forward")
+def test_register_fsdp_forward_method_leaves_an_unsharded_module_alone():
+    plain = nn.Linear(2, 2)
+    register_fsdp_forward_method(plain, "forward")  # torch's is a no-op here too
+    assert "forward" not in vars(plain)
+
+
+def _missing_method(ctx):
+    model = fully_shard(nn.Linear(2, 2), ctx.pg)
+    with pytest.raises(ValueError, match="has no method 'encode'"):
+        register_fsdp_forward_method(model, "encode")
+
+
+def test_register_fsdp_forward_method_names_a_missing_method():
+    _pool("torchpar", 2).run(_missing_method)

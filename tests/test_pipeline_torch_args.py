@@ -20,7 +20,9 @@ class _Masked(nn.Module):
         super().__init__()
         self.lin = nn.Linear(width, width)
 
-    def forward(self, x, mask=None, scale=1.0):
+    def forward(self, x, mask=None, scale=1.0, extra=()):
+        for e in extra:  # tensors inside a container are split too (review finding)
+            x = x + e
         return torch.tanh(self.lin(x)) * mask[:, None] * scale
 
 
@@ -33,18 +35,19 @@ def _with_kwargs(ctx, schedule):
     mask = (torch.arange(8) % 3 != 0).float()
     m = 4
     # One process: the mean over micro-batches of the micro-batches' losses (scale_grads).
-    for xs, ys, ms in zip(x.chunk(m), y.chunk(m), mask.chunk(m)):
-        (_mse(ref[1](ref[0](xs, mask=ms, scale=0.5), mask=ms, scale=0.5), ys) / m).backward()
+    extra = [torch.randn(8, 8, generator=torch.Generator().manual_seed(2))]
+    for xs, ys, ms, es in zip(x.chunk(m), y.chunk(m), mask.chunk(m), extra[0].chunk(m)):
+        (_mse(ref[1](ref[0](xs, mask=ms, scale=0.5, extra=[es]), mask=ms, scale=0.5, extra=[es]), ys) / m).backward()
     stage = PipelineStage(copy.deepcopy(model[ctx.rank]), ctx.rank, 2, torch.device("cpu"), input_args=(x[:2],),
                           group=ctx.pg)
     sched = SCHEDULES[schedule](stage, m, loss_fn=_mse)
     first = ctx.rank == 0
-    out = sched.step(*((x,) if first else ()), target=None if first else y, mask=mask, scale=0.5)
+    out = sched.step(*((x,) if first else ()), target=None if first else y, mask=mask, scale=0.5, extra=extra)
     for p, q in zip(stage.submod.parameters(), ref[ctx.rank].parameters()):
         torch.testing.assert_close(p.grad, q.grad, rtol=1e-5, atol=1e-6)
     if not first:  # the output, and none with return_outputs=False
         with torch.no_grad():
-            want = model[1](model[0](x, mask=mask, scale=0.5), mask=mask, scale=0.5)
+            want = model[1](model[0](x, mask=mask, scale=0.5, extra=extra), mask=mask, scale=0.5, extra=extra)
         torch.testing.assert_close(out, want, rtol=1e-5, atol=1e-6)
     quiet = sched.step(*((x,) if first else ()), target=None if first else y, return_outputs=False, mask=mask)
     evaluated = sched.eval(*((x,) if first else ()), mask=mask, scale=0.5)

@@ -125,6 +125,31 @@ def test_what_torchpar_layers_do_not_compute_is_refused_by_plan_entry(case):
         assert err and REFUSED[case][1] in err, err
 
 
+def _bad_plan_after_broadcast_would_change(ctx, case):
+    """Ranks that start apart keep their own weights when parallelize's own checks refuse the
+    plan (the broadcast from src_data_rank comes after them; review finding)."""
+    torch.manual_seed(ctx.rank)
+    model = _Net()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(float(ctx.rank))
+    if case == "tied":  # a weight shared by a planned module and an unplanned one
+        model.head.weight = model.emb.weight
+        plan = {"emb": RowwiseParallel(input_layouts=Replicate()), "fc1": ColwiseParallel()}
+    else:  # a module the style does not take
+        model.fc1 = nn.Conv1d(8, 32, 1)
+        plan = {"fc1": ColwiseParallel(input_layouts=Shard(0)), "ln": SequenceParallel(sequence_dim=0)}
+    before = copy.deepcopy(model.state_dict())
+    with pytest.raises((ValueError, TypeError)):
+        parallelize_module(model, DeviceMesh.from_group(ctx.pg, "cpu"), plan)
+    assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
+
+
+@pytest.mark.parametrize("case", ["tied", "wrong module"])
+def test_a_plan_parallelize_refuses_changes_no_rank(case):
+    get_pool(2, "torchpar").run(_bad_plan_after_broadcast_would_change, case)
+
+
 def _whole_module(ctx):
     torch.set_num_threads(1)
     torch.manual_seed(0)

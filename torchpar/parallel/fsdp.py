@@ -431,9 +431,12 @@ def register_fsdp_forward_method(module, method_name):
     the unit gathered before it, freed (and its gradients reduced in backward) after, for a method
     that uses the module's own parameters outside ``forward``, e.g. ``encode`` or a ``generate``
     that calls submodules directly. Not for methods that call ``self(...)``: that forward gathers
-    the unit itself."""
+    the unit itself. A module that is not sharded is left as it is (as torch's: scripts call it
+    whether or not they shard)."""
     if not isinstance(module, FSDPModule):
-        raise ValueError(f"register_fsdp_forward_method: {type(module).__name__} is not a fully_shard module")
+        return
+    if not callable(getattr(module, method_name, None)):
+        raise ValueError(f"register_fsdp_forward_method: {type(module).__name__} has no method {method_name!r}")
     method = getattr(module, method_name)  # bound: the class's, or one registered before
 
     @functools.wraps(method)

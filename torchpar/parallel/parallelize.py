@@ -126,11 +126,16 @@ def parallelize(model: nn.Module, plan: dict, group=None) -> nn.Module:
     otherwise it is a ValueError naming the modules.
     """
     group = comm.resolve_group(group)
+    return apply_plan(model, check_plan(model, plan), group)
+
+
+def check_plan(model, plan):
+    """Every check of ``parallelize`` (nothing changed, no collective): the [(module name, style)]
+    to convert, the tied parameters [(holders, sharding)] and whether sequence parallelism is on."""
     for pattern, style in plan.items():
         if _parse(style) is None:
             raise ValueError(f"parallelize: plan entry {pattern!r} has style {style!r}; styles are {STYLES} "
                              f"(N >= 1)")
-    sequence_parallel = "sequence" in plan.values()
     named = dict(model.named_modules())
     todo, entry_of = [], {}
     for pattern, style in plan.items():
@@ -147,14 +152,20 @@ def parallelize(model: nn.Module, plan: dict, group=None) -> nn.Module:
                 continue
             entry_of[n] = (pattern, style)
             todo.append((n, style))
-    for name, style in todo:  # every check above first, so a bad plan changes nothing
+    for name, style in todo:
         module = named[name]
         need = _NEEDS[_parse(style)[0]]
         if not (isinstance(module, need) if isinstance(need, tuple) else type(module) is need):
             names = ", ".join(t.__name__ for t in need) if isinstance(need, tuple) else need.__name__
             raise TypeError(f"parallelize: module {name!r} is a {type(module).__name__}; style {style!r} "
                             f"needs an {names}")
-    shared = _shared_parameters(named, dict(todo))
+    return todo, _shared_parameters(named, dict(todo)), "sequence" in plan.values()
+
+
+def apply_plan(model, checked, group):
+    """Converts what ``check_plan`` returned, in place; returns ``model``."""
+    todo, shared, sequence_parallel = checked
+    named = dict(model.named_modules())
     for name, style in todo:
         parent_name, _, attr = name.rpartition(".")
         parent = model.get_submodule(parent_name)

@@ -19,7 +19,7 @@ from torch import nn
 from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, SequenceParallel
 
-from torchpar.parallel.parallelize import _matches, parallelize
+from torchpar.parallel.parallelize import _matches, apply_plan, check_plan
 
 
 def _one(layouts):
@@ -103,10 +103,11 @@ def parallelize_module(module, device_mesh=None, parallelize_plan=None, *, src_d
             warnings.warn(f"parallelize_module: plan entry {pattern!r} matches no submodule; skipped", stacklevel=2)
         for n in hits:
             ours[n] = _style(n, named[n], style, sequence_parallel)
+    checked = check_plan(holder, ours)  # parallelize's checks (module types, ties) before anything changes
     if src_data_rank is not None:
         src = dist.get_global_rank(group, src_data_rank)
         for n in ours:
             for t in list(named[n].parameters()) + list(named[n].buffers()):
                 dist.broadcast(t.data, src, group=group)
-    parallelize(holder, ours, group)  # its own checks (patterns matching nothing, ties) first
+    apply_plan(holder, checked, group)
     return holder["m"] if root else holder

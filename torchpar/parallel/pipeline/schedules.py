@@ -31,6 +31,7 @@ from collections import OrderedDict
 
 import torch
 import torch.distributed as dist
+from torch.utils._pytree import keystr, tree_flatten, tree_flatten_with_path, tree_unflatten
 
 from torchpar import _C
 from torchpar.parallel.pipeline import _comm
@@ -57,11 +58,20 @@ def _split_batch(tensors, m, what, names=None):
 
 
 def _split_kwargs(kwargs, m):
-    """The keyword arguments of each micro-batch, as torch's default chunk specs make them:
-    tensors split along dimension 0 like the batch, anything else given whole to each."""
-    names = [k for k, v in kwargs.items() if isinstance(v, torch.Tensor)]
-    pieces = _split_batch([kwargs[k] for k in names], m, "keyword argument", [repr(k) for k in names])
-    return [{**kwargs, **dict(zip(names, piece))} for piece in pieces]
+    """The keyword arguments of each micro-batch, as torch's default chunk specs make them: every
+    tensor (also inside lists, tuples and dicts) split along dimension 0 like the batch, anything
+    else given whole to each."""
+    leaves, spec = tree_flatten(kwargs)
+    paths = [repr(path[0].key) + keystr(path[1:]) for path, _ in tree_flatten_with_path(kwargs)[0]]  # 'mask', 'm'[0]
+    at = [i for i, v in enumerate(leaves) if isinstance(v, torch.Tensor)]
+    pieces = _split_batch([leaves[i] for i in at], m, "keyword argument", [paths[i] for i in at])
+    out = []
+    for piece in pieces:
+        mine = list(leaves)
+        for i, t in zip(at, piece):
+            mine[i] = t
+        out.append(tree_unflatten(mine, spec))
+    return out
 
 
 class _PipelineSchedule:
