@@ -38,14 +38,16 @@ class _Net(nn.Module):
         return self.head(self.ln_f(h))
 
 
-def _plan(sequence_parallel):
-    if not sequence_parallel:
+def _plan(sequence_dim):
+    """torch's plan for _Net: without sequence parallelism (None), or with it on ``sequence_dim``
+    (0: [s, b, h], Megatron's; 1: [b, s, h], torch's default)."""
+    if sequence_dim is None:
         return {"emb": RowwiseParallel(input_layouts=Replicate()), "fc1": ColwiseParallel(),
                 "fc2": RowwiseParallel(), "head": ColwiseParallel()}
-    seq = Shard(0)  # torchpar's sequence parallelism is sequence first
+    seq = Shard(sequence_dim)
     return {"emb": RowwiseParallel(input_layouts=Replicate(), output_layouts=seq),
-            "ln": SequenceParallel(sequence_dim=0), "fc1": ColwiseParallel(input_layouts=seq),
-            "fc2": RowwiseParallel(output_layouts=seq), "ln_f": SequenceParallel(sequence_dim=0),
+            "ln": SequenceParallel(sequence_dim=sequence_dim), "fc1": ColwiseParallel(input_layouts=seq),
+            "fc2": RowwiseParallel(output_layouts=seq), "ln_f": SequenceParallel(sequence_dim=sequence_dim),
             "head": ColwiseParallel(input_layouts=seq)}
 
 
@@ -57,11 +59,11 @@ def _local(t, like=None):
     return (t.redistribute(t.device_mesh, like.placements) if like is not None else t).to_local()
 
 
-def _like_torch(ctx, backend, sequence_parallel):
+def _like_torch(ctx, backend, sequence_dim):
     torch.set_num_threads(1)
     group = group_for(ctx, backend)
     ours, theirs = _Net(), _Net()
-    plan = _plan(sequence_parallel)
+    plan = _plan(sequence_dim)
     with torch.no_grad():  # the planned modules start apart on each rank, alike on both stacks:
         for m in (ours, theirs):  # src_data_rank=0 (both stacks' default) takes rank 0's
             g = torch.Generator().manual_seed(100 + ctx.rank)
@@ -70,9 +72,11 @@ def _like_torch(ctx, backend, sequence_parallel):
                 for p in m.get_submodule(name).parameters():
                     p.add_(torch.randn(p.shape, generator=g) * ctx.rank)
     parallelize_module(ours, DeviceMesh.from_group(group, "cpu"), plan)
-    torch_parallelize_module(theirs, DeviceMesh.from_group(ctx.gloo, "cpu"), _plan(sequence_parallel))
+    torch_parallelize_module(theirs, DeviceMesh.from_group(ctx.gloo, "cpu"), _plan(sequence_dim))
     opts = [torch.optim.SGD(m.parameters(), lr=0.1) for m in (ours, theirs)]
     idx = torch.randint(0, 16, (6, 2), generator=torch.Generator().manual_seed(1))  # [s, b]
+    if sequence_dim == 1:
+        idx = idx.t().contiguous()  # [b, s]
     for step in range(2):
         outs = []
         for m, opt in zip((ours, theirs), opts):
@@ -90,14 +94,15 @@ def _like_torch(ctx, backend, sequence_parallel):
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
-@pytest.mark.parametrize("sequence_parallel", [False, True], ids=["tp", "tp-sp"])
-def test_torch_plan_computes_what_torch_parallelize_module_computes(backend, sequence_parallel):
-    shapes = get_pool(2, "torchpar").run(_like_torch, backend, sequence_parallel)[0]
+@pytest.mark.parametrize("sequence_dim", [None, 0, 1], ids=["tp", "tp-sp-seq-first", "tp-sp-batch-first"])
+def test_torch_plan_computes_what_torch_parallelize_module_computes(backend, sequence_dim):
+    shapes = get_pool(2, "torchpar").run(_like_torch, backend, sequence_dim)[0]
     assert shapes[0] == (8, 8) and shapes[3] == (16, 8)  # the vocabulary and fc1's outputs split in two
 
 
 REFUSED = {
-    "sequence_dim 1": ({"ln": SequenceParallel()}, "sequence_dim=1"),
+    "sequence_dim 2": ({"ln": SequenceParallel(sequence_dim=2)}, "sequence_dim [2]"),
+    "two sequence dims": ({"ln": SequenceParallel(sequence_dim=0), "ln_f": SequenceParallel()}, "sequence_dim [0, 1]"),
     "local output off": ({"fc1": ColwiseParallel(use_local_output=False)}, "use_local_output=False"),
     "colwise embedding": ({"emb": ColwiseParallel()}, "embedding dimension"),
     "gathered output": ({"head": ColwiseParallel(output_layouts=Replicate())}, "vocab_parallel_cross_entropy"),

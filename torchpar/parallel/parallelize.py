@@ -63,14 +63,15 @@ def _matches(pattern, name):
     return len(atoms) == len(parts) and all(fnmatchcase(p, a) for a, p in zip(atoms, parts))
 
 
-def _convert(name, module, style, group, sequence_parallel):
+def _convert(name, module, style, group, sequence_parallel, sequence_dim):
     kind, blocks = _parse(style)
+    sp = {"sequence_parallel": sequence_parallel, "sequence_dim": sequence_dim}
     if kind == "colwise":
-        return ColumnParallelLinear.from_dense(module, group, sequence_parallel=sequence_parallel, stride=blocks)
+        return ColumnParallelLinear.from_dense(module, group, stride=blocks, **sp)
     if kind == "rowwise":
-        return RowParallelLinear.from_dense(module, group, sequence_parallel=sequence_parallel)
+        return RowParallelLinear.from_dense(module, group, **sp)
     if kind == "vocab":
-        return VocabParallelEmbedding.from_dense(module, group, sequence_parallel=sequence_parallel)
+        return VocabParallelEmbedding.from_dense(module, group, **sp)
     if kind == "model_parallel_rng":
         return mark_model_parallel_rng(module, group)
     return mark_sequence_parallel(module, group, name)
@@ -112,7 +113,7 @@ def _shared_parameters(named, style_of):
     return shared
 
 
-def parallelize(model: nn.Module, plan: dict, group=None) -> nn.Module:
+def parallelize(model: nn.Module, plan: dict, group=None, *, sequence_dim=0) -> nn.Module:
     """Replaces, in place, each module of ``model`` whose name matches a key of ``plan`` (glob
     patterns over dotted names, e.g. ``"blocks.*.attn.q_proj"``) by its tensor-parallel form
     for the style the key maps to, sharded over ``group`` (default: the default group).
@@ -124,9 +125,14 @@ def parallelize(model: nn.Module, plan: dict, group=None) -> nn.Module:
     parameters (an ``lm_head`` sharing the token embedding's weight) stay tied when every module
     holding them shards them alike ("vocab" and "colwise" both split the vocabulary rows);
     otherwise it is a ValueError naming the modules.
+
+    ``sequence_dim``: where the sequence is under sequence parallelism, 0 (``[s, b, h]``,
+    Megatron's layout; the collectives run on the tensors themselves) or 1 (``[b, s, h]``, as
+    torch's ``SequenceParallel`` default; each collective transposes, a copy each way).
     """
     group = comm.resolve_group(group)
-    return apply_plan(model, check_plan(model, plan), group)
+    comm.check_sequence_dim(sequence_dim)
+    return apply_plan(model, check_plan(model, plan), group, sequence_dim)
 
 
 def check_plan(model, plan):
@@ -162,14 +168,14 @@ def check_plan(model, plan):
     return todo, _shared_parameters(named, dict(todo)), "sequence" in plan.values()
 
 
-def apply_plan(model, checked, group):
+def apply_plan(model, checked, group, sequence_dim=0):
     """Converts what ``check_plan`` returned, in place; returns ``model``."""
     todo, shared, sequence_parallel = checked
     named = dict(model.named_modules())
     for name, style in todo:
         parent_name, _, attr = name.rpartition(".")
         parent = model.get_submodule(parent_name)
-        setattr(parent, attr, _convert(name, named[name], style, group, sequence_parallel))
+        setattr(parent, attr, _convert(name, named[name], style, group, sequence_parallel, sequence_dim))
     for holders, sharding in shared:  # each converted module made its own copy: tie them again
         if sharding != "unchanged":
             (first, first_param), *rest = holders

@@ -9,8 +9,8 @@ What torchpar's layers do not compute is refused, naming the plan entry, before 
 a style with ``use_local_output=False`` (DTensor outputs), ``ColwiseParallel`` on an embedding (its
 embedding dimension split), a colwise output gathered (``output_layouts=Replicate()``; keep it
 sharded and use ``vocab_parallel_cross_entropy``), ``PrepareModuleInput``/``PrepareModuleOutput``,
-and sequence parallelism on any dimension but 0: torchpar's is Megatron's, sequence first
-(``[s, b, h]``), so ``SequenceParallel(sequence_dim=0)`` and ``Shard(0)`` layouts.
+and sequence parallelism on a dimension other than 0 (``[s, b, h]``, Megatron's layout) or 1
+(``[b, s, h]``, torch's default; each collective then transposes), or on two in one plan.
 """
 import warnings
 
@@ -31,8 +31,9 @@ def _is(layout, kind, dim=None):
     return type(layout) is kind and (dim is None or layout.dim == dim)
 
 
-def _style(name, module, style, sequence_parallel):
-    """The ``parallelize`` style computing what torch's ``style`` computes on ``module``."""
+def _style(name, module, style, sequence_dim):
+    """The ``parallelize`` style computing what torch's ``style`` computes on ``module`` (``sequence_dim``:
+    the plan's SequenceParallel dimension, None without sequence parallelism)."""
     what = f"parallelize_module: plan entry for {name!r} ({type(style).__name__} on a {type(module).__name__})"
     if not isinstance(style, (ColwiseParallel, RowwiseParallel, SequenceParallel)):
         raise NotImplementedError(f"{what}: {type(style).__name__} is not supported; torchpar takes ColwiseParallel, "
@@ -42,12 +43,8 @@ def _style(name, module, style, sequence_parallel):
         raise NotImplementedError(f"{what}: use_local_output=False (DTensor outputs) is not supported; "
                                   "torchpar's layers return local tensors")
     # Between the tensor-parallel regions activations are sequence shards under SP, whole otherwise.
-    between = Shard(0) if sequence_parallel else Replicate()
+    between = Replicate() if sequence_dim is None else Shard(sequence_dim)
     if isinstance(style, SequenceParallel):
-        dim = _one(style.sequence_sharding).dim
-        if dim != 0:
-            raise NotImplementedError(f"{what}: sequence_dim={dim}; torchpar's sequence parallelism is sequence "
-                                      "first ([s, b, h]): SequenceParallel(sequence_dim=0), Shard(0) layouts")
         return "sequence"
     if isinstance(style, ColwiseParallel):
         if isinstance(module, nn.Embedding):
@@ -57,7 +54,7 @@ def _style(name, module, style, sequence_parallel):
         if not _is(out, Shard, -1):
             raise NotImplementedError(f"{what}: output_layouts={out}; the output stays sharded on its last "
                                       "dimension (for logits, use torchpar's vocab_parallel_cross_entropy)")
-        _check_boundary(what, "input_layouts", src, between, sequence_parallel)
+        _check_boundary(what, "input_layouts", src, between)
         return "colwise"
     if isinstance(style, RowwiseParallel):
         src, out = _one(style.input_layouts), _one(style.output_layouts)
@@ -65,13 +62,13 @@ def _style(name, module, style, sequence_parallel):
         expected_in = Replicate() if embedding else Shard(-1)
         if not (_is(src, Replicate) if embedding else _is(src, Shard, -1)):
             raise NotImplementedError(f"{what}: input_layouts={src}; torchpar's takes {expected_in}")
-        _check_boundary(what, "output_layouts", out, between, sequence_parallel)
+        _check_boundary(what, "output_layouts", out, between)
         return "vocab" if embedding else "rowwise"
 
 
-def _check_boundary(what, field, layout, between, sequence_parallel):
-    if not (type(layout) is type(between) and (type(layout) is Replicate or layout.dim == 0)):
-        mode = "with" if sequence_parallel else "without"
+def _check_boundary(what, field, layout, between):
+    if not (type(layout) is type(between) and (type(layout) is Replicate or layout.dim == between.dim)):
+        mode = "with" if type(between) is Shard else "without"
         raise NotImplementedError(f"{what}: {field}={layout}; {mode} SequenceParallel entries in the plan, the "
                                   f"activations between the tensor-parallel regions are {between}")
 
@@ -92,7 +89,11 @@ def parallelize_module(module, device_mesh=None, parallelize_plan=None, *, src_d
     holder = nn.ModuleDict({"m": module}) if root else module  # the root, as a child that can be replaced
     plan = {"m": parallelize_plan} if root else parallelize_plan
     named = dict(holder.named_modules())
-    sequence_parallel = any(isinstance(s, SequenceParallel) for s in plan.values())
+    dims = {_one(s.sequence_sharding).dim for s in plan.values() if isinstance(s, SequenceParallel)}
+    if len(dims) > 1 or not dims <= {0, 1}:
+        raise NotImplementedError(f"parallelize_module: SequenceParallel with sequence_dim {sorted(dims)}; torchpar "
+                                  "takes one sequence dimension per plan, 0 ([s, b, h]) or 1 ([b, s, h])")
+    sequence_dim = dims.pop() if dims else None
     ours = {}
     for pattern, style in plan.items():
         hits = [n for n in named if n and _matches(pattern, n)] if pattern else [""]
@@ -102,12 +103,12 @@ def parallelize_module(module, device_mesh=None, parallelize_plan=None, *, src_d
         if not hits:  # torch warns and skips such an entry
             warnings.warn(f"parallelize_module: plan entry {pattern!r} matches no submodule; skipped", stacklevel=2)
         for n in hits:
-            ours[n] = _style(n, named[n], style, sequence_parallel)
+            ours[n] = _style(n, named[n], style, sequence_dim)
     checked = check_plan(holder, ours)  # parallelize's checks (module types, ties) before anything changes
     if src_data_rank is not None:
         src = dist.get_global_rank(group, src_data_rank)
         for n in ours:
             for t in list(named[n].parameters()) + list(named[n].buffers()):
                 dist.broadcast(t.data, src, group=group)
-    apply_plan(holder, checked, group)
+    apply_plan(holder, checked, group, sequence_dim or 0)
     return holder["m"] if root else holder

@@ -77,6 +77,23 @@ def reduce_scatter_to_sequence_region(input, group=None):
     return _C.tp_reduce_scatter_to_sequence_region(input, resolve_group(group))
 
 
+def reduce_scatter_along(input, dim, group=None):
+    """``reduce_scatter_to_sequence_region`` with the sequence on ``dim`` (0 or 1): for a
+    batch-first ``[b, s, h]`` the reduction runs on the transposed tensor (a copy each way)."""
+    if dim == 0:
+        return reduce_scatter_to_sequence_region(input, group)
+    return reduce_scatter_to_sequence_region(input.transpose(0, dim), group).transpose(0, dim)
+
+
+def check_sequence_dim(dim):
+    """The sequence dimension of a sequence-parallel layer: 0 (``[s, b, h]``, Megatron's layout,
+    no copies) or 1 (``[b, s, h]``, torch's ``SequenceParallel`` default; each collective
+    transposes)."""
+    if dim not in (0, 1):
+        raise ValueError(f"torchpar tensor parallel: sequence_dim is 0 ([s, b, h]) or 1 ([b, s, h]), got {dim!r}")
+    return dim
+
+
 def linear_with_async_comm(input, weight, bias=None, group=None, sequence_parallel=False, overlap=True):
     """``input @ weight.T + bias`` for a weight split by output features (Megatron-LM's
     LinearWithGradAccumulationAndAsyncCommunication). Backward launches the input gradient's

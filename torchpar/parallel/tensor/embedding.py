@@ -22,13 +22,14 @@ class VocabParallelEmbedding(nn.Module):
     """
 
     def __init__(self, num_embeddings, embedding_dim, group=None, *, sequence_parallel=False,
-                 dtype=None, init_method=None, _weight=None):
+                 dtype=None, init_method=None, sequence_dim=0, _weight=None):
         super().__init__()
         self.group = comm.resolve_group(group)
         self.rank, self.tp = comm.group_rank_and_size(self.group)
         comm.check_divisible(num_embeddings, self.tp, "VocabParallelEmbedding num_embeddings (the vocabulary)")
         self.num_embeddings, self.embedding_dim = num_embeddings, embedding_dim
         self.sequence_parallel = sequence_parallel and self.tp > 1
+        self.sequence_dim = comm.check_sequence_dim(sequence_dim)
         self.vocab_start = self.rank * (num_embeddings // self.tp)
         self.vocab_end = self.vocab_start + num_embeddings // self.tp
         if _weight is None:  # the whole table (Megatron's init_method fills it in place), then this rank's rows
@@ -39,14 +40,14 @@ class VocabParallelEmbedding(nn.Module):
         self.weight = nn.Parameter(_weight.detach()[self.vocab_start:self.vocab_end].clone())
 
     @classmethod
-    def from_dense(cls, module: nn.Embedding, group=None, *, sequence_parallel=False):
+    def from_dense(cls, module: nn.Embedding, group=None, *, sequence_parallel=False, sequence_dim=0):
         if not isinstance(module, nn.Embedding):
             raise TypeError(f"VocabParallelEmbedding.from_dense needs an nn.Embedding, got {type(module).__name__}")
         if module.padding_idx is not None or module.max_norm is not None or module.sparse:
             raise ValueError("VocabParallelEmbedding.from_dense: padding_idx, max_norm and sparse "
                              "are not supported")
         return cls(module.num_embeddings, module.embedding_dim, group, sequence_parallel=sequence_parallel,
-                   _weight=module.weight)
+                   sequence_dim=sequence_dim, _weight=module.weight)
 
     @torch.no_grad()
     def to_dense(self) -> nn.Embedding:
@@ -60,15 +61,16 @@ class VocabParallelEmbedding(nn.Module):
             return F.embedding(input, self.weight)
         comm.check_same_sizes(input, self.group, "VocabParallelEmbedding input")
         if self.sequence_parallel:
-            if input.dim() < 1 or input.size(0) % self.tp:
+            d = self.sequence_dim
+            if input.dim() <= d or input.size(d) % self.tp:
                 raise ValueError(f"VocabParallelEmbedding(sequence_parallel=True): the sequence length "
-                                 f"(dim 0 of the input, shape {tuple(input.shape)}) must be divisible by "
+                                 f"(dim {d} of the input, shape {tuple(input.shape)}) must be divisible by "
                                  f"the tensor-parallel group size ({self.tp})")
         outside = (input < self.vocab_start) | (input >= self.vocab_end)
         local = (input - self.vocab_start).masked_fill(outside, 0)
         partial = F.embedding(local, self.weight).masked_fill(outside.unsqueeze(-1), 0.0)
         if self.sequence_parallel:
-            return comm.reduce_scatter_to_sequence_region(partial, self.group)
+            return comm.reduce_scatter_along(partial, self.sequence_dim, self.group)
         return comm.reduce_from_region(partial, self.group)
 
     def extra_repr(self):

@@ -53,7 +53,7 @@ class ColumnParallelLinear(nn.Module):
 
     def __init__(self, in_features, out_features, bias=True, gather_output=False,
                  sequence_parallel=False, group=None, dtype=None, *, skip_bias_add=False, stride=1,
-                 init_method=None, _weight=None, _bias=None):
+                 init_method=None, sequence_dim=0, _weight=None, _bias=None):
         super().__init__()
         self.group = comm.resolve_group(group)
         self.rank, self.tp = comm.group_rank_and_size(self.group)
@@ -71,6 +71,7 @@ class ColumnParallelLinear(nn.Module):
         self.in_features, self.out_features = in_features, out_features
         self.gather_output = gather_output
         self.sequence_parallel = sequence_parallel and self.tp > 1
+        self.sequence_dim = comm.check_sequence_dim(sequence_dim)
         self.skip_bias_add = skip_bias_add
         self.check_input_sizes = True  # one tiny all-gather per call; see _check_input
         if _weight is None:
@@ -91,13 +92,13 @@ class ColumnParallelLinear(nn.Module):
 
     @classmethod
     def from_dense(cls, module: nn.Linear, group=None, *, gather_output=False, sequence_parallel=False,
-                   skip_bias_add=False, stride=1):
+                   skip_bias_add=False, stride=1, sequence_dim=0):
         """This rank's shard of ``module`` (an ``nn.Linear``), computing the same function."""
         if not isinstance(module, nn.Linear):
             raise TypeError(f"ColumnParallelLinear.from_dense needs an nn.Linear, got {type(module).__name__}")
         return cls(module.in_features, module.out_features, module.bias is not None, gather_output,
                    sequence_parallel, group, module.weight.dtype, skip_bias_add=skip_bias_add, stride=stride,
-                   _weight=module.weight, _bias=module.bias)
+                   sequence_dim=sequence_dim, _weight=module.weight, _bias=module.bias)
 
     @torch.no_grad()
     def to_dense(self) -> nn.Linear:
@@ -115,11 +116,17 @@ class ColumnParallelLinear(nn.Module):
             # Before the first collective: ranks whose inputs differ (a different sequence
             # length) would otherwise reach the all-gather/all-reduce with different sizes.
             comm.check_same_sizes(input, self.group, f"{type(self).__name__} input")
-            if self.sequence_parallel and input.dim() < 2:
-                raise ValueError(f"ColumnParallelLinear(sequence_parallel=True) needs an input "
-                                 f"[s/tp, b, h] or [s/tp, h]; got {tuple(input.shape)}")
+            if self.sequence_parallel and input.dim() < self.sequence_dim + 2:
+                raise ValueError(f"ColumnParallelLinear(sequence_parallel=True, sequence_dim={self.sequence_dim}) "
+                                 f"needs an input with its sequence shard on dim {self.sequence_dim} and features "
+                                 f"after it; got {tuple(input.shape)}")
         bias = None if self.skip_bias_add else self.bias
+        sequence_first = self.sequence_parallel and self.sequence_dim != 0
+        if sequence_first:  # the all-gather runs on dim 0: [b, s/tp, h] -> [s/tp, b, h] and back
+            input = input.transpose(0, self.sequence_dim)
         out = comm.linear_with_async_comm(input, self.weight, bias, self.group, self.sequence_parallel)
+        if sequence_first:
+            out = out.transpose(0, self.sequence_dim)
         if self.gather_output:
             out = self._unshard(comm.gather_from_region(out, self.group))
         return (out, self.bias) if self.skip_bias_add else out
@@ -143,7 +150,7 @@ class RowParallelLinear(nn.Module):
 
     def __init__(self, in_features, out_features, bias=True, input_is_parallel=True,
                  sequence_parallel=False, group=None, dtype=None, *, skip_bias_add=False,
-                 init_method=None, _weight=None, _bias=None):
+                 init_method=None, sequence_dim=0, _weight=None, _bias=None):
         super().__init__()
         self.group = comm.resolve_group(group)
         self.rank, self.tp = comm.group_rank_and_size(self.group)
@@ -153,6 +160,7 @@ class RowParallelLinear(nn.Module):
         self.in_features, self.out_features = in_features, out_features
         self.input_is_parallel = input_is_parallel
         self.sequence_parallel = sequence_parallel and self.tp > 1
+        self.sequence_dim = comm.check_sequence_dim(sequence_dim)
         self.skip_bias_add = skip_bias_add
         # One tiny all-gather per call, as ColumnParallelLinear's: ranks whose sequence lengths
         # differ would otherwise reach the all-reduce / reduce-scatter with different sizes (gloo
@@ -167,13 +175,13 @@ class RowParallelLinear(nn.Module):
 
     @classmethod
     def from_dense(cls, module: nn.Linear, group=None, *, input_is_parallel=True, sequence_parallel=False,
-                   skip_bias_add=False):
+                   skip_bias_add=False, sequence_dim=0):
         """This rank's shard of ``module`` (an ``nn.Linear``), computing the same function."""
         if not isinstance(module, nn.Linear):
             raise TypeError(f"RowParallelLinear.from_dense needs an nn.Linear, got {type(module).__name__}")
         return cls(module.in_features, module.out_features, module.bias is not None, input_is_parallel,
                    sequence_parallel, group, module.weight.dtype, skip_bias_add=skip_bias_add,
-                   _weight=module.weight, _bias=module.bias)
+                   sequence_dim=sequence_dim, _weight=module.weight, _bias=module.bias)
 
     @torch.no_grad()
     def to_dense(self) -> nn.Linear:
@@ -199,7 +207,7 @@ class RowParallelLinear(nn.Module):
             input = comm.scatter_to_region(input, self.group)
         partial = F.linear(input, self.weight)
         if self.sequence_parallel:
-            out = comm.reduce_scatter_to_sequence_region(partial, self.group)
+            out = comm.reduce_scatter_along(partial, self.sequence_dim, self.group)
         else:
             out = comm.reduce_from_region(partial, self.group)
         bias = self._bias()
