@@ -38,17 +38,19 @@ class _Net(nn.Module):
         return self.head(self.ln_f(h))
 
 
-def _plan(sequence_dim):
+def _plan(sequence_dim, gathered_head=False):
     """torch's plan for _Net: without sequence parallelism (None), or with it on ``sequence_dim``
-    (0: [s, b, h], Megatron's; 1: [b, s, h], torch's default)."""
+    (0: [s, b, h], Megatron's; 1: [b, s, h], torch's default); the head's logits sharded, or
+    gathered whole (torchtitan's head without loss parallelism)."""
+    head_out = Replicate() if gathered_head else Shard(-1)
     if sequence_dim is None:
         return {"emb": RowwiseParallel(input_layouts=Replicate()), "fc1": ColwiseParallel(),
-                "fc2": RowwiseParallel(), "head": ColwiseParallel()}
+                "fc2": RowwiseParallel(), "head": ColwiseParallel(output_layouts=head_out)}
     seq = Shard(sequence_dim)
     return {"emb": RowwiseParallel(input_layouts=Replicate(), output_layouts=seq),
             "ln": SequenceParallel(sequence_dim=sequence_dim), "fc1": ColwiseParallel(input_layouts=seq),
             "fc2": RowwiseParallel(output_layouts=seq), "ln_f": SequenceParallel(sequence_dim=sequence_dim),
-            "head": ColwiseParallel(input_layouts=seq)}
+            "head": ColwiseParallel(input_layouts=seq, output_layouts=head_out)}
 
 
 def _local(t, like=None):
@@ -59,11 +61,11 @@ def _local(t, like=None):
     return (t.redistribute(t.device_mesh, like.placements) if like is not None else t).to_local()
 
 
-def _like_torch(ctx, backend, sequence_dim):
+def _like_torch(ctx, backend, sequence_dim, gathered_head):
     torch.set_num_threads(1)
     group = group_for(ctx, backend)
     ours, theirs = _Net(), _Net()
-    plan = _plan(sequence_dim)
+    plan = _plan(sequence_dim, gathered_head)
     with torch.no_grad():  # the planned modules start apart on each rank, alike on both stacks:
         for m in (ours, theirs):  # src_data_rank=0 (both stacks' default) takes rank 0's
             g = torch.Generator().manual_seed(100 + ctx.rank)
@@ -72,7 +74,7 @@ def _like_torch(ctx, backend, sequence_dim):
                 for p in m.get_submodule(name).parameters():
                     p.add_(torch.randn(p.shape, generator=g) * ctx.rank)
     parallelize_module(ours, DeviceMesh.from_group(group, "cpu"), plan)
-    torch_parallelize_module(theirs, DeviceMesh.from_group(ctx.gloo, "cpu"), _plan(sequence_dim))
+    torch_parallelize_module(theirs, DeviceMesh.from_group(ctx.gloo, "cpu"), _plan(sequence_dim, gathered_head))
     opts = [torch.optim.SGD(m.parameters(), lr=0.1) for m in (ours, theirs)]
     idx = torch.randint(0, 16, (6, 2), generator=torch.Generator().manual_seed(1))  # [s, b]
     if sequence_dim == 1:
@@ -94,9 +96,11 @@ def _like_torch(ctx, backend, sequence_dim):
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
-@pytest.mark.parametrize("sequence_dim", [None, 0, 1], ids=["tp", "tp-sp-seq-first", "tp-sp-batch-first"])
-def test_torch_plan_computes_what_torch_parallelize_module_computes(backend, sequence_dim):
-    shapes = get_pool(2, "torchpar").run(_like_torch, backend, sequence_dim)[0]
+@pytest.mark.parametrize("sequence_dim,gathered_head", [(None, False), (0, False), (1, False), (None, True),
+                                                        (1, True)],
+                         ids=["tp", "tp-sp-seq-first", "tp-sp-batch-first", "tp-gathered", "tp-sp-batch-first-gathered"])
+def test_torch_plan_computes_what_torch_parallelize_module_computes(backend, sequence_dim, gathered_head):
+    shapes = get_pool(2, "torchpar").run(_like_torch, backend, sequence_dim, gathered_head)[0]
     assert shapes[0] == (8, 8) and shapes[3] == (16, 8)  # the vocabulary and fc1's outputs split in two
 
 
@@ -105,7 +109,7 @@ REFUSED = {
     "two sequence dims": ({"ln": SequenceParallel(sequence_dim=0), "ln_f": SequenceParallel()}, "sequence_dim [0, 1]"),
     "local output off": ({"fc1": ColwiseParallel(use_local_output=False)}, "use_local_output=False"),
     "colwise embedding": ({"emb": ColwiseParallel()}, "embedding dimension"),
-    "gathered output": ({"head": ColwiseParallel(output_layouts=Replicate())}, "vocab_parallel_cross_entropy"),
+    "output on dim 0": ({"head": ColwiseParallel(output_layouts=Shard(0))}, "gathered whole (Replicate())"),
     "prepare input": ({"fc1": PrepareModuleInput(input_layouts=Shard(0), desired_input_layouts=Replicate())},
                       "PrepareModuleInput is not supported"),
     "layouts without SP": ({"fc1": ColwiseParallel(input_layouts=Shard(0))}, "without SequenceParallel"),

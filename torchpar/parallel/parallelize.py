@@ -9,6 +9,8 @@ Styles:
   (``"colwise:3"`` for a q/k/v projection ``nn.Linear(h, 3 * h)``, ``"colwise:2"`` for a fused
   gate/up projection): each block is split, so each rank gets its heads' q, k and v
   (ColumnParallelLinear's ``stride``);
+- ``"colwise_gather"``: the same with its output gathered whole (``gather_output``; an output
+  layer whose logits the loss wants whole, as torch's ``ColwiseParallel(output_layouts=Replicate())``);
 - ``"rowwise"``: an ``nn.Linear`` becomes a RowParallelLinear (input features split, output
   all-reduced);
 - ``"vocab"``: an ``nn.Embedding`` becomes a VocabParallelEmbedding;
@@ -39,9 +41,9 @@ from torchpar.parallel.tensor.linear import ColumnParallelLinear, RowParallelLin
 from torchpar.parallel.tensor.random import mark_model_parallel_rng
 from torchpar.parallel.tensor.sequence import SEQUENCE_PARALLEL_TYPES, mark_sequence_parallel
 
-STYLES = ("colwise", "colwise:N", "rowwise", "vocab", "sequence", "model_parallel_rng")
+STYLES = ("colwise", "colwise:N", "colwise_gather", "rowwise", "vocab", "sequence", "model_parallel_rng")
 # What each style converts: a type the module must be exactly, or a tuple it must be an instance of.
-_NEEDS = {"colwise": nn.Linear, "rowwise": nn.Linear, "vocab": nn.Embedding,
+_NEEDS = {"colwise": nn.Linear, "colwise_gather": nn.Linear, "rowwise": nn.Linear, "vocab": nn.Embedding,
           "sequence": SEQUENCE_PARALLEL_TYPES, "model_parallel_rng": (nn.Module,)}
 
 
@@ -66,8 +68,9 @@ def _matches(pattern, name):
 def _convert(name, module, style, group, sequence_parallel, sequence_dim):
     kind, blocks = _parse(style)
     sp = {"sequence_parallel": sequence_parallel, "sequence_dim": sequence_dim}
-    if kind == "colwise":
-        return ColumnParallelLinear.from_dense(module, group, stride=blocks, **sp)
+    if kind in ("colwise", "colwise_gather"):
+        return ColumnParallelLinear.from_dense(module, group, stride=blocks, gather_output=kind == "colwise_gather",
+                                               **sp)
     if kind == "rowwise":
         return RowParallelLinear.from_dense(module, group, **sp)
     if kind == "vocab":
@@ -84,7 +87,7 @@ def _sharding(style, param_name):
     kind, blocks = _parse(style) or (None, 1)
     if kind == "colwise" and blocks > 1:
         return f"split along dim 0 in {blocks} blocks"
-    if kind in ("colwise", "vocab"):
+    if kind in ("colwise", "colwise_gather", "vocab"):
         return "split along dim 0"
     if kind == "rowwise":
         return "split along dim 1" if param_name == "weight" else "replicated"

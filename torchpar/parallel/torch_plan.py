@@ -7,8 +7,8 @@ DTensors, and outputs are local tensors (torch's ``use_local_output=True``).
 
 What torchpar's layers do not compute is refused, naming the plan entry, before anything changes:
 a style with ``use_local_output=False`` (DTensor outputs), ``ColwiseParallel`` on an embedding (its
-embedding dimension split), a colwise output gathered (``output_layouts=Replicate()``; keep it
-sharded and use ``vocab_parallel_cross_entropy``), ``PrepareModuleInput``/``PrepareModuleOutput``,
+embedding dimension split), a colwise output on another layout than ``Shard(-1)`` or
+``Replicate()``, ``PrepareModuleInput``/``PrepareModuleOutput``,
 and sequence parallelism on a dimension other than 0 (``[s, b, h]``, Megatron's layout) or 1
 (``[b, s, h]``, torch's default; each collective then transposes), or on two in one plan.
 """
@@ -51,11 +51,11 @@ def _style(name, module, style, sequence_dim):
             raise NotImplementedError(f"{what}: splitting the embedding dimension is not supported; "
                                       "RowwiseParallel splits the vocabulary")
         src, out = _one(style.input_layouts), _one(style.output_layouts)
-        if not _is(out, Shard, -1):
-            raise NotImplementedError(f"{what}: output_layouts={out}; the output stays sharded on its last "
-                                      "dimension (for logits, use torchpar's vocab_parallel_cross_entropy)")
+        if not (_is(out, Shard, -1) or _is(out, Replicate)):
+            raise NotImplementedError(f"{what}: output_layouts={out}; the output is sharded on its last "
+                                      "dimension (Shard(-1)) or gathered whole (Replicate())")
         _check_boundary(what, "input_layouts", src, between)
-        return "colwise"
+        return "colwise" if _is(out, Shard) else "colwise_gather"
     if isinstance(style, RowwiseParallel):
         src, out = _one(style.input_layouts), _one(style.output_layouts)
         embedding = isinstance(module, nn.Embedding)

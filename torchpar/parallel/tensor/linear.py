@@ -40,7 +40,9 @@ class ColumnParallelLinear(nn.Module):
 
     The input is the full activation ``[..., in_features]`` or, with ``sequence_parallel``,
     this rank's sequence shard ``[s/tp, b, in_features]`` (all-gathered inside). The output
-    is this rank's ``out_features / tp`` features, or all of them with ``gather_output``.
+    is this rank's ``out_features / tp`` features, or all of them with ``gather_output`` (also
+    under sequence parallelism: an output layer whose logits are wanted whole, over the whole
+    sequence).
     With ``skip_bias_add`` (Megatron's) the bias is returned beside the output instead of
     added, for a fused bias+GeLU or bias+dropout+add after it.
 
@@ -65,9 +67,6 @@ class ColumnParallelLinear(nn.Module):
                              f"must be {stride} equal fused blocks, each divisible by the tensor-parallel "
                              f"group size ({self.tp})")
         self.stride = stride
-        if gather_output and sequence_parallel:
-            raise ValueError("ColumnParallelLinear: gather_output and sequence_parallel exclude "
-                             "each other (the output of a sequence-parallel region is split)")
         self.in_features, self.out_features = in_features, out_features
         self.gather_output = gather_output
         self.sequence_parallel = sequence_parallel and self.tp > 1
