@@ -10,8 +10,8 @@ import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
-from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput, RowwiseParallel,
-                                               SequenceParallel)
+from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput, PrepareModuleOutput,
+                                               RowwiseParallel, SequenceParallel)
 from torch.distributed.tensor.parallel import parallelize_module as torch_parallelize_module
 
 from harness import get_pool
@@ -104,15 +104,75 @@ def test_torch_plan_computes_what_torch_parallelize_module_computes(backend, seq
     assert shapes[0] == (8, 8) and shapes[3] == (16, 8)  # the vocabulary and fc1's outputs split in two
 
 
+class _SwiGLU(nn.Module):
+    def __init__(self, hidden):
+        super().__init__()
+        self.w1, self.w3, self.w2 = nn.Linear(hidden, 4 * hidden), nn.Linear(hidden, 4 * hidden), nn.Linear(4 * hidden, hidden)
+
+    def forward(self, x):
+        return self.w2(torch.nn.functional.silu(self.w1(x)) * self.w3(x))
+
+
+class _Block(nn.Module):
+    """torchtitan's shape: an MLP module whose input is gathered once (PrepareModuleInput) for
+    its colwise layers, on [b, s, h] or [s, b, h]."""
+
+    def __init__(self, vocab=16, hidden=8):
+        super().__init__()
+        torch.manual_seed(0)
+        self.emb = nn.Embedding(vocab, hidden)
+        self.norm = nn.LayerNorm(hidden)
+        self.mlp = _SwiGLU(hidden)
+        self.out = nn.Linear(hidden, vocab, bias=False)
+
+    def forward(self, idx):
+        h = self.emb(idx)
+        h = h + self.mlp(self.norm(h))
+        return self.out(h)
+
+
+def _torchtitan_plan(d):
+    seq = Shard(d)
+    return {"emb": RowwiseParallel(input_layouts=Replicate(), output_layouts=seq),
+            "norm": SequenceParallel(sequence_dim=d),
+            "mlp": PrepareModuleInput(input_layouts=(seq,), desired_input_layouts=(Replicate(),)),
+            "mlp.w1": ColwiseParallel(), "mlp.w3": ColwiseParallel(), "mlp.w2": RowwiseParallel(output_layouts=seq),
+            "out": ColwiseParallel(input_layouts=seq, output_layouts=Replicate())}
+
+
+def _torchtitan_like_torch(ctx, backend, d):
+    torch.set_num_threads(1)
+    ours, theirs = _Block(), _Block()
+    parallelize_module(ours, DeviceMesh.from_group(group_for(ctx, backend), "cpu"), _torchtitan_plan(d))
+    torch_parallelize_module(theirs, DeviceMesh.from_group(ctx.gloo, "cpu"), _torchtitan_plan(d))
+    idx = torch.randint(0, 16, (6, 2), generator=torch.Generator().manual_seed(1))
+    idx = idx.t().contiguous() if d == 1 else idx
+    outs = [m(idx) for m in (ours, theirs)]
+    torch.testing.assert_close(outs[0], _local(outs[1]), rtol=1e-5, atol=1e-6)
+    for out in outs:
+        _local(out).pow(2).mean().backward()
+    for (name, p), q in zip(ours.named_parameters(), theirs.parameters()):
+        torch.testing.assert_close(p.grad, _local(q.grad, q), rtol=1e-5, atol=1e-6, msg=lambda m: f"{name}: {m}")
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("d", [0, 1], ids=["seq-first", "batch-first"])
+def test_a_torchtitan_style_plan_with_prepare_module_input_computes_what_torch_computes(backend, d):
+    get_pool(2, "torchpar").run(_torchtitan_like_torch, backend, d)
+
+
 REFUSED = {
-    "sequence_dim 2": ({"ln": SequenceParallel(sequence_dim=2)}, "sequence_dim [2]"),
-    "two sequence dims": ({"ln": SequenceParallel(sequence_dim=0), "ln_f": SequenceParallel()}, "sequence_dim [0, 1]"),
+    "sequence_dim 2": ({"ln": SequenceParallel(sequence_dim=2)}, "sequence on dimensions [2]"),
+    "two sequence dims": ({"ln": SequenceParallel(sequence_dim=0), "ln_f": SequenceParallel()},
+                          "sequence on dimensions [0, 1]"),
     "local output off": ({"fc1": ColwiseParallel(use_local_output=False)}, "use_local_output=False"),
     "colwise embedding": ({"emb": ColwiseParallel()}, "embedding dimension"),
     "output on dim 0": ({"head": ColwiseParallel(output_layouts=Shard(0))}, "gathered whole (Replicate())"),
-    "prepare input": ({"fc1": PrepareModuleInput(input_layouts=Shard(0), desired_input_layouts=Replicate())},
-                      "PrepareModuleInput is not supported"),
-    "layouts without SP": ({"fc1": ColwiseParallel(input_layouts=Shard(0))}, "without SequenceParallel"),
+    "prepare output": ({"fc1": PrepareModuleOutput(output_layouts=Replicate(), desired_output_layouts=Shard(0))},
+                       "PrepareModuleOutput is not supported"),
+    "prepare input other": ({"fc1": PrepareModuleInput(input_layouts=Replicate(), desired_input_layouts=Shard(0))},
+                            "only a sequence shard"),
+    "rowwise output on dim 2": ({"fc2": RowwiseParallel(output_layouts=Shard(2))}, "sequence on dimensions [2]"),
 }
 
 

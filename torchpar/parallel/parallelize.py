@@ -171,14 +171,17 @@ def check_plan(model, plan):
     return todo, _shared_parameters(named, dict(todo)), "sequence" in plan.values()
 
 
-def apply_plan(model, checked, group, sequence_dim=0):
-    """Converts what ``check_plan`` returned, in place; returns ``model``."""
+def apply_plan(model, checked, group, sequence_dim=0, sequence_parallel_of=None):
+    """Converts what ``check_plan`` returned, in place; returns ``model``. ``sequence_parallel_of``:
+    {module name: whether that layer runs under sequence parallelism}, instead of the plan's
+    one setting (torch's plans say it per layer, by their layouts)."""
     todo, shared, sequence_parallel = checked
     named = dict(model.named_modules())
     for name, style in todo:
         parent_name, _, attr = name.rpartition(".")
         parent = model.get_submodule(parent_name)
-        setattr(parent, attr, _convert(name, named[name], style, group, sequence_parallel, sequence_dim))
+        sp = (sequence_parallel_of or {}).get(name, sequence_parallel)
+        setattr(parent, attr, _convert(name, named[name], style, group, sp, sequence_dim))
     for holders, sharding in shared:  # each converted module made its own copy: tie them again
         if sharding != "unchanged":
             (first, first_param), *rest = holders

@@ -1,25 +1,33 @@
 """``parallelize_module(module, device_mesh, parallelize_plan)`` with torch's own plan: a script that
 tensor-parallelises a model with ``torch.distributed.tensor.parallel``'s ``ColwiseParallel``,
-``RowwiseParallel`` and ``SequenceParallel`` runs on torchpar's layers by changing where
-``parallelize_module`` is imported from. Each style is read into the ``parallelize`` style that
-computes the same local tensors (parallelize.py); parameters become this rank's plain shards, not
-DTensors, and outputs are local tensors (torch's ``use_local_output=True``).
+``RowwiseParallel``, ``SequenceParallel`` and ``PrepareModuleInput`` runs on torchpar's layers by
+changing where ``parallelize_module`` is imported from. Each style is read, by its layouts, into the
+``parallelize`` style (parallelize.py) and the sequence-parallel setting of that one layer that
+compute the same local tensors: a colwise layer whose input is ``Shard(d)`` all-gathers the
+sequence itself, one whose input is ``Replicate()`` takes it whole (a ``PrepareModuleInput`` above
+it gathered it, as torchtitan's plans do), a rowwise one whose output is ``Shard(d)``
+reduce-scatters. Parameters become this rank's plain shards, not DTensors, and outputs are local
+tensors (torch's ``use_local_output=True``). Like torch's, a plan's layouts are trusted: they say
+what each local tensor is.
 
 What torchpar's layers do not compute is refused, naming the plan entry, before anything changes:
-a style with ``use_local_output=False`` (DTensor outputs), ``ColwiseParallel`` on an embedding (its
-embedding dimension split), a colwise output on another layout than ``Shard(-1)`` or
-``Replicate()``, ``PrepareModuleInput``/``PrepareModuleOutput``,
-and sequence parallelism on a dimension other than 0 (``[s, b, h]``, Megatron's layout) or 1
-(``[b, s, h]``, torch's default; each collective then transposes), or on two in one plan.
+``use_local_output=False`` on a layer (DTensor outputs), ``ColwiseParallel`` on an embedding (its
+embedding dimension split), a colwise output on another layout than ``Shard(-1)`` or ``Replicate()``,
+``PrepareModuleOutput``, a ``PrepareModuleInput`` other than sequence shards to whole (positional
+inputs only), and sequence parallelism on a dimension other than 0 (``[s, b, h]``, Megatron's layout)
+or 1 (``[b, s, h]``, torch's default; each collective then transposes), or on two in one plan.
 """
 import warnings
 
+import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import Replicate, Shard
-from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, SequenceParallel
+from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput, RowwiseParallel,
+                                               SequenceParallel)
 
 from torchpar.parallel.parallelize import _matches, apply_plan, check_plan
+from torchpar.parallel.tensor import comm
 
 
 def _one(layouts):
@@ -31,21 +39,31 @@ def _is(layout, kind, dim=None):
     return type(layout) is kind and (dim is None or layout.dim == dim)
 
 
+def _sequence_dims(plan):
+    """The sequence dimensions the plan's layouts and SequenceParallel entries name."""
+    dims = set()
+    for style in plan.values():
+        if isinstance(style, SequenceParallel):
+            dims.add(_one(style.sequence_sharding).dim)
+        for field in ("input_layouts", "output_layouts"):
+            for layout in getattr(style, field, None) or ():
+                if type(layout) is Shard and layout.dim != -1:
+                    dims.add(layout.dim)
+    return dims
+
+
 def _style(name, module, style, sequence_dim):
-    """The ``parallelize`` style computing what torch's ``style`` computes on ``module`` (``sequence_dim``:
-    the plan's SequenceParallel dimension, None without sequence parallelism)."""
+    """(``parallelize`` style, whether this layer runs under sequence parallelism) computing what
+    torch's ``style`` computes on ``module``; ``sequence_dim``: the plan's sequence dimension."""
     what = f"parallelize_module: plan entry for {name!r} ({type(style).__name__} on a {type(module).__name__})"
     if not isinstance(style, (ColwiseParallel, RowwiseParallel, SequenceParallel)):
         raise NotImplementedError(f"{what}: {type(style).__name__} is not supported; torchpar takes ColwiseParallel, "
-                                  "RowwiseParallel and SequenceParallel (its layers move activations between "
-                                  "the regions themselves)")
+                                  "RowwiseParallel, SequenceParallel and PrepareModuleInput")
     if not style.use_local_output and not isinstance(style, SequenceParallel):
         raise NotImplementedError(f"{what}: use_local_output=False (DTensor outputs) is not supported; "
                                   "torchpar's layers return local tensors")
-    # Between the tensor-parallel regions activations are sequence shards under SP, whole otherwise.
-    between = Replicate() if sequence_dim is None else Shard(sequence_dim)
     if isinstance(style, SequenceParallel):
-        return "sequence"
+        return "sequence", True
     if isinstance(style, ColwiseParallel):
         if isinstance(module, nn.Embedding):
             raise NotImplementedError(f"{what}: splitting the embedding dimension is not supported; "
@@ -54,30 +72,69 @@ def _style(name, module, style, sequence_dim):
         if not (_is(out, Shard, -1) or _is(out, Replicate)):
             raise NotImplementedError(f"{what}: output_layouts={out}; the output is sharded on its last "
                                       "dimension (Shard(-1)) or gathered whole (Replicate())")
-        _check_boundary(what, "input_layouts", src, between)
-        return "colwise" if _is(out, Shard) else "colwise_gather"
-    if isinstance(style, RowwiseParallel):
-        src, out = _one(style.input_layouts), _one(style.output_layouts)
-        embedding = isinstance(module, nn.Embedding)
-        expected_in = Replicate() if embedding else Shard(-1)
-        if not (_is(src, Replicate) if embedding else _is(src, Shard, -1)):
-            raise NotImplementedError(f"{what}: input_layouts={src}; torchpar's takes {expected_in}")
-        _check_boundary(what, "output_layouts", out, between)
-        return "vocab" if embedding else "rowwise"
+        return ("colwise" if _is(out, Shard) else "colwise_gather"), _sequence_sharded(what, "input", src, sequence_dim)
+    src, out = _one(style.input_layouts), _one(style.output_layouts)
+    embedding = isinstance(module, nn.Embedding)
+    if not (_is(src, Replicate) if embedding else _is(src, Shard, -1)):
+        raise NotImplementedError(f"{what}: input_layouts={src}; torchpar's takes "
+                                  f"{Replicate() if embedding else Shard(-1)}")
+    return ("vocab" if embedding else "rowwise"), _sequence_sharded(what, "output", out, sequence_dim)
 
 
-def _check_boundary(what, field, layout, between):
-    if not (type(layout) is type(between) and (type(layout) is Replicate or layout.dim == between.dim)):
-        mode = "with" if type(between) is Shard else "without"
-        raise NotImplementedError(f"{what}: {field}={layout}; {mode} SequenceParallel entries in the plan, the "
-                                  f"activations between the tensor-parallel regions are {between}")
+def _sequence_sharded(what, field, layout, sequence_dim):
+    """Whether ``layout`` (a layer's input or output between the regions) is the sequence shard
+    (sequence parallelism) rather than the whole tensor."""
+    if _is(layout, Replicate):
+        return False
+    if _is(layout, Shard, sequence_dim):
+        return True
+    raise NotImplementedError(f"{what}: {field}_layouts={layout}; between the tensor-parallel regions an "
+                              f"activation is whole (Replicate()) or a sequence shard (Shard({sequence_dim}))")
+
+
+class _GatherSequence(torch.autograd.Function):
+    """A sequence shard made whole (PrepareModuleInput, Shard(d) -> Replicate()): all-gather along
+    ``d``; backward keeps this rank's part of the gradient, which the colwise layers below have
+    all-reduced already (their input is whole, so they reduce its gradient, as torch's do)."""
+
+    @staticmethod
+    def forward(ctx, x, dim, group):
+        ctx.dim, ctx.group = dim, group
+        gathered = comm.gather_from_sequence_region(x.transpose(0, dim).contiguous(), group)
+        return gathered.transpose(0, dim)
+
+    @staticmethod
+    def backward(ctx, grad):
+        rank, tp = comm.group_rank_and_size(ctx.group)
+        return grad.chunk(tp, ctx.dim)[rank].contiguous(), None, None
+
+
+def _prepare_input(name, style, sequence_dim, group):
+    """The forward pre-hook of a PrepareModuleInput entry: its positional inputs that are sequence
+    shards and wanted whole are gathered; the others pass as they are."""
+    what = f"parallelize_module: plan entry for {name!r} (PrepareModuleInput)"
+    if style.input_kwarg_layouts or style.desired_input_kwarg_layouts:
+        raise NotImplementedError(f"{what}: keyword input layouts are not supported")
+    pairs = list(zip(style.input_layouts, style.desired_input_layouts))
+    gather = []
+    for i, (have, want) in enumerate(pairs):
+        if have is None or want is None or (type(have) is type(want) and have == want):
+            continue
+        if not (_is(have, Shard, sequence_dim) and _is(want, Replicate)):
+            raise NotImplementedError(f"{what}: input {i} from {have} to {want}; only a sequence shard "
+                                      f"(Shard({sequence_dim})) made whole (Replicate()) is supported")
+        gather.append(i)
+
+    def hook(module, args):
+        return tuple(_GatherSequence.apply(a, sequence_dim, group) if i in gather else a for i, a in enumerate(args))
+    return hook
 
 
 def parallelize_module(module, device_mesh=None, parallelize_plan=None, *, src_data_rank=0):
     """torch's ``parallelize_module`` on torchpar's layers (see the module's docstring): ``device_mesh``
     a 1-D mesh (its group is the tensor-parallel group); ``parallelize_plan`` one style for
     ``module`` itself or {glob over dotted module names: style}. ``src_data_rank=0`` (torch's
-    default): the matched modules' parameters are first broadcast from the mesh's rank 0, so ranks
+    default): the planned layers' parameters are first broadcast from the mesh's rank 0, so ranks
     that initialised differently agree; None: each rank's own copy is used (it must be the same).
     Returns the parallelised module."""
     if device_mesh is None or device_mesh.ndim != 1:
@@ -89,12 +146,12 @@ def parallelize_module(module, device_mesh=None, parallelize_plan=None, *, src_d
     holder = nn.ModuleDict({"m": module}) if root else module  # the root, as a child that can be replaced
     plan = {"m": parallelize_plan} if root else parallelize_plan
     named = dict(holder.named_modules())
-    dims = {_one(s.sequence_sharding).dim for s in plan.values() if isinstance(s, SequenceParallel)}
+    dims = _sequence_dims(plan)
     if len(dims) > 1 or not dims <= {0, 1}:
-        raise NotImplementedError(f"parallelize_module: SequenceParallel with sequence_dim {sorted(dims)}; torchpar "
-                                  "takes one sequence dimension per plan, 0 ([s, b, h]) or 1 ([b, s, h])")
-    sequence_dim = dims.pop() if dims else None
-    ours = {}
+        raise NotImplementedError(f"parallelize_module: the plan shards the sequence on dimensions {sorted(dims)}; "
+                                  "torchpar takes one per plan, 0 ([s, b, h]) or 1 ([b, s, h])")
+    sequence_dim = dims.pop() if dims else 0
+    ours, sequence_parallel_of, hooks = {}, {}, {}
     for pattern, style in plan.items():
         hits = [n for n in named if n and _matches(pattern, n)] if pattern else [""]
         if "" in hits:
@@ -103,12 +160,17 @@ def parallelize_module(module, device_mesh=None, parallelize_plan=None, *, src_d
         if not hits:  # torch warns and skips such an entry
             warnings.warn(f"parallelize_module: plan entry {pattern!r} matches no submodule; skipped", stacklevel=2)
         for n in hits:
-            ours[n] = _style(n, named[n], style, sequence_dim)
+            if isinstance(style, PrepareModuleInput):
+                hooks[n] = _prepare_input(n, style, sequence_dim, group)
+            else:
+                ours[n], sequence_parallel_of[n] = _style(n, named[n], style, sequence_dim)
     checked = check_plan(holder, ours)  # parallelize's checks (module types, ties) before anything changes
     if src_data_rank is not None:
         src = dist.get_global_rank(group, src_data_rank)
         for n in ours:
             for t in list(named[n].parameters()) + list(named[n].buffers()):
                 dist.broadcast(t.data, src, group=group)
-    apply_plan(holder, checked, group, sequence_dim or 0)
+    apply_plan(holder, checked, group, sequence_dim, sequence_parallel_of)
+    for n, hook in hooks.items():
+        holder.get_submodule(n).register_forward_pre_hook(hook)
     return holder["m"] if root else holder
