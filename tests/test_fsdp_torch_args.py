@@ -255,3 +255,54 @@ def _missing_method(ctx):
 
 def test_register_fsdp_forward_method_names_a_missing_method():
     _pool("torchpar", 2).run(_missing_method)
+
+
+# ---- reset_iter_state: recovery after a raised forward ----
+
+class _Flaky(Net):
+    """Net whose forward raises when told to (after its blocks ran, mid-iteration)."""
+    fail = False
+
+    def forward(self, x):
+        out = super().forward(x)
+        if self.fail:
+            raise RuntimeError("injected")
+        return out
+
+
+def _reset_after_failure(ctx, reset):
+    torch.set_num_threads(1)
+    model, ref = _Flaky(), Net()
+    ref.load_state_dict(model.state_dict())
+    for b in model.blocks:
+        fully_shard(b, ctx.pg)
+    fully_shard(model, ctx.pg)
+    opt, ref_opt = (torch.optim.SGD(m.parameters(), lr=0.1) for m in (model, ref))
+    x, y = _batch(0, 4 * ctx.world_size)
+    with model.no_sync():  # a first micro-batch accumulates, then the second one fails
+        ((model(_part(x, ctx)) - _part(y, ctx)) ** 2).mean().backward()
+    model.fail = True
+    with pytest.raises(RuntimeError, match="injected"):
+        model(_part(x, ctx))
+    model.fail = False
+    if reset:
+        with pytest.raises(RuntimeError, match="on the root"):
+            model.blocks[0].reset_iter_state()
+        model.reset_iter_state()
+        assert model.fsdp_engine.memory()["accumulators"] == 0
+    # The next iteration: one batch, stepped; with the reset, equal to one process on that batch.
+    x, y = _batch(1, 2 * ctx.world_size)
+    opt.zero_grad()
+    ((model(_part(x, ctx)) - _part(y, ctx)) ** 2).mean().backward()
+    opt.step()
+    ((ref(x) - y) ** 2).mean().backward()
+    ref_opt.step()
+    full, want = model.state_dict(), ref.state_dict()
+    return all(torch.allclose(full[k], want[k], rtol=1e-5, atol=1e-6) for k in want)
+
+
+def test_reset_iter_state_drops_the_failed_iterations_accumulated_gradients():
+    pool = _pool("torchpar", 2)
+    assert pool.run(_reset_after_failure, True) == [True, True]
+    # Without it the no_sync sum from before the failure is reduced with the next backward.
+    assert pool.run(_reset_after_failure, False) == [False, False]

@@ -161,6 +161,24 @@ def test_a_torchtitan_style_plan_with_prepare_module_input_computes_what_torch_c
     get_pool(2, "torchpar").run(_torchtitan_like_torch, backend, d)
 
 
+class _KeywordMLP(_Block):
+    def forward(self, idx):
+        h = self.emb(idx)
+        return self.out(h + self.mlp(x=self.norm(h)))
+
+
+def _keyword_input(ctx):
+    torch.set_num_threads(1)
+    model = parallelize_module(_KeywordMLP(), DeviceMesh.from_group(ctx.pg, "cpu"), _torchtitan_plan(1))
+    with pytest.raises(ValueError, match="positional inputs only"):
+        model(torch.randint(0, 16, (2, 6)))
+
+
+def test_prepare_module_input_refuses_an_input_passed_by_keyword_on_every_rank():
+    # It would go ungathered: the colwise layers would take a sequence shard for the whole (review finding).
+    get_pool(2, "torchpar").run(_keyword_input)
+
+
 REFUSED = {
     "sequence_dim 2": ({"ln": SequenceParallel(sequence_dim=2)}, "sequence on dimensions [2]"),
     "two sequence dims": ({"ln": SequenceParallel(sequence_dim=0), "ln_f": SequenceParallel()},

@@ -660,6 +660,46 @@ void FsdpEngine::reshard_all() {
   }
 }
 
+void FsdpEngine::reset_iter_state() {
+  std::lock_guard<std::mutex> lock(mutex_);
+  std::exception_ptr failed;  // a collective that failed in flight: raised once the state is reset
+  for (InFlight* f : {&in_flight_, &all_reduce_}) {
+    if (f->work) {
+      try {
+        f->work->wait();
+      } catch (...) {
+        if (!failed) failed = std::current_exception();
+      }
+      *f = InFlight{};
+    }
+  }
+  for (size_t v = 0; v < units_.size(); ++v) {
+    FlatParam& flat = *units_[v].flat;
+    if (flat.gather_in_flight()) {
+      try {
+        flat.wait_gather();
+      } catch (...) {
+        if (!failed) failed = std::current_exception();
+      }
+    }
+    flat.discard_unsharded_grads();
+    flat.set_accumulator(at::Tensor());
+    flat.discard_partial();
+    flat.unshard_requested = false;
+    reshard_locked(static_cast<int64_t>(v));
+  }
+  for (auto& u : units_) {
+    u.needs_backward = false;
+    u.ran_forward = false;
+    u.ran = false;
+    u.slot_done = false;
+    u.nodes = u.pending = 0;
+  }
+  backward_queued_ = false;
+  step_forward_ = false;
+  if (failed) std::rethrow_exception(failed);
+}
+
 void FsdpEngine::reshard(int64_t unit) {
   std::lock_guard<std::mutex> lock(mutex_);
   TORCH_CHECK(unit >= 0 && static_cast<size_t>(unit) < units_.size(), "torchpar fully_shard: unit ", unit,

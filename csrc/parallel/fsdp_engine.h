@@ -156,6 +156,10 @@ class FsdpEngine : public std::enable_shared_from_this<FsdpEngine> {
 
   // Free every unit's gathered parameters (after a forward without backward, or by the user).
   void reshard_all();
+  // torch FSDP2's reset_iter_state, after a forward or backward raised: waits for what is in
+  // flight, then drops this iteration's gradients (unreduced, no_sync's accumulators, HSDP's
+  // within-replica partial sums), frees every unit and forgets the step. No collective.
+  void reset_iter_state();
   // Free one unit's (FSDPModule.reshard(); a unit kept gathered after backward included).
   void reshard(int64_t unit);
 

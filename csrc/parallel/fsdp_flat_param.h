@@ -172,6 +172,7 @@ class FlatParam {
   void add_partial(const at::Tensor& reduced);
   // Add the kept partial sum into a reduce-scatter output and drop it; whether there was one.
   bool take_partial(at::Tensor& out);
+  void discard_partial() { partial_.reset(); }
   // False: a backward that does not sync gradients (no_sync, a pipeline's earlier micro-batches)
   // leaves the unit gathered for the next forward and backward, which then skip its all-gather
   // (fsdp_engine.h, "Kept gathered"). A syncing backward frees it whatever this says.

@@ -134,6 +134,7 @@ TORCHPAR_PYBIND(fsdp) {
       .def("set_forward_prefetch", &FsdpEngine::set_forward_prefetch, py::arg("unit"), py::arg("targets"))
       .def("set_backward_prefetch", &FsdpEngine::set_backward_prefetch, py::arg("unit"), py::arg("targets"))
       .def("reshard_all", &FsdpEngine::reshard_all, py::call_guard<py::gil_scoped_release>())
+      .def("reset_iter_state", &FsdpEngine::reset_iter_state, py::call_guard<py::gil_scoped_release>())
       .def("reshard", &FsdpEngine::reshard, py::arg("unit"), py::call_guard<py::gil_scoped_release>())
       .def("forward_order", &FsdpEngine::forward_order)
       .def("trace",

@@ -74,6 +74,28 @@ class FSDPModule:
                       FutureWarning, stacklevel=2)
         self.set_gradient_divide_factor(factor)
 
+    def reset_iter_state(self):
+        """torch FSDP2's recovery after a forward or backward raised: call it on the root (the
+        module the outermost ``fully_shard`` was applied to) on every rank that caught the error,
+        then run the next iteration. It waits for what is in flight, drops the failed iteration's
+        gradients, also what ``no_sync`` or ``set_requires_all_reduce(False)`` accumulated
+        before it (restart the micro-batch sequence), frees every unit and forgets the step. No
+        collective. Without it the next root forward settles the rest by itself, but keeps the
+        accumulated gradients."""
+        unit = self._fsdp
+        if unit.engine is None:
+            return  # no forward ran: nothing to reset
+        if unit.index != 0:
+            raise RuntimeError("reset_iter_state: call it on the root FSDP module (the one the outermost "
+                               "fully_shard was applied to, which ran forward first)")
+        units = [m._fsdp for m in self.modules() if isinstance(m, FSDPModule) and m._fsdp.engine is unit.engine]
+        try:
+            unit.engine.reset_iter_state()
+        finally:
+            for u in units:
+                u.unshard_handle = None
+                u.register(u.sharded)
+
     def set_is_last_backward(self, is_last_backward):
         """torch FSDP2's: whether the next backward is a step's last, after which it waits for the
         pending reductions. Here every backward ends so (its reductions finished, its prefetch

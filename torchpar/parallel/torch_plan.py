@@ -100,6 +100,7 @@ class _GatherSequence(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, dim, group):
         ctx.dim, ctx.group = dim, group
+        comm.check_same_sizes(x, group, "PrepareModuleInput input")  # before the all-gather, as the layers do
         gathered = comm.gather_from_sequence_region(x.transpose(0, dim).contiguous(), group)
         return gathered.transpose(0, dim)
 
@@ -115,6 +116,8 @@ def _prepare_input(name, style, sequence_dim, group):
     what = f"parallelize_module: plan entry for {name!r} (PrepareModuleInput)"
     if style.input_kwarg_layouts or style.desired_input_kwarg_layouts:
         raise NotImplementedError(f"{what}: keyword input layouts are not supported")
+    if style.input_layouts is None:
+        return None  # nothing to prepare (torch's does nothing either)
     pairs = list(zip(style.input_layouts, style.desired_input_layouts))
     gather = []
     for i, (have, want) in enumerate(pairs):
@@ -126,6 +129,9 @@ def _prepare_input(name, style, sequence_dim, group):
         gather.append(i)
 
     def hook(module, args):
+        if len(args) != len(pairs):  # an input passed by keyword would go ungathered (review finding)
+            raise ValueError(f"{what}: the module got {len(args)} positional inputs for {len(pairs)} input_layouts "
+                             "(as torch's, PrepareModuleInput prepares positional inputs only)")
         return tuple(_GatherSequence.apply(a, sequence_dim, group) if i in gather else a for i, a in enumerate(args))
     return hook
 
@@ -161,7 +167,8 @@ def parallelize_module(module, device_mesh=None, parallelize_plan=None, *, src_d
             warnings.warn(f"parallelize_module: plan entry {pattern!r} matches no submodule; skipped", stacklevel=2)
         for n in hits:
             if isinstance(style, PrepareModuleInput):
-                hooks[n] = _prepare_input(n, style, sequence_dim, group)
+                if (hook := _prepare_input(n, style, sequence_dim, group)) is not None:
+                    hooks[n] = hook
             else:
                 ours[n], sequence_parallel_of[n] = _style(n, named[n], style, sequence_dim)
     checked = check_plan(holder, ours)  # parallelize's checks (module types, ties) before anything changes

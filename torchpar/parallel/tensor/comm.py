@@ -82,6 +82,10 @@ def reduce_scatter_along(input, dim, group=None):
     batch-first ``[b, s, h]`` the reduction runs on the transposed tensor (a copy each way)."""
     if dim == 0:
         return reduce_scatter_to_sequence_region(input, group)
+    _, tp = group_rank_and_size(resolve_group(group))
+    if input.dim() <= dim or input.size(dim) % tp:
+        raise ValueError(f"torchpar tensor parallel: sequence parallelism on dim {dim} needs that dimension "
+                         f"divisible by the tensor-parallel group size ({tp}); got shape {tuple(input.shape)}")
     return reduce_scatter_to_sequence_region(input.transpose(0, dim), group).transpose(0, dim)
 
 

@@ -202,6 +202,10 @@ class RowParallelLinear(nn.Module):
     def forward(self, input):
         if self.check_input_sizes:
             comm.check_same_sizes(input, self.group, "RowParallelLinear input")
+            if self.sequence_parallel and input.dim() < self.sequence_dim + 2:
+                raise ValueError(f"RowParallelLinear(sequence_parallel=True, sequence_dim={self.sequence_dim}) "
+                                 f"needs an input with the sequence on dim {self.sequence_dim} and features after "
+                                 f"it; got {tuple(input.shape)}")
         if not self.input_is_parallel:
             input = comm.scatter_to_region(input, self.group)
         partial = F.linear(input, self.weight)
