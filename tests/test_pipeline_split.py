@@ -11,7 +11,7 @@ import torchpar
 from harness import get_pool
 from torchpar.models.gpt import GPT, GPTConfig
 from torchpar.parallel.pipeline import (PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B,
-                                        ScheduleZeroBubble, split)
+                                        ScheduleZeroBubble, pipeline, split)
 from torchpar.parallel.pipeline.split import split_boundaries
 
 SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B, "interleaved": ScheduleInterleaved1F1B,
@@ -253,3 +253,45 @@ def test_split_model_under_every_schedule_equals_one_process(name, variant):
     if not hasattr(torchpar._C, "ProcessGroupTorchpar"):
         pytest.skip("the torchpar backend is not built in this tree")
     get_pool(2, "torchpar").run(_pipeline_equals_one_process, name, variant)
+
+
+# ---- torch's front end: pipeline(module, mb_args, split_spec).build_stage(...) ----
+
+def _torch_front_end(ctx, where):
+    from torch.distributed.pipelining import SplitPoint
+    torch.set_num_threads(1)
+    model = Tiny(n=4)
+    ref = copy.deepcopy(model)
+    g = torch.Generator().manual_seed(1)
+    idx, target = torch.randint(11, (8, 6), generator=g), torch.randint(11, (8, 6), generator=g)
+    spec = {"blocks.1": SplitPoint.END} if where == "end" else {"blocks.2": SplitPoint.BEGINNING}
+    pipe = pipeline(model, mb_args=(idx[:2],), split_spec=spec)
+    assert pipe.num_stages == 2
+    stage = pipe.build_stage(ctx.rank, torch.device("cpu"), ctx.pg)
+
+    def loss_fn(logits, t):
+        return nn.functional.cross_entropy(logits.flatten(0, 1), t.flatten())
+    Schedule1F1B(stage, 4, loss_fn=loss_fn).step(*((idx,) if ctx.rank == 0 else ()),
+                                                 target=target if ctx.rank == 1 else None)
+    sum(loss_fn(ref(i), t) for i, t in zip(idx.chunk(4), target.chunk(4))).div(4).backward()
+    names = [key for key, _ in stage.submod.named_parameters()]
+    assert any(f"blocks.{1 + ctx.rank}." in key for key in names)  # blocks 0-1 on rank 0, 2-3 on rank 1
+    for key, p in stage.submod.named_parameters():
+        torch.testing.assert_close(p.grad, ref.get_parameter(key).grad, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("where", ["beginning", "end"])
+def test_torch_pipeline_front_end_builds_the_stages_split_would(where):
+    if not hasattr(torchpar._C, "ProcessGroupTorchpar"):
+        pytest.skip("the torchpar backend is not built in this tree")
+    get_pool(2, "torchpar").run(_torch_front_end, where)
+
+
+def test_torch_pipeline_front_end_refuses_what_it_cannot_cut():
+    from torch.distributed.pipelining import SplitPoint
+    with pytest.raises(ValueError, match="not a layer of Tiny"):
+        pipeline(Tiny(), (), split_spec={"emb": SplitPoint.BEGINNING})
+    with pytest.raises(ValueError, match="leaves an empty stage"):
+        pipeline(Tiny(n=4), (), split_spec={"blocks.3": SplitPoint.END})
+    with pytest.raises(NotImplementedError, match="split_policy"):
+        pipeline(Tiny(), (), split_policy=lambda gm: gm)
