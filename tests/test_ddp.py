@@ -787,9 +787,10 @@ def _torch_213_arguments(ctx):
     model, ref = _mlp(7), _mlp(7)
     kwargs = dict(device_mesh=mesh, forward_sync_buffers=True, skip_all_reduce_unused_params=True,
                   batched_grad_copy=True)
-    ddp = DDP(model, **kwargs)
+    ddp, theirs = DDP(model, **kwargs), nn.parallel.DistributedDataParallel(ref, **kwargs)
     assert ddp.process_group is mesh.get_group(0) and ddp.broadcast_buffers
-    _train_side_by_side(ctx, (ddp, nn.parallel.DistributedDataParallel(ref, **kwargs)), (model, ref), steps=2)
+    assert (ddp.device_ids, ddp.bucket_bytes_cap) == (theirs.device_ids, theirs.bucket_bytes_cap)
+    _train_side_by_side(ctx, (ddp, theirs), (model, ref), steps=2)
     # At init, buffers are synced unless the old name said False, as in torch.
     seen = {}
     for name, kw in (("broadcast_buffers=False", {"broadcast_buffers": False}),

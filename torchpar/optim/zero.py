@@ -152,12 +152,13 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
 
     # ---- stepping ----
 
-    def step(self, closure=None):
+    def step(self, closure=None, **kwargs):
+        """As torch's: ``kwargs`` go to the local optimizer's ``step``."""
         if shard_layout.ddp_of(self._params()) is None:
             Join.notify_join_context(self)  # as torch's; a torchpar DDP notifies in its forward
-        return self._step(closure)
+        return self._step(closure, **kwargs)
 
-    def _step(self, closure=None):
+    def _step(self, closure=None, **kwargs):
         """The step, and on a joined rank the shadow of the others' (its gradients are the
         average of theirs, left by DDP's shadow backward)."""
         loss = None
@@ -182,7 +183,7 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
             if found_inf:  # every rank skips: parameters stay as they are everywhere
                 self._release_master_grads(pairs)
                 return loss
-        self.optim.step()
+        self.optim.step(**kwargs)
         with torch.no_grad():
             for p, m in pairs:
                 if m is not p:

@@ -120,6 +120,7 @@ class DistributedDataParallel(nn.Module, Joinable):
             grad_reduce_dtype = _apply_mixed_precision(module, mixed_precision, grad_reduce_dtype)
         self.shard_gradients = shard_gradients
         self.device, self.output_device = _single_device(module, device_ids, output_device)
+        self.device_ids = None if self.device is None else [self.device.index]  # as torch's
         self.dim = dim
         self.static_graph = static_graph
         self.find_unused_parameters = find_unused_parameters
@@ -142,7 +143,7 @@ class DistributedDataParallel(nn.Module, Joinable):
             bucket_cap_mb = 25  # torch's default
         trained = [(n, p) for n, p in named if p.requires_grad]
         params = [p for _, p in trained]
-        cap = int(bucket_cap_mb * 1024 * 1024)
+        cap = self.bucket_bytes_cap = int(bucket_cap_mb * 1024 * 1024)
         # Sharded buckets are split among the ranks by whole parameters: a small first bucket
         # (often one parameter) would leave most ranks only padding to send.
         first_cap = cap if shard_gradients else min(cap, FIRST_BUCKET_BYTES)
