@@ -293,5 +293,14 @@ def test_torch_pipeline_front_end_refuses_what_it_cannot_cut():
         pipeline(Tiny(), (), split_spec={"emb": SplitPoint.BEGINNING})
     with pytest.raises(ValueError, match="leaves an empty stage"):
         pipeline(Tiny(n=4), (), split_spec={"blocks.3": SplitPoint.END})
+    with pytest.raises(ValueError, match="first layer"):
+        pipeline(Tiny(n=4), (), split_spec={"blocks.0": SplitPoint.BEGINNING})
+    with pytest.raises(ValueError, match="two split points cut before 'blocks.2'"):
+        pipeline(Tiny(n=4), (), split_spec={"blocks.1": SplitPoint.END, "blocks.2": SplitPoint.BEGINNING})
     with pytest.raises(NotImplementedError, match="split_policy"):
         pipeline(Tiny(), (), split_policy=lambda gm: gm)
+
+
+def test_a_sequential_stage_keeps_the_models_layer_names():
+    model = nn.Sequential(*(nn.Linear(4, 4) for _ in range(4)))
+    assert list(split(model, 2, 1).state_dict()) == ["2.weight", "2.bias", "3.weight", "3.bias"]

@@ -81,7 +81,8 @@ class FSDPModule:
         gradients, also what ``no_sync`` or ``set_requires_all_reduce(False)`` accumulated
         before it (restart the micro-batch sequence), frees every unit and forgets the step. No
         collective. Without it the next root forward settles the rest by itself, but keeps the
-        accumulated gradients."""
+        accumulated gradients. As torch's, it leaves the ``.grad`` units already received in the
+        failed backward: call the optimizer's ``zero_grad()`` before the next step."""
         unit = self._fsdp
         if unit.engine is None:
             return  # no forward ran: nothing to reset

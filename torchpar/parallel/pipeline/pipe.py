@@ -7,7 +7,9 @@
 torch traces the model with ``torch.export`` on the example micro-batch; ``split`` traces it with
 ``torch.fx`` (split.py says what that allows), so ``mb_args`` and ``mb_kwargs`` are accepted and
 not needed. A split point names a layer of the model's block list (or of an ``nn.Sequential``):
-``BEGINNING`` starts a stage at it, ``END`` starts one after it. ``split_policy`` is refused.
+``BEGINNING`` starts a stage at it, ``END`` starts one after it (code between two layers goes with
+the earlier stage). Unlike torch's, a cut before the first layer or after the last one (a stage of
+only the code around the layers) is refused, and ``split_policy`` is refused.
 """
 from torch.distributed.pipelining import SplitPoint
 
@@ -52,6 +54,11 @@ def pipeline(module, mb_args=(), mb_kwargs=None, split_spec=None, split_policy=N
             full = names[i]
         elif where != SplitPoint.BEGINNING:
             raise ValueError(f"pipeline: split point {name!r} is {where!r}, not a SplitPoint")
+        if full == names[0]:  # torch would make a stage of the code before the first block alone
+            raise ValueError(f"pipeline: a stage starting at the first layer {name!r} would leave only the code "
+                             "before the layers to the stage before it; split cuts between layers")
+        if full in points:
+            raise ValueError(f"pipeline: two split points cut before {full!r}")
         points.append(full)
     points.sort(key=names.index)
     return Pipe(module, points)

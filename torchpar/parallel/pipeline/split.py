@@ -31,6 +31,7 @@ call, is refused too: each stage's rank would keep its own copy;
 the blocks reads are copied into each stage that reads them (a rotary table handed to every
 block), so they must not be written in forward.
 """
+from collections import OrderedDict
 from operator import attrgetter
 
 import torch
@@ -88,7 +89,7 @@ def split(model, num_stages, stage_index, split_points=None):
     bounds = split_boundaries([n for n, _ in layers], num_stages, split_points, prefix)
     if isinstance(model, nn.Sequential):
         piece = layers[bounds[stage_index]:bounds[stage_index + 1]]
-        return nn.Sequential(*[m for _, m in piece])
+        return nn.Sequential(OrderedDict(piece))  # the model's names: checkpoint keys do not collide
     stage_of_block = {prefix + name: s for s in range(num_stages) for name, _ in layers[bounds[s]:bounds[s + 1]]}
     return _traced_stage(model, stage_of_block, num_stages, stage_index)
 
