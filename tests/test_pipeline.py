@@ -21,6 +21,8 @@ from torchpar.parallel.pipeline import (PipelineStage, Schedule1F1B, ScheduleGPi
                                         ScheduleZeroBubble, split)
 
 BACKENDS = ["torchpar", "gloo"]
+# Run in make test-slow (tests/conftest.py), for make test's time; their torchpar twins stay.
+SLOW_VARIANTS = {"test_a_ddp_stage_averaged_after_the_step_reduces_in_its_reduce_dtype[gloo]"}
 SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B, "interleaved": ScheduleInterleaved1F1B,
              "zb_h1": ScheduleZeroBubble}
 

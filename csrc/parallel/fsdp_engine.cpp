@@ -69,6 +69,10 @@ void FsdpEngine::begin_step_locked(const std::vector<bool>& keep) {
     if (!keep[v]) reshard_locked(static_cast<int64_t>(v));
   }
   // A forward whose backward never ran (or a forward under no_grad) leaves nothing to reduce.
+  forget_step_locked();
+}
+
+void FsdpEngine::forget_step_locked() {
   for (auto& u : units_) {
     u.needs_backward = false;
     u.ran_forward = false;
@@ -688,14 +692,7 @@ void FsdpEngine::reset_iter_state() {
     flat.unshard_requested = false;
     reshard_locked(static_cast<int64_t>(v));
   }
-  for (auto& u : units_) {
-    u.needs_backward = false;
-    u.ran_forward = false;
-    u.ran = false;
-    u.slot_done = false;
-    u.nodes = u.pending = 0;
-  }
-  backward_queued_ = false;
+  forget_step_locked();
   step_forward_ = false;
   if (failed) std::rethrow_exception(failed);
 }

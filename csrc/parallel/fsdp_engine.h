@@ -222,6 +222,8 @@ class FsdpEngine : public std::enable_shared_from_this<FsdpEngine> {
   // A reduce-scatter's or all-reduce's unit tag in words: "unit 3 ('fc1.weight', ...)".
   std::string describe_tag(double tag) const;
   void begin_step_locked(const std::vector<bool>& keep);
+  // Which units ran, and what backward owes them: cleared (a new step, or reset_iter_state).
+  void forget_step_locked();
   void record(FsdpEvent::Kind kind, int64_t unit);
   FsdpMemory memory_locked() const;
   // The unit after `unit` in backward order (before it in the agreed forward order, the root
