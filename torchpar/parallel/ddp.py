@@ -23,7 +23,7 @@ from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
 from torchpar import _C
 from torchpar.optim import shard_layout
-from torchpar.parallel.mixed_precision import MixedPrecision
+from torchpar.parallel.mixed_precision import MixedPrecision, cast_floating
 
 # The first bucket is small so its all-reduce starts early in backward (torch uses the
 # same 1 MiB, pytorch/pytorch#73732).
@@ -99,9 +99,9 @@ class DistributedDataParallel(nn.Module, Joinable):
         self.device_mesh = device_mesh
         # torch's reading: forward_sync_buffers (its new name) wins and buffers are synced at init
         # whatever it says; broadcast_buffers=False (the old name) skips the init sync too.
-        init_sync_buffers = True if forward_sync_buffers is not None else broadcast_buffers is not False
-        self.forward_sync_buffers = (forward_sync_buffers if forward_sync_buffers is not None
-                                     else broadcast_buffers is not False)
+        init_sync_buffers = broadcast_buffers is not False or forward_sync_buffers is not None
+        self.forward_sync_buffers = (broadcast_buffers is not False if forward_sync_buffers is None
+                                     else forward_sync_buffers)
         self.process_group = process_group if process_group is not None else dist.group.WORLD
         if self.process_group is None:
             raise RuntimeError("torchpar DDP: call torch.distributed.init_process_group first")
@@ -188,7 +188,7 @@ class DistributedDataParallel(nn.Module, Joinable):
         if self.device is not None:  # device_ids given: inputs go to the module's device
             inputs, kwargs = tree_map(self._to_device, (inputs, kwargs))
         if self.mixed_precision is not None and self.mixed_precision.param_dtype is not None:
-            inputs, kwargs = tree_map(self._to_param_dtype, (inputs, kwargs))
+            inputs, kwargs = cast_floating((inputs, kwargs), self.mixed_precision.param_dtype)
         outputs = self.module(*inputs, **kwargs)
         if sync:
             tensors = [t for t in tree_flatten(outputs)[0] if isinstance(t, torch.Tensor)]
@@ -207,11 +207,6 @@ class DistributedDataParallel(nn.Module, Joinable):
         if not callable(hook):
             raise TypeError(f"torchpar DDP: the comm hook must be callable, got {type(hook).__name__}")
         self.reducer.register_comm_hook(state, hook)
-
-    def _to_param_dtype(self, x):
-        if isinstance(x, torch.Tensor) and x.is_floating_point():
-            return x.to(self.mixed_precision.param_dtype)
-        return x
 
     def _to_device(self, x):
         return x.to(self.device, non_blocking=True) if isinstance(x, torch.Tensor) else x

@@ -33,6 +33,7 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from torchpar import _C
 from torchpar.parallel.fsdp_policies import check_unsupported, precision
+from torchpar.parallel.mixed_precision import cast_floating
 
 
 class FSDPModule:
@@ -572,7 +573,7 @@ def _pre_forward(module, args, kwargs):
     unit.engine.pre_forward(unit.index, grad)
     unit.register(unit.unsharded)
     if unit.precision.cast_inputs:
-        args, kwargs = unit.precision.cast((args, kwargs), unit.precision.param_dtype)
+        args, kwargs = cast_floating((args, kwargs), unit.precision.param_dtype)
     if grad:
         args, kwargs = _register_post_backward(unit, args, kwargs)
     return args, kwargs
@@ -609,7 +610,7 @@ def _post_forward(module, args, output):
     unit = module._fsdp
     grad = torch.is_grad_enabled()
     unit.engine.post_forward(unit.index, grad)  # (the pieces are registered back by _restore_pieces)
-    output = unit.precision.cast(output, unit.precision.output_dtype)
+    output = cast_floating(output, unit.precision.output_dtype)
     tensors = [t for t in tree_flatten(output)[0] if isinstance(t, torch.Tensor) and t.requires_grad]
     if grad and tensors:
         # Runs when the first gradient reaches the unit's outputs, before its backward: gather

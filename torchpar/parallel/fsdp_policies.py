@@ -8,7 +8,6 @@ from typing import Optional
 
 import torch
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
-from torch.utils._pytree import tree_map
 
 from torchpar.parallel.mixed_precision import MixedPrecision
 
@@ -21,16 +20,6 @@ class Precision:
     master_dtype: Optional[torch.dtype] = None   # the shards (None: the module's own dtype)
     cast_inputs: bool = True                      # floating inputs to param_dtype
     output_dtype: Optional[torch.dtype] = None   # floating outputs cast to it
-
-    def cast(self, tree, dtype):
-        """``tree`` with its floating tensors in ``dtype`` (no-op for None)."""
-        if dtype is None:
-            return tree
-
-        def cast(x):
-            is_float = isinstance(x, torch.Tensor) and x.is_floating_point()
-            return x.to(dtype) if is_float and x.dtype != dtype else x
-        return tree_map(cast, tree)
 
 
 def precision(mixed_precision, mp_policy):

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from typing import Optional
 
 import torch
+from torch.utils._pytree import tree_map
 
 
 @dataclass(frozen=True)
@@ -26,3 +27,11 @@ class MixedPrecision:
             value = getattr(self, name)
             if value is not None and not (isinstance(value, torch.dtype) and value.is_floating_point):
                 raise TypeError(f"MixedPrecision.{name} must be a floating-point torch.dtype, got {value!r}")
+
+
+def cast_floating(tree, dtype):
+    """``tree`` (inputs, outputs: tensors in lists, tuples, dicts) with its floating-point tensors
+    in ``dtype``; ``None`` leaves it as it is."""
+    if dtype is None:
+        return tree
+    return tree_map(lambda x: x.to(dtype) if isinstance(x, torch.Tensor) and x.is_floating_point() else x, tree)

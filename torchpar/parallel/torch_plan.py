@@ -101,8 +101,7 @@ class _GatherSequence(torch.autograd.Function):
     def forward(ctx, x, dim, group):
         ctx.dim, ctx.group = dim, group
         comm.check_same_sizes(x, group, "PrepareModuleInput input")  # before the all-gather, as the layers do
-        gathered = comm.gather_from_sequence_region(x.transpose(0, dim).contiguous(), group)
-        return gathered.transpose(0, dim)
+        return comm.gather_along(x, dim, group)
 
     @staticmethod
     def backward(ctx, grad):

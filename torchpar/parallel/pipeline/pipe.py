@@ -42,8 +42,7 @@ def pipeline(module, mb_args=(), mb_kwargs=None, split_spec=None, split_policy=N
     names = [prefix + n for n, _ in layers]
     points = []
     for name, where in (split_spec or {}).items():
-        short = name[len(prefix):] if name.startswith(prefix) else name
-        full = prefix + short
+        full = name if name.startswith(prefix) else prefix + name
         if full not in names:
             raise ValueError(f"pipeline: split point {name!r} is not a layer of {type(module).__name__}; its layers "
                              f"are {names}")

@@ -31,7 +31,7 @@ from collections import OrderedDict
 
 import torch
 import torch.distributed as dist
-from torch.utils._pytree import keystr, tree_flatten, tree_flatten_with_path, tree_unflatten
+from torch.utils._pytree import keystr, tree_flatten_with_path, tree_unflatten
 
 from torchpar import _C
 from torchpar.parallel.pipeline import _comm
@@ -61,10 +61,11 @@ def _split_kwargs(kwargs, m):
     """The keyword arguments of each micro-batch, as torch's default chunk specs make them: every
     tensor (also inside lists, tuples and dicts) split along dimension 0 like the batch, anything
     else given whole to each."""
-    leaves, spec = tree_flatten(kwargs)
-    paths = [repr(path[0].key) + keystr(path[1:]) for path, _ in tree_flatten_with_path(kwargs)[0]]  # 'mask', 'm'[0]
+    pairs, spec = tree_flatten_with_path(kwargs)
+    leaves = [v for _, v in pairs]
     at = [i for i, v in enumerate(leaves) if isinstance(v, torch.Tensor)]
-    pieces = _split_batch([leaves[i] for i in at], m, "keyword argument", [paths[i] for i in at])
+    labels = [repr(pairs[i][0][0].key) + keystr(pairs[i][0][1:]) for i in at]  # 'mask', 'm'[0]
+    pieces = _split_batch([leaves[i] for i in at], m, "keyword argument", labels)
     out = []
     for piece in pieces:
         mine = list(leaves)

@@ -89,6 +89,14 @@ def reduce_scatter_along(input, dim, group=None):
     return reduce_scatter_to_sequence_region(input.transpose(0, dim), group).transpose(0, dim)
 
 
+def gather_along(input, dim, group=None):
+    """``gather_from_sequence_region`` with the sequence on ``dim`` (0 or 1), transposing as
+    ``reduce_scatter_along`` does."""
+    if dim == 0:
+        return gather_from_sequence_region(input, group)
+    return gather_from_sequence_region(input.transpose(0, dim), group).transpose(0, dim)
+
+
 def check_sequence_dim(dim):
     """The sequence dimension of a sequence-parallel layer: 0 (``[s, b, h]``, Megatron's layout,
     no copies) or 1 (``[b, s, h]``, torch's ``SequenceParallel`` default; each collective

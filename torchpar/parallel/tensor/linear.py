@@ -35,6 +35,15 @@ def _dense_linear(in_features, out_features, bias, dtype, init_method=None):
     return dense
 
 
+def _check_sequence_input(layer, input):
+    """A sequence-parallel layer's input has the sequence on ``layer.sequence_dim`` and features
+    after it (checked before the layer's first collective)."""
+    if layer.sequence_parallel and input.dim() < layer.sequence_dim + 2:
+        raise ValueError(f"{type(layer).__name__}(sequence_parallel=True, sequence_dim={layer.sequence_dim}) needs "
+                         f"an input with its sequence on dim {layer.sequence_dim} and features after it; got "
+                         f"{tuple(input.shape)}")
+
+
 class ColumnParallelLinear(nn.Module):
     """``y = x A^T + b`` with ``A`` split by rows (output features) across ``group``.
 
@@ -115,10 +124,7 @@ class ColumnParallelLinear(nn.Module):
             # Before the first collective: ranks whose inputs differ (a different sequence
             # length) would otherwise reach the all-gather/all-reduce with different sizes.
             comm.check_same_sizes(input, self.group, f"{type(self).__name__} input")
-            if self.sequence_parallel and input.dim() < self.sequence_dim + 2:
-                raise ValueError(f"ColumnParallelLinear(sequence_parallel=True, sequence_dim={self.sequence_dim}) "
-                                 f"needs an input with its sequence shard on dim {self.sequence_dim} and features "
-                                 f"after it; got {tuple(input.shape)}")
+            _check_sequence_input(self, input)
         bias = None if self.skip_bias_add else self.bias
         sequence_first = self.sequence_parallel and self.sequence_dim != 0
         if sequence_first:  # the all-gather runs on dim 0: [b, s/tp, h] -> [s/tp, b, h] and back
@@ -202,10 +208,7 @@ class RowParallelLinear(nn.Module):
     def forward(self, input):
         if self.check_input_sizes:
             comm.check_same_sizes(input, self.group, "RowParallelLinear input")
-            if self.sequence_parallel and input.dim() < self.sequence_dim + 2:
-                raise ValueError(f"RowParallelLinear(sequence_parallel=True, sequence_dim={self.sequence_dim}) "
-                                 f"needs an input with the sequence on dim {self.sequence_dim} and features after "
-                                 f"it; got {tuple(input.shape)}")
+            _check_sequence_input(self, input)
         if not self.input_is_parallel:
             input = comm.scatter_to_region(input, self.group)
         partial = F.linear(input, self.weight)
