@@ -20,10 +20,15 @@ Backward, two ways:
   twice, weights tied across modules, a module whose output is not a tensor; found by walking
   the graph, ``_single_path_params``) get theirs from one more backward from the stage
   outputs restricted to them.
+
+Tensors from the caller's own graph (a keyword tensor, or the first stage's batch, that requires
+grad) are among B's inputs too; W carries their gradients on into that graph, as the one
+backward of the other schedules does.
 """
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.utils._pytree import tree_leaves
 
 
 def _as_tuple(x):
@@ -106,14 +111,16 @@ class _Call:
 
 
 class _MicroBatch:
-    __slots__ = ("inputs", "outputs", "loss", "captured", "input_grads", "captured_grads", "whole")
+    __slots__ = ("inputs", "keywords", "outputs", "loss", "captured", "input_grads", "captured_grads", "upstream",
+                 "whole")
 
-    def __init__(self, inputs, outputs):
-        self.inputs, self.outputs = inputs, outputs
+    def __init__(self, inputs, keywords, outputs):
+        self.inputs, self.keywords, self.outputs = inputs, keywords, outputs
         self.loss = None
         self.captured = []        # [_Call] for the B/W split
         self.input_grads = None
         self.captured_grads = None
+        self.upstream = None      # (tensors of the caller's graph, their gradients) for W
         self.whole = False        # B ran the whole backward: W has nothing left to do
 
 
@@ -183,7 +190,8 @@ class PipelineStage:
             for h in hooks:
                 h.remove()
         if torch.is_grad_enabled():
-            state = _MicroBatch(args, outputs)
+            keywords = [t for t in tree_leaves(kwargs or {}) if isinstance(t, torch.Tensor) and t.requires_grad]
+            state = _MicroBatch(args, keywords, outputs)
             state.captured = captured
             self._mbs[mb] = state
             self.live += 1
@@ -226,7 +234,8 @@ class PipelineStage:
         """B of the split: input gradients now, the weight gradients' inputs kept for W."""
         st = self._mbs[mb]
         roots, grads = self._roots(mb, output_grads, scale)
-        wanted = [x for x in st.inputs if x.requires_grad] + [c.y for c in st.captured]
+        ins = [x for x in st.inputs if x.requires_grad]
+        wanted = ins + st.keywords + [c.y for c in st.captured]
         got = []
         if wanted and not self._whole_backward:
             try:
@@ -243,9 +252,13 @@ class PipelineStage:
                 torch.autograd.backward(roots, grads)
             st.whole = True
             return self._input_grads(st)
-        n_in = len(wanted) - len(st.captured)
+        n_in, n_ext = len(ins), len(ins) + len(st.keywords)
         st.input_grads = list(got[:n_in])
-        st.captured_grads = list(got[n_in:])
+        st.captured_grads = list(got[n_ext:])
+        # A received activation is a leaf whose gradient goes to the neighbour; an input with a
+        # history, and every keyword tensor, belong to the caller's graph (W continues there).
+        from_caller = [t.grad_fn is not None for t in ins] + [True] * len(st.keywords)
+        st.upstream = [(t, g) for t, g, c in zip(ins + st.keywords, got[:n_ext], from_caller) if c and g is not None]
         st.outputs, st.loss = roots, grads  # W's fallback restarts from here
         it = iter(st.input_grads)
         return [(next(it) if x.requires_grad else None) for x in st.inputs]
@@ -256,6 +269,8 @@ class PipelineStage:
         if st.whole:
             self._free(mb)
             return
+        if st.upstream:
+            torch.autograd.backward([t for t, _ in st.upstream], [g for _, g in st.upstream])
         covered = set()
         by_module = {}
         single, indirect = self._single_path_params(st)
@@ -356,7 +371,7 @@ class PipelineStage:
         return {pid for pid in owners if pid not in bad}, indirect
 
     def _input_grads(self, st):
-        return [(x.grad if x.requires_grad else None) for x in st.inputs]
+        return [(x.grad if x.requires_grad and x.is_leaf else None) for x in st.inputs]
 
     def _free(self, mb):
         del self._mbs[mb]
