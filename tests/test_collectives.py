@@ -6,6 +6,7 @@ the one-shot/chunked switch, chunk boundaries and ring wrap-around.
 import pytest
 import torch
 import torch.distributed as dist
+from torch import nn
 
 from collective_cases import (DTYPES, OPS, SIZES, assert_equal, gloo_agrees, make_input, op_applies,
                               reduce_op, reference, strided)
@@ -425,3 +426,47 @@ def test_complex_through_real_view(world_size, transport):
 @pytest.mark.parametrize("world_size", [2, 4])
 def test_many_collectives_stay_in_step(world_size, transport):
     pool(world_size, transport).run(_barrier_and_order)
+
+
+def _read_only_and_non_contiguous_tensors(ctx):
+    """What the backend reads it must not write, and what it writes it writes below autograd,
+    whichever thread runs the op (review findings: each failed the whole group)."""
+    rank, w = ctx.rank, ctx.world_size
+    # The root only reads: an expanded tensor, and a transposed view of a parameter.
+    src = torch.arange(4.0).expand(3, 4) if rank == 0 else torch.zeros(3, 4)
+    dist.broadcast(src, 0)
+    assert src.tolist() == [[0.0, 1.0, 2.0, 3.0]] * 3
+    weight = nn.Parameter(torch.full((3, 2), float(rank)))
+    got = weight.t() if rank == 0 else torch.empty(2, 3)
+    dist.broadcast(got, 0)
+    assert got.tolist() == [[0.0] * 3] * 2
+    # Written, non-contiguous: a channels_last weight that requires grad (the start-of-training sync).
+    conv = nn.Conv2d(2, 3, 2).to(memory_format=torch.channels_last)
+    with torch.no_grad():
+        conv.weight.fill_(rank + 1.0)
+    for async_op in (False, True):
+        work = dist.broadcast(conv.weight, 0, async_op=async_op)
+        if async_op:
+            work.wait()
+        assert conv.weight.eq(1.0).all() and conv.weight.requires_grad
+        with torch.no_grad():
+            conv.weight.fill_(rank + 1.0)
+    # Async ops on the worker thread, from inside no_grad and inference_mode.
+    with torch.no_grad():
+        dist.all_reduce(weight.t(), async_op=True).wait()
+    assert weight.detach().eq(sum(range(w))).all()
+    with torch.inference_mode():
+        t = torch.ones(3, 2).t()
+        dist.all_reduce(t, async_op=True).wait()
+    assert t.eq(w).all()
+    # A tensor that would be written through several aliases is refused at the call.
+    with pytest.raises(RuntimeError, match="several of its elements share memory"):
+        dist.all_reduce(torch.zeros(4).expand(2, 4))
+    t = torch.ones(2)
+    dist.all_reduce(t)  # the group goes on
+    return t.tolist()
+
+
+@pytest.mark.parametrize("world_size", [2])
+def test_read_only_and_non_contiguous_tensors(world_size, transport):
+    assert pool(world_size, transport).run(_read_only_and_non_contiguous_tensors) == [[2.0, 2.0]] * 2

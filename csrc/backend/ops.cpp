@@ -76,21 +76,25 @@ bool reducible_in_place(const std::vector<at::Tensor>& ts) {
 
 // ---------------------------------------------------------------------------------------
 
-Broadcast::Broadcast(const std::vector<at::Tensor>& tensors, const c10d::BroadcastOptions& opts, int, int size) {
+Broadcast::Broadcast(const std::vector<at::Tensor>& tensors, const c10d::BroadcastOptions& opts, int rank,
+                     int size) {
   check_single(tensors, kName);
   check_rank(static_cast<int>(opts.rootRank), size, kName, "root");
   t = tensors[0];
   root = static_cast<int>(opts.rootRank);
+  if (rank != root) check_writable(t, kName, "tensor");
 }
 
 void Broadcast::run(Comm& c) const {
-  Staged s = c.rank() == root ? Staged::input(t) : Staged::output(t);
+  const bool sending = c.rank() == root;
+  Staged s = sending ? Staged::input(t) : Staged::output(t);
   collectives::broadcast(c, s.data(), s.count(), s.dtype(), root);
-  s.finish();
+  if (!sending) s.finish();  // the root's tensor is only read (it may be an expanded or a read-only view)
 }
 
 Allreduce::Allreduce(const std::vector<at::Tensor>& tensors, const c10d::AllreduceOptions& opts, int, int) {
   check_single(tensors, kName);
+  check_writable(tensors[0], kName, "tensor");
   t = tensors[0];
   op = reduce_op(opts.reduceOp, kName, t.scalar_type());
   user_op = opts.reduceOp;
@@ -115,6 +119,7 @@ void SparseAllreduce::run(Comm& c) const { sparse_allreduce_sum(c, t); }
 AllreduceCoalesced::AllreduceCoalesced(const std::vector<at::Tensor>& tensors,
                                        const c10d::AllreduceCoalescedOptions& opts, int, int) {
   check_tensors(tensors, kName, "tensors");
+  check_writable(tensors, kName, "tensors");
   TORCH_CHECK(!tensors.empty(), "torchpar all_reduce_coalesced: no tensors");
   for (auto& t : tensors) {
     TORCH_CHECK(t.scalar_type() == tensors[0].scalar_type(),
@@ -147,14 +152,15 @@ void AllreduceCoalesced::run(Comm& c) const {
   collectives::allreduce(c, s.data(), s.count(), s.dtype(), op);
   int64_t off = 0;
   for (auto t : ts) {
-    t.copy_(s.user.narrow(0, off, t.numel()).view(t.sizes()));
+    write_back(t, s.user.narrow(0, off, t.numel()).view(t.sizes()));
     off += t.numel();
   }
 }
 
-Reduce::Reduce(const std::vector<at::Tensor>& tensors, const c10d::ReduceOptions& opts, int, int size) {
+Reduce::Reduce(const std::vector<at::Tensor>& tensors, const c10d::ReduceOptions& opts, int rank, int size) {
   check_single(tensors, kName);
   check_rank(static_cast<int>(opts.rootRank), size, kName, "root");
+  if (rank == opts.rootRank) check_writable(tensors[0], kName, "tensor");
   t = tensors[0];
   op = reduce_op(opts.reduceOp, kName, t.scalar_type());
   user_op = opts.reduceOp;
@@ -175,6 +181,7 @@ Allgather::Allgather(const std::vector<std::vector<at::Tensor>>& outputs, const 
   TORCH_CHECK(static_cast<int>(outputs[0].size()) == size, "torchpar all_gather: the output list has ",
               outputs[0].size(), " tensors for a group of size ", size);
   check_tensors(outputs[0], kName, "output");
+  check_writable(outputs[0], kName, "output");
   for (size_t r = 0; r < outputs[0].size(); ++r) {
     check_same_type_and_size(inputs[0], outputs[0][r], kName, "output[" + std::to_string(r) + "]");
   }
@@ -195,6 +202,7 @@ AllgatherIntoTensor::AllgatherIntoTensor(const at::Tensor& output, const at::Ten
                                          const c10d::AllgatherOptions&, int, int size) {
   check_tensor(input, kName, "input");
   check_tensor(output, kName, "output");
+  check_writable(output, kName, "output");
   TORCH_CHECK(output.scalar_type() == input.scalar_type(), "torchpar all_gather_into_tensor: output dtype ",
               output.scalar_type(), " differs from input dtype ", input.scalar_type());
   TORCH_CHECK(output.numel() == input.numel() * size, "torchpar all_gather_into_tensor: output has ",
@@ -220,6 +228,7 @@ Gather::Gather(const std::vector<std::vector<at::Tensor>>& outputs, const std::v
     TORCH_CHECK(outputs.size() == 1 && static_cast<int>(outputs[0].size()) == size,
                 "torchpar gather: the root needs one list of ", size, " output tensors");
     check_tensors(outputs[0], kName, "output");
+    check_writable(outputs[0], kName, "output");
     for (size_t r = 0; r < outputs[0].size(); ++r) {
       check_same_type_and_size(inputs[0], outputs[0][r], kName, "output[" + std::to_string(r) + "]");
     }
@@ -244,6 +253,7 @@ void Gather::run(Comm& c) const {
 Scatter::Scatter(const std::vector<at::Tensor>& outputs, const std::vector<std::vector<at::Tensor>>& inputs,
                  const c10d::ScatterOptions& opts, int rank, int size) {
   check_single(outputs, kName);
+  check_writable(outputs[0], kName, "output");
   root = static_cast<int>(opts.rootRank);
   check_rank(root, size, kName, "root");
   if (rank == root) {
@@ -275,6 +285,7 @@ ReduceScatter::ReduceScatter(const std::vector<at::Tensor>& outputs,
                              const std::vector<std::vector<at::Tensor>>& inputs,
                              const c10d::ReduceScatterOptions& opts, int, int size) {
   check_single(outputs, kName);
+  check_writable(outputs[0], kName, "output");
   TORCH_CHECK(inputs.size() == 1 && static_cast<int>(inputs[0].size()) == size,
               "torchpar reduce_scatter: expects one list of ", size, " input tensors");
   check_tensors(inputs[0], kName, "input");
@@ -301,6 +312,7 @@ ReduceScatterTensor::ReduceScatterTensor(const at::Tensor& output, const at::Ten
                                          const c10d::ReduceScatterOptions& opts, int, int size) {
   check_tensor(input, kName, "input");
   check_tensor(output, kName, "output");
+  check_writable(output, kName, "output");
   TORCH_CHECK(output.scalar_type() == input.scalar_type(), "torchpar reduce_scatter_tensor: output dtype ",
               output.scalar_type(), " differs from input dtype ", input.scalar_type());
   TORCH_CHECK(input.numel() == output.numel() * size, "torchpar reduce_scatter_tensor: input has ",
@@ -325,6 +337,7 @@ AlltoallSingle::AlltoallSingle(const at::Tensor& output, const at::Tensor& input
                                int size) {
   check_tensor(input, kName, "input");
   check_tensor(output, kName, "output");
+  check_writable(output, kName, "output");
   TORCH_CHECK(output.scalar_type() == input.scalar_type(), "torchpar all_to_all_single: output dtype ",
               output.scalar_type(), " differs from input dtype ", input.scalar_type());
   send_counts = split_counts(input, input_split_sizes, size, "input");
@@ -361,6 +374,7 @@ Alltoall::Alltoall(const std::vector<at::Tensor>& outputs, const std::vector<at:
               outputs.size());
   check_tensors(inputs, kName, "input");
   check_tensors(outputs, kName, "output");
+  check_writable(outputs, kName, "output");
   for (int r = 0; r < size; ++r) {
     TORCH_CHECK(inputs[r].scalar_type() == inputs[0].scalar_type() &&
                     outputs[r].scalar_type() == inputs[0].scalar_type(),

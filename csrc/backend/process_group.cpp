@@ -250,6 +250,7 @@ c10::intrusive_ptr<Work> ProcessGroupTorchpar::post_p2p(bool is_send, at::Tensor
   const char* op = is_send ? "send" : "recv";
   check_cpu_in_block(op);
   check_tensor(tensor, op, "tensor");
+  if (!is_send) check_writable(tensor, op, "tensor");
   if (peer >= 0) {
     check_rank(peer, getSize(), op, is_send ? "destination" : "source");
     TORCH_CHECK(peer != getRank(), "torchpar ", op, ": rank ", getRank(), " cannot ", op,

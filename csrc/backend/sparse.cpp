@@ -68,7 +68,7 @@ void sparse_allreduce_sum(collectives::Comm& c, const at::Tensor& t) {
     vals.push_back(val_all[r].narrow(0, 0, all[r * rec]));
   }
   at::Tensor sum = at::sparse_coo_tensor(at::cat(idxs, 1), at::cat(vals, 0), in.sizes()).coalesce();
-  t.copy_(sum);
+  write_back(t, sum);
 }
 
 }  // namespace torchpar

@@ -1,5 +1,6 @@
 #include "backend/tensors.h"
 
+#include <ATen/MemoryOverlap.h>
 #include <torch/csrc/distributed/c10d/Types.hpp>
 
 namespace torchpar {
@@ -33,7 +34,22 @@ Staged Staged::output(const at::Tensor& t) {
 
 void Staged::finish() const {
   if (buffer.data_ptr() == user.data_ptr()) return;  // the collective worked in place
-  user.copy_(user.is_complex() ? at::view_as_complex(buffer) : buffer);
+  write_back(user, user.is_complex() ? at::view_as_complex(buffer) : buffer);
+}
+
+void write_back(const at::Tensor& user, const at::Tensor& result) {
+  at::AutoDispatchBelowADInplaceOrView below_autograd;
+  user.copy_(result);
+}
+
+void check_writable(const at::Tensor& t, const char* op, const std::string& what) {
+  TORCH_CHECK(at::has_internal_overlap(t) != at::MemOverlap::Yes, "torchpar ", op, ": ", what,
+              " is written to, but several of its elements share memory (an expanded tensor?); pass a tensor "
+              "whose elements each have their own memory (e.g. .contiguous())");
+}
+
+void check_writable(const std::vector<at::Tensor>& ts, const char* op, const std::string& what) {
+  for (size_t i = 0; i < ts.size(); ++i) check_writable(ts[i], op, what + "[" + std::to_string(i) + "]");
 }
 
 void check_tensor(const at::Tensor& t, const char* op, const std::string& what) {

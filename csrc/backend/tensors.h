@@ -30,8 +30,17 @@ struct Staged {
   void finish() const;
 };
 
+// Writes a collective's result into a user tensor the way the transports write into a
+// contiguous one: below autograd. A copy_ through autograd would refuse a leaf that requires
+// grad, or an inference tensor, depending on the grad mode of whichever thread runs the op (an
+// async op runs on the group's worker, which has the default modes), and fail the group.
+void write_back(const at::Tensor& user, const at::Tensor& result);
+
 // Checks device, layout and dtype; `what` names the argument in the message.
 void check_tensor(const at::Tensor& t, const char* op, const std::string& what);
+// For a tensor the collective writes: no two elements may share memory (an expanded tensor).
+void check_writable(const at::Tensor& t, const char* op, const std::string& what);
+void check_writable(const std::vector<at::Tensor>& ts, const char* op, const std::string& what);
 void check_tensors(const std::vector<at::Tensor>& ts, const char* op, const std::string& what);
 void check_single(const std::vector<at::Tensor>& ts, const char* op);
 void check_same_type_and_size(const at::Tensor& a, const at::Tensor& b, const char* op,
