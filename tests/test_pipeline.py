@@ -430,6 +430,34 @@ def test_ddp_stage_whose_last_backward_reaches_no_parameter(backend):
     _pool(backend, 4).run(_ddp_stage_skipped_in_the_last_micro_batch, backend)
 
 
+def _frozen_between_steps(ctx, name):
+    torch.set_num_threads(1)
+    model = _model(2 * ctx.world_size)
+    stages, sched = _build(ctx, name, model, 2)
+    st = stages[0]
+    for step, frozen in enumerate([None, 0, None, 1, None]):  # the stage frozen in this step
+        x, y = _data(step, 4)
+        ref = copy.deepcopy(model)
+        for i in range(ctx.world_size):
+            split(ref, ctx.world_size, i).requires_grad_(i != frozen)
+        _mse(ref(x), y).backward()
+        st.submod.requires_grad_(st.stage_index != frozen)
+        for p in st.submod.parameters():
+            p.grad = None
+        sched.step(*((x,) if st.is_first else ()), target=y if st.is_last else None)
+        if st.stage_index == frozen:
+            assert all(p.grad is None for p in st.submod.parameters())
+        else:
+            _check_grads(stages, ref, ctx.world_size, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("name", ["1f1b", "zb_h1"])
+def test_freezing_and_unfreezing_a_stage_between_steps(name):
+    # The shapes learned on the first step held requires_grad too: freezing stage 0 changed
+    # what it sends under the same input shapes, and the step failed with a mismatch.
+    _pool("torchpar", 2).run(_frozen_between_steps, name)
+
+
 def _variable_length(ctx, name):
     torch.set_num_threads(1)
     model = _model(2 * ctx.world_size)
@@ -480,6 +508,43 @@ def _several_tensors(ctx):
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_several_tensors_per_boundary_some_without_gradient(backend):
     _pool(backend, 2).run(_several_tensors)
+
+
+class _Fan(nn.Module):
+    """Stage 0 sends 20 tensors (of 2 to 4 dimensions: a header of 116 numbers); stage 1 sums them."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+
+    def forward(self, *xs):
+        if len(xs) == 1:
+            h = self.lin(xs[0])
+            return tuple((h * (i + 1)).reshape(2, -1, *([2] * (i % 3))) for i in range(20))
+        return self.lin(sum(x.reshape(-1, 8) for x in xs))
+
+
+def _many_tensors(ctx, name):
+    torch.set_num_threads(1)
+    torch.manual_seed(0)
+    model = nn.Sequential(_Fan(), _Fan())
+    ref = copy.deepcopy(model)
+    stage = PipelineStage(copy.deepcopy(model[ctx.rank]), ctx.rank, 2)
+    sched = SCHEDULES[name](stage, 2, loss_fn=_mse)
+    for step in range(2):  # the header goes with every step's first message
+        x, y = _data(step, 8)
+        stage.submod.zero_grad(set_to_none=True)
+        ref.zero_grad(set_to_none=True)
+        sum(_mse(ref[1](*ref[0](xs)), ys) / 2 for xs, ys in zip(x.chunk(2), y.chunk(2))).backward()
+        sched.step(*((x,) if ctx.rank == 0 else ()), target=y if ctx.rank else None)
+        for p, q in zip(stage.submod.parameters(), ref[ctx.rank].parameters()):
+            torch.testing.assert_close(p.grad, q.grad, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_more_tensors_per_boundary_than_one_header_holds(backend):
+    # The header was one message of 64 numbers: past ~12 tensors the step failed mid-way.
+    _pool(backend, 2).run(_many_tensors, "1f1b" if backend == "torchpar" else "zb_h1")
 
 
 def _eval_and_trace(ctx, path):

@@ -2,7 +2,7 @@
 stage boundary, and tags that keep the three kinds of message apart.
 
 The first activation message of a step across each stage boundary is preceded by a header
-(count, and per tensor dtype, requires_grad, shape; the step's later micro-batches have the
+(count, length, and per tensor dtype, requires_grad, shape; the step's later micro-batches have the
 same shapes, which the sender checks), so shapes need not be declared: the receiver learns
 them on the first step, and the schedule posts later steps' receives early with the learned
 shapes (a key made from the first stage's input shapes says whether they still hold; variable
@@ -62,20 +62,27 @@ def specs(tensors):
 
 
 def encode(tensors, stage):
-    h = [len(tensors)]
+    """The header messages: the first always ``HEADER_LEN`` numbers (what the receiver posts
+    before it knows anything), then, for a boundary whose tensors need more, one message with
+    the rest (its length is in the first)."""
+    h = [len(tensors), 0]
     for t in tensors:
         if t.dtype not in DTYPES:
             raise TypeError(f"pipeline stage {stage}: cannot send a tensor of dtype {t.dtype}")
         h += [DTYPES.index(t.dtype), int(t.requires_grad), t.dim(), *t.shape]
-    if len(h) > HEADER_LEN:
-        raise ValueError(f"pipeline stage {stage}: its outputs ({len(tensors)} tensors) need a header of "
-                         f"{len(h)} numbers, more than {HEADER_LEN}")
-    return torch.tensor(h + [0] * (HEADER_LEN - len(h)), dtype=torch.int64)
+    h[1] = len(h)
+    h = torch.tensor(h + [0] * max(0, HEADER_LEN - len(h)), dtype=torch.int64)
+    return [h[:HEADER_LEN], h[HEADER_LEN:]] if len(h) > HEADER_LEN else [h]
+
+
+def extension_len(header):
+    """How many numbers follow the first header message in a second one (0: none)."""
+    return max(0, int(header[1]) - HEADER_LEN)
 
 
 def decode(header):
     h = header.tolist()
-    out, i = [], 1
+    out, i = [], 2
     for _ in range(h[0]):
         dtype, rg, ndim = DTYPES[h[i]], bool(h[i + 1]), h[i + 2]
         out.append((tuple(h[i + 3:i + 3 + ndim]), dtype, rg))
@@ -88,10 +95,18 @@ def empty(specs_, device=None):
 
 
 def describe(specs_):
-    return "[" + ", ".join(f"{tuple(s)} {str(d).replace('torch.', '')}" for s, d, _ in specs_) + "]"
+    return "[" + ", ".join(f"{tuple(s)} {str(d).replace('torch.', '')}" + (" requiring grad" if rg else "")
+                           for s, d, rg in specs_) + "]"
 
 
 def key(tensors, train):
     """A 63-bit number naming the first stage's input shapes (same on every rank)."""
     text = repr((train, [(tuple(t.shape), str(t.dtype), bool(t.requires_grad)) for t in tensors]))
+    return zlib.crc32(text.encode()) | (len(text) << 32)
+
+
+def combine_keys(keys):
+    """One 63-bit key from several (the first stage's input key and each rank's trainable
+    parameters)."""
+    text = repr(list(keys))
     return zlib.crc32(text.encode()) | (len(text) << 32)

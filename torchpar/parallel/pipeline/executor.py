@@ -159,7 +159,8 @@ class Executor:
         first = self.send_learned.get(stage)
         if first is None:  # the step's first message to stage + 1: with a header
             known = self.send_known.get(stage)
-            self._send(_comm.encode(outs, stage), stage + 1, _comm.tag_header(stage + 1))
+            for part in _comm.encode(outs, stage):
+                self._send(part, stage + 1, _comm.tag_header(stage + 1))
             if known is not None and known != got:
                 # The next stage raises on reading this header; wait until it is delivered, or
                 # the next stage may see this rank exit (connection reset) instead of the error.
@@ -197,7 +198,13 @@ class Executor:
         order of their RECV_F: receives of one tag match the peer's sends in posting order)."""
         header = self.headers.pop(stage)
         self._wait(header.works)
-        got = _comm.decode(header.tensors[0])
+        header = header.tensors[0]
+        if more := _comm.extension_len(header):  # many tensors: the rest follows with the same tag
+            rest = self._post_recv([torch.empty(more, dtype=torch.int64)], stage - 1, _comm.tag_header(stage))
+            self._flush()
+            self._wait(rest.works)
+            header = torch.cat([header, rest.tensors[0]])
+        got = _comm.decode(header)
         known = self.recv_known.get(stage)
         if known is not None and [sp[:2] for sp in got] != [sp[:2] for sp in known]:
             raise _comm.ShapeMismatch(

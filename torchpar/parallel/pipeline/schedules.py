@@ -134,9 +134,12 @@ class _PipelineSchedule:
         """All pipeline ranks exchange what they are about to run; any disagreement or local
         error is raised on every rank before a single activation moves."""
         key = _comm.key(first_mbs[0], train) if first_mbs else 0
+        # Which parameters require grad decides which stage outputs do, so it is part of what the
+        # learned shapes hold for (a stage frozen or unfrozen between steps: review finding).
+        trainable = zlib.crc32(bytes(p.requires_grad for s in self.stages for p in s.submod.parameters()))
         row = torch.tensor([self.num_stages, len(self.stages), _KIND_IDS[self.kind], self.n_microbatches,
-                            key, int(err is not None), int(train), self._schedule_id, self._failure.nonce],
-                           dtype=torch.int64)
+                            key, int(err is not None), int(train), self._schedule_id, self._failure.nonce,
+                            trainable], dtype=torch.int64)
         rows = [torch.empty_like(row) for _ in range(self.p)]
         dist.all_gather(rows, row, group=self.group)
         rows = [r.tolist() for r in rows]
@@ -146,7 +149,7 @@ class _PipelineSchedule:
             dist.all_gather_object(msgs, err, group=self.group)
             problems += [f"pipeline rank {i}: {m}" for i, m in enumerate(msgs) if m]
         names = ["number of stages", "stages per rank", "schedule kind", "number of micro-batches", None, None,
-                 "step/eval", "schedule (checksum of the action lists)", None]
+                 "step/eval", "schedule (checksum of the action lists)", None, None]
         for field, name in enumerate(names):
             if name and len({r[field] for r in rows}) > 1:
                 problems.append(f"pipeline ranks disagree on the {name}: " +
@@ -154,7 +157,8 @@ class _PipelineSchedule:
         if problems:
             raise ValueError(f"{type(self).__name__}: " + "; ".join(problems))
         self._failure.agree(rows[0][8])
-        return rows[0][4]  # rank 0 holds stage 0
+        # Rank 0 holds stage 0: its input shapes, with every rank's trainable parameters.
+        return _comm.combine_keys([rows[0][4]] + [r[9] for r in rows])
 
     def _run(self, actions, args, target, losses, trace, kwargs, return_outputs, train):
         m = self.n_microbatches
