@@ -418,3 +418,21 @@ def _cross_entropy_target_out_of_range(ctx, backend):
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_cross_entropy_target_out_of_range_raises(backend):
     get_pool(2).run(_cross_entropy_target_out_of_range, backend)
+
+
+def _embedding_id_out_of_range(ctx, backend, sequence_parallel):
+    # nn.Embedding raises for an id outside [0, V); no rank held it, so the sum was a row of zeros.
+    group = group_for(ctx, backend)
+    emb = VocabParallelEmbedding(16, 4, group, sequence_parallel=sequence_parallel)
+    for bad in (16, -1):
+        with pytest.raises(IndexError, match=f"token id {bad} is out of range for the vocabulary of 16"):
+            emb(torch.tensor([[1, 2], [bad, 3]]))
+    t = torch.ones(3)
+    dist.all_reduce(t, group=group)  # the group goes on
+    return emb(torch.tensor([[1, 2], [15, 0]])).shape
+
+
+@pytest.mark.parametrize("sequence_parallel", [False, True])
+def test_embedding_id_out_of_range_raises_on_every_rank(sequence_parallel):
+    shapes = get_pool(2).run(_embedding_id_out_of_range, "torchpar", sequence_parallel)
+    assert shapes == [(1, 2, 4) if sequence_parallel else (2, 2, 4)] * 2

@@ -66,12 +66,26 @@ class VocabParallelEmbedding(nn.Module):
                 raise ValueError(f"VocabParallelEmbedding(sequence_parallel=True): the sequence length "
                                  f"(dim {d} of the input, shape {tuple(input.shape)}) must be divisible by "
                                  f"the tensor-parallel group size ({self.tp})")
+        self._check_ids(input)
         outside = (input < self.vocab_start) | (input >= self.vocab_end)
         local = (input - self.vocab_start).masked_fill(outside, 0)
         partial = F.embedding(local, self.weight).masked_fill(outside.unsqueeze(-1), 0.0)
         if self.sequence_parallel:
             return comm.reduce_scatter_along(partial, self.sequence_dim, self.group)
         return comm.reduce_from_region(partial, self.group)
+
+    def _check_ids(self, input):
+        """An id outside the vocabulary is held by no rank and would sum to a row of zeros: an
+        IndexError instead, as ``nn.Embedding`` raises. The ranks of a tensor-parallel group look
+        up the same ids, so each finds the same answer without a collective. On a GPU the check
+        is a device-side assert (no host sync per forward), as ``nn.Embedding``'s."""
+        bad = (input < 0) | (input >= self.num_embeddings)
+        if input.is_cuda:
+            torch._assert_async(~bad.any(), f"VocabParallelEmbedding: a token id is out of range [0, "
+                                            f"{self.num_embeddings})")
+        elif bad.any():
+            raise IndexError(f"VocabParallelEmbedding: token id {input[bad][0].item()} is out of range for "
+                             f"the vocabulary of {self.num_embeddings}")
 
     def extra_repr(self):
         return (f"{self.num_embeddings}, {self.embedding_dim} (rows {self.vocab_start}:{self.vocab_end} "
