@@ -51,8 +51,10 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
     ``process_group`` (default: the world), with the same ``params`` on each. ``optim`` is the
     local ``optimizer_class`` instance over this rank's shard (its masters under O2).
 
-    torch's ``parameters_as_bucket_view`` is accepted and changes nothing here (the parameters stay
-    tensors of their own; the all-gather after the step goes through buckets either way);
+    torch's ``parameters_as_bucket_view`` is accepted and changes nothing here: the parameters are
+    always views into flat buckets (what torch does with ``True``; the all-gather after the step
+    writes them in place), so a parameter's storage is its whole bucket (``torch.save`` of one
+    parameter alone writes the bucket: save ``.clone()`` or the ``state_dict``);
     ``overlap_with_ddp=True`` (the step run inside DDP's comm hook) is refused."""
 
     def __init__(self, params, optimizer_class, process_group=None, parameters_as_bucket_view=False,
