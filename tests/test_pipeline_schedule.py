@@ -42,6 +42,33 @@ def test_every_schedule_simulates_with_the_papers_bubble(kind):
             assert b == pytest.approx(theory, abs=1e-12), (kind, p, m, v, rank)
 
 
+@pytest.mark.parametrize("p,m", [(2, 8), (3, 6), (4, 8)])
+def test_simulation_at_given_costs_follows_the_papers_formulas(p, m):
+    # Equal stages at F = 1, B = 1.2, W = 0.8: ZB-H1 leaves (p-1)(tF+tB-tW) (Qi et al. 2023);
+    # 1F1B and GPipe at any (tF, tB) leave (p-1)/(m+p-1) of the step.
+    f, b, w = 1.0, 1.2, 0.8
+    zb = _C.pipeline_schedule("zb_h1", p, m).simulate([(f, b, w)] * p)
+    idle = (p - 1) * (f + b - w)
+    assert zb["bubble"] == pytest.approx([idle / (m * (f + b + w) + idle)] * p, abs=1e-12)
+    for kind in ("1f1b", "gpipe"):
+        r = _C.pipeline_schedule(kind, p, m).simulate([(1.0, 2.5, 0.0)] * p)
+        assert r["bubble"] == pytest.approx([(p - 1) / (m + p - 1)] * p, abs=1e-12)
+        assert r["makespan"] == pytest.approx((m + p - 1) * 3.5)
+    # Unit costs given explicitly are the default's.
+    unit = _C.pipeline_schedule("interleaved_1f1b", p, m, 2)
+    assert unit.simulate([(1.0, 2.0, 0.0)] * (2 * p)) == unit.simulate()
+
+
+def test_simulation_costs_are_checked():
+    s = _C.pipeline_schedule("1f1b", 2, 4)
+    with pytest.raises(ValueError, match="costs for 1 stages; the schedule has 2"):
+        s.simulate([(1.0, 2.0, 0.0)])
+    with pytest.raises(ValueError, match="finite and >= 0, got -1"):
+        s.simulate([(1.0, 2.0, 0.0), (1.0, -1.0, 0.0)])
+    with pytest.raises(ValueError, match="finite and >= 0, got nan"):
+        s.simulate([(1.0, 2.0, 0.0), (float("nan"), 1.0, 0.0)])
+
+
 @pytest.mark.parametrize("kind", ["1f1b", "zb_h1", "gpipe"])
 def test_micro_batches_in_flight(kind):
     for k, p, m, v in CASES:

@@ -42,8 +42,8 @@ TORCHPAR_PYBIND(pipeline) {
       .def("to_csv", &pp::schedule_to_csv)
       .def("forward_only", &pp::forward_only)
       .def("simulate",
-           [](const pp::Schedule& s) {
-             auto r = as_value_error([&] { return pp::simulate(s); });
+           [](const pp::Schedule& s, std::optional<pp::StageCosts> costs) {
+             auto r = as_value_error([&] { return pp::simulate(s, costs ? &*costs : nullptr); });
              py::dict d;
              d["makespan"] = r.makespan;
              d["busy"] = r.busy;
@@ -52,8 +52,10 @@ TORCHPAR_PYBIND(pipeline) {
              d["start"] = r.start;
              return d;
            },
-           "Checks the lists on a virtual clock (unit costs) and returns makespan, busy, bubble, "
-           "peak_in_flight and start times per rank; raises ValueError on any violation.");
+           py::arg("costs") = py::none(),
+           "Checks the lists on a virtual clock and returns makespan, busy, bubble, peak_in_flight "
+           "and start times per rank; raises ValueError on any violation. Unit costs (F 1, B 2 "
+           "or 1 when split, W 1), or ``costs``: per stage, the (F, B, W) times.");
 
   m.def("pipeline_schedule",
         [](const std::string& kind, int p, int m_, int v) {

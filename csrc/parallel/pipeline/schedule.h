@@ -5,6 +5,7 @@
 // (simulate.cpp) checks them without any process group.
 #pragma once
 
+#include <array>
 #include <string>
 #include <vector>
 
@@ -73,11 +74,16 @@ struct SimulationResult {
   std::vector<std::vector<double>> start;  // per rank, per action: simulated start time
 };
 
+// What each compute of a stage costs: F, B (the whole backward, or B of the split) and W.
+using StageCosts = std::vector<std::array<double, 3>>;
+
 // Runs the lists with unit costs (F = 1, full B = 2, split B = 1, W = 1, messages free and
-// arriving when sent). Throws torchpar::UsageError with the first violation: a compute
-// before its dependency, a receive not posted before its use, sends and receives of a
-// neighbour pair in different orders, an unmatched message, or a deadlock (no rank can move).
-SimulationResult simulate(const Schedule& s);
+// arriving when sent), or with `costs` per stage (e.g. measured: the bubble these action lists
+// leave with this model's timings and free messages, the papers' formula for unequal F, B, W).
+// Throws torchpar::UsageError with the first violation: a compute before its dependency, a
+// receive not posted before its use, sends and receives of a neighbour pair in different
+// orders, an unmatched message, or a deadlock (no rank can move).
+SimulationResult simulate(const Schedule& s, const StageCosts* costs = nullptr);
 
 // The idle fraction the papers give for this kind with the simulator's unit costs:
 // (p-1)/(m+p-1) for GPipe and 1F1B, (p-1)/(v*m+p-1) for interleaved (the bubble over the

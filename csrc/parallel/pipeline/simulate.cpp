@@ -1,6 +1,7 @@
 // Runs a schedule's action lists on a virtual clock to check them and to measure their
 // bubble, with no process group: what the tests of every (kind, p, m, v) rely on.
 #include <algorithm>
+#include <cmath>
 #include <map>
 #include <set>
 #include <tuple>
@@ -24,14 +25,21 @@ std::string describe(int rank, const Action& a) {
 
 }  // namespace
 
-SimulationResult simulate(const Schedule& s) {
+SimulationResult simulate(const Schedule& s, const StageCosts* costs) {
   const int p = s.num_ranks, S = s.num_stages(), m = s.num_microbatches;
   TP_CHECK_USAGE(static_cast<int>(s.actions.size()) == p, "schedule has ", s.actions.size(),
                  " action lists for ", p, " ranks");
-  auto cost = [&](ActionType t) {
-    if (t == ActionType::F || t == ActionType::W) return 1.0;
-    if (t == ActionType::B) return s.split_backward ? 1.0 : 2.0;
-    return 0.0;
+  if (costs) {
+    TP_CHECK_USAGE(static_cast<int>(costs->size()) == S, "costs for ", costs->size(), " stages; the schedule has ", S);
+    for (const auto& c : *costs) {
+      for (double x : c) TP_CHECK_USAGE(std::isfinite(x) && x >= 0, "a cost must be finite and >= 0, got ", x);
+    }
+  }
+  auto cost = [&](const Action& a) {
+    const int i = a.type == ActionType::F ? 0 : a.type == ActionType::B ? 1 : a.type == ActionType::W ? 2 : -1;
+    if (i < 0) return 0.0;  // messages are free
+    if (costs) return (*costs)[a.stage][i];
+    return a.type == ActionType::B && !s.split_backward ? 2.0 : 1.0;
   };
   // Every (micro-batch, stage) must be forwarded and backwarded exactly once on its rank.
   for (int r = 0; r < p; ++r) {
@@ -131,7 +139,7 @@ SimulationResult simulate(const Schedule& s) {
             break;
         }
         if (!can) break;
-        const double c = cost(a.type);
+        const double c = cost(a);
         res.start[r].push_back(ready);
         clock[r] = ready + c;
         res.busy[r] += c;
