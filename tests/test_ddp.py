@@ -5,6 +5,7 @@ Every multi-rank test runs on the torchpar backend and on gloo (the oracle), at 
 in one process (every rank computes it locally, from the same seeds), and parameters must
 agree after every step.
 """
+import contextlib
 import copy
 
 import pytest
@@ -695,6 +696,37 @@ def _broadcast_at_construction(ctx):
     model[1].running_mean.add_(float(ctx.rank))
     ddp(torch.ones(3, 4))
     return at_construction, [t.clone() for t in ddp.state_dict().values()]
+
+
+def _buffer_sync_beside_torch(ctx):
+    """Which forwards broadcast rank 0's buffers, beside torch's DDP on the same ranks: a step,
+    an eval forward under no_grad, no_sync() micro-batches, steps (review finding: ours decided
+    by the current forward, torch's by the previous one)."""
+    _setup(ctx)
+    seen = {}
+    for name, wrap in (("torchpar", lambda m: DDP(m, process_group=ctx.pg)),
+                       ("torch", lambda m: nn.parallel.DistributedDataParallel(m, process_group=ctx.gloo))):
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4))
+        ddp = wrap(model)
+        trace = []
+        for step, mode in enumerate(["step", "eval", "step", "no_sync", "no_sync", "step", "eval", "eval"]):
+            x = (torch.arange(12.0).view(3, 4) + step) * (ctx.rank + 1)
+            if mode == "eval":
+                with torch.no_grad():
+                    trace.append(ddp(x).sum().item())
+            else:
+                with ddp.no_sync() if mode == "no_sync" else contextlib.nullcontext():
+                    ddp(x).sum().backward()
+            trace.append(model[1].running_mean.tolist())
+        seen[name] = trace
+    return seen
+
+
+@pytest.mark.parametrize("world_size", [2])
+def test_buffers_are_broadcast_at_the_forwards_torch_broadcasts_at(world_size):
+    for seen in _pool("torchpar", world_size).run(_buffer_sync_beside_torch):
+        torch.testing.assert_close(seen["torchpar"], seen["torch"], rtol=1e-6, atol=1e-6)
 
 
 @on_backends

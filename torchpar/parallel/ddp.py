@@ -127,6 +127,10 @@ class DistributedDataParallel(nn.Module, Joinable):
         self.gradient_as_bucket_view = gradient_as_bucket_view
         self.grad_reduce_dtype = grad_reduce_dtype
         self.require_backward_grad_sync = True
+        # torch's: buffers are broadcast at a forward when the previous one synchronised gradients
+        # (or at the first), so an eval forward under no_grad after a training step sees rank 0's
+        # buffers, and the first forward inside no_sync() still broadcasts.
+        self.require_forward_param_sync = True
 
         # torch's ignore list (DistributedDataParallel._set_params_and_buffers_to_ignore_for_model):
         # those parameters and buffers are neither synced nor reduced, left to the caller.
@@ -176,9 +180,10 @@ class DistributedDataParallel(nn.Module, Joinable):
             if not self._join_config.enable:
                 raise shard_layout.joined_without_ddp_error()
             sync, buffer_src = _join_vote(sync, True, self.process_group, self.join_device)
-        if sync and self.broadcast_buffers:
+        if self.require_forward_param_sync and self.broadcast_buffers:
             with torch.no_grad():
                 _broadcast_from_rank0(self._synced_buffers, self.process_group, buffer_src)
+        self.require_forward_param_sync = sync
         if sync and self._shard_layout is not None and not self._shard_layout.adopted:
             raise RuntimeError(
                 "torchpar DDP: shard_gradients=True leaves each rank only its shard of the "
@@ -279,11 +284,12 @@ class _JoinHook(JoinHook):
         # sync vote and buffer broadcast, then backward's (reducer.join_shadow_backward).
         ddp = self.ddp
         sync, buffer_src = _join_vote(False, False, ddp.process_group, ddp.join_device)
-        if not sync:
-            return
-        if ddp.broadcast_buffers:
+        if ddp.require_forward_param_sync and ddp.broadcast_buffers:
             with torch.no_grad():
                 _broadcast_from_rank0(ddp._synced_buffers, ddp.process_group, buffer_src)
+        ddp.require_forward_param_sync = sync
+        if not sync:
+            return
         ddp.reducer.join_shadow_backward()
         for optimizer in shard_layout.optimizers_of(ddp._params):
             optimizer._shadow_step()  # the others' clipping and step() after this backward
