@@ -529,8 +529,11 @@ void P2PEngine::check_deadlines_and_peers() {
       auto& q = out_[peer].queue;
       for (auto it = q.begin(); it != q.end();) {
         bool front = it == q.begin();
-        if (front && out_[peer].caller_writing) {  // its caller's, and it never blocks
-          watch[peer] = true;
+        if (front && out_[peer].caller_writing) {
+          // Its caller's, which never blocks: what it cannot write goes back to this thread
+          // (then watched). Watching the peer now would fail a send whose bytes are all out
+          // when that peer, done with them, closes its end before the caller marks the send
+          // complete: the failure then took every other pending request with it.
           ++it;
           continue;
         }

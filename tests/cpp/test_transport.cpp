@@ -3,6 +3,7 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <atomic>
 #include <condition_variable>
 #include <cstring>
 #include <functional>
@@ -16,6 +17,8 @@
 #include "collectives/collectives.h"
 #include "common/error.h"
 #include "transport/connect.h"
+#include "transport/link.h"
+#include "transport/p2p_engine.h"
 #include "transport/records.h"
 #include "transport/shm/shm_transport.h"
 #include "transport/tcp/tcp_transport.h"
@@ -226,6 +229,50 @@ TEST(P2P, SmallSendToASharedMemoryPeerIsDoneWhenIsendReturns) {
       EXPECT_EQ(got, 42);
     }
   });
+}
+
+// A link whose write to peer 1 takes every byte and then stalls the writing thread, while peer
+// 1, done with the message, closes its end: the moment between a caller's last write and its
+// marking the send complete. No real peer: the bytes go nowhere, nothing comes back.
+class StallingLink : public Link {
+ public:
+  std::atomic<bool> peer_gone{false};
+  std::atomic<bool> release{false};
+  size_t write_some(int, const void*, size_t n) override {
+    peer_gone = true;  // the peer read the message and left
+    while (!release) std::this_thread::sleep_for(std::chrono::milliseconds(1));
+    return n;
+  }
+  size_t read_some(int, void*, size_t) override { return 0; }
+  void notify(int) override {}
+  uint32_t activity() const override { return 0; }
+  void sleep_until_activity(uint32_t, std::chrono::microseconds max_sleep) override {
+    std::this_thread::sleep_for(std::min(max_sleep, std::chrono::microseconds(1000)));
+  }
+  void check_peer(int peer) override {
+    if (peer_gone) throw Error("rank " + std::to_string(peer) + " has exited");
+  }
+  void abort(const std::string&) override {}
+  bool writable_from_any_thread(int) const override { return true; }
+};
+
+TEST(P2P, ASendWhoseBytesAreOutSurvivesItsPeerLeavingBeforeItCompletes) {
+  // Seen as "lost the TCP connection to rank 0" on 3 ranks: rank 0 finished an all_reduce and
+  // destroyed its group while a peer's thread was between its last write and the completion;
+  // the peer's progress thread checked rank 0 (still "being written to") and failed the group.
+  StallingLink link;
+  P2PEngine engine(0, 2, link, std::chrono::microseconds(0), std::chrono::microseconds(0), 1 << 20);
+  int64_t value = 7;
+  std::thread releaser([&] {
+    std::this_thread::sleep_for(std::chrono::milliseconds(200));  // 4 of the engine's peer checks
+    link.release = true;
+  });
+  auto sent = engine.isend(1, 3, &value, sizeof(value), Clock::now() + std::chrono::seconds(10));
+  releaser.join();
+  EXPECT_NO_THROW(sent->wait());
+  // A failed engine fails every later request at once.
+  EXPECT_NO_THROW(engine.isend(1, 4, &value, sizeof(value), Clock::now() + std::chrono::seconds(10))->wait());
+  engine.stop();
 }
 
 TEST(Collectives, AbsentPeerTimesOut) {
