@@ -15,6 +15,7 @@ pytestmark = [pytest.mark.timeout(120), pytest.mark.parametrize("transport", TRA
 # For make test's time budget (conftest.py): these variants run in make test-slow.
 SLOW_VARIANTS = {"test_monitored_barrier_names_the_late_ranks[True-tcp]",
                  "test_monitored_barrier_names_the_late_ranks[False-shm]",
+                 "test_monitored_barrier_names_the_late_ranks[False-tcp]",
                  "test_the_group_and_ddp_logging_name_the_backend[plain-tcp]",
                  "test_the_group_and_ddp_logging_name_the_backend[debug-detail-shm]",
                  "test_the_group_and_ddp_logging_name_the_backend[debug-detail-tcp]"}
