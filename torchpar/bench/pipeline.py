@@ -223,9 +223,13 @@ _KINDS = {"gpipe": "gpipe", "1f1b": "1f1b", "interleaved": "interleaved_1f1b", "
           "torch_gpipe": "gpipe", "torch_1f1b": "1f1b", "torch_interleaved": "interleaved_1f1b"}
 
 
+def _stages_per_rank(mode):
+    return 2 if "interleaved" in mode else 1
+
+
 def _theory(mode, p, m):
     from torchpar import _C
-    return _C.pipeline_theoretical_bubble(_KINDS[mode], p, m, 2 if "interleaved" in mode else 1)
+    return _C.pipeline_theoretical_bubble(_KINDS[mode], p, m, _stages_per_rank(mode))
 
 
 def _theory_at_measured_costs(mode, ranks, p, m):
@@ -235,7 +239,7 @@ def _theory_at_measured_costs(mode, ranks, p, m):
     own bubble, and the measured bubble's distance from it is what the executor and the
     hand-offs add."""
     from torchpar import _C
-    v = 2 if "interleaved" in mode else 1
+    v = _stages_per_rank(mode)
     measured = {key: t for r in ranks for key, t in r["action_s"][mode].items()}
     costs = [tuple(measured.get((a, stage), 0.0) for a in "FBW") for stage in range(p * v)]
     bubbles = _C.pipeline_schedule(_KINDS[mode], p, m, v).simulate(costs)["bubble"]

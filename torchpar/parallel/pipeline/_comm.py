@@ -99,14 +99,17 @@ def describe(specs_):
                            for s, d, rg in specs_) + "]"
 
 
-def key(tensors, train):
-    """A 63-bit number naming the first stage's input shapes (same on every rank)."""
-    text = repr((train, [(tuple(t.shape), str(t.dtype), bool(t.requires_grad)) for t in tensors]))
+def _key_of(value):
+    """A 63-bit number naming ``value`` by its repr (the same on every rank)."""
+    text = repr(value)
     return zlib.crc32(text.encode()) | (len(text) << 32)
+
+
+def key(tensors, train):
+    """Names the first stage's input shapes."""
+    return _key_of((train, [(tuple(t.shape), str(t.dtype), bool(t.requires_grad)) for t in tensors]))
 
 
 def combine_keys(keys):
-    """One 63-bit key from several (the first stage's input key and each rank's trainable
-    parameters)."""
-    text = repr(list(keys))
-    return zlib.crc32(text.encode()) | (len(text) << 32)
+    """One key from several (the first stage's input key and each rank's trainable parameters)."""
+    return _key_of(list(keys))
