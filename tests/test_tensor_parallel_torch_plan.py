@@ -12,7 +12,9 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput, PrepareModuleOutput,
                                                RowwiseParallel, SequenceParallel)
+from torch.distributed.tensor.parallel import loss_parallel
 from torch.distributed.tensor.parallel import parallelize_module as torch_parallelize_module
+from torch.nn import functional as F
 
 from harness import get_pool
 from torchpar.parallel import parallelize_module
@@ -104,6 +106,70 @@ def test_torch_plan_computes_what_torch_parallelize_module_computes(backend, seq
     assert shapes[0] == (8, 8) and shapes[3] == (16, 8)  # the vocabulary and fc1's outputs split in two
 
 
+def _loss_parallel_like_torch(ctx, backend, sequence_dim):
+    """torchtitan's head for loss parallelism: ColwiseParallel(output_layouts=Shard(-1),
+    use_local_output=False) gives vocabulary-sharded DTensor logits, and torch's loss_parallel()
+    takes the cross entropy over them without gathering; the loss and every gradient as torch's
+    stack computes them, and the loss as one process computes it."""
+    torch.set_num_threads(1)
+    dense, ours, theirs = _Net(), _Net(), _Net()
+
+    def plan():
+        p = _plan(sequence_dim)
+        p["head"] = ColwiseParallel(input_layouts=p["head"].input_layouts[0], output_layouts=Shard(-1),
+                                    use_local_output=False)
+        return p
+    parallelize_module(ours, DeviceMesh.from_group(group_for(ctx, backend), "cpu"), plan())
+    torch_parallelize_module(theirs, DeviceMesh.from_group(ctx.gloo, "cpu"), plan())
+    gen = torch.Generator().manual_seed(1)
+    idx, target = torch.randint(0, 16, (6, 2), generator=gen), torch.randint(0, 16, (6, 2), generator=gen)
+    if sequence_dim == 1:
+        idx, target = idx.t().contiguous(), target.t().contiguous()
+    expected = F.cross_entropy(dense(idx).flatten(0, 1), target.flatten())
+    losses = []
+    for m in (ours, theirs):
+        out = m(idx)
+        assert isinstance(out, DTensor) and out.placements == (Shard(2),), out
+        with loss_parallel():
+            loss = F.cross_entropy(out.flatten(0, 1), target.flatten())
+            loss.backward()
+        losses.append(loss.full_tensor())
+    torch.testing.assert_close(losses[0], expected, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(losses[1], expected, rtol=1e-5, atol=1e-6)
+    for (name, p), q in zip(ours.named_parameters(), theirs.parameters()):
+        torch.testing.assert_close(p.grad, _local(q.grad, q), rtol=1e-5, atol=1e-6, msg=lambda m: f"{name}: {m}")
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("sequence_dim", [None, 1], ids=["tp", "tp-sp-batch-first"])
+def test_dtensor_logits_for_torch_loss_parallel_as_torch_computes_them(backend, sequence_dim):
+    get_pool(2, "torchpar").run(_loss_parallel_like_torch, backend, sequence_dim)
+
+
+def _dtensor_in_and_out(ctx):
+    """A DTensor input is laid out as the layer takes it (here replicated, made Shard(-1)); with
+    use_local_output=False the output is a DTensor placed as output_layouts; the gradient flows
+    back through both to the caller's tensor."""
+    torch.set_num_threads(1)
+    torch.manual_seed(0)
+    dense = nn.Linear(4, 6)
+    mesh = DeviceMesh.from_group(ctx.pg, "cpu")
+    tp = parallelize_module(copy.deepcopy(dense), mesh, RowwiseParallel(use_local_output=False))
+    x = torch.randn(3, 4, requires_grad=True)
+    out = tp(DTensor.from_local(x, mesh, (Replicate(),), run_check=False))
+    assert isinstance(out, DTensor) and out.placements == (Replicate(),)
+    expected_x = x.detach().clone().requires_grad_()
+    expected = dense(expected_x)
+    torch.testing.assert_close(out.to_local(), expected)
+    out.to_local().pow(2).sum().backward()
+    expected.pow(2).sum().backward()
+    torch.testing.assert_close(x.grad, expected_x.grad)
+
+
+def test_a_dtensor_input_and_a_dtensor_output_on_request():
+    get_pool(2, "torchpar").run(_dtensor_in_and_out)
+
+
 class _SwiGLU(nn.Module):
     def __init__(self, hidden):
         super().__init__()
@@ -183,7 +249,6 @@ REFUSED = {
     "sequence_dim 2": ({"ln": SequenceParallel(sequence_dim=2)}, "sequence on dimensions [2]"),
     "two sequence dims": ({"ln": SequenceParallel(sequence_dim=0), "ln_f": SequenceParallel()},
                           "sequence on dimensions [0, 1]"),
-    "local output off": ({"fc1": ColwiseParallel(use_local_output=False)}, "use_local_output=False"),
     "colwise embedding": ({"emb": ColwiseParallel()}, "embedding dimension"),
     "output on dim 0": ({"head": ColwiseParallel(output_layouts=Shard(0))}, "gathered whole (Replicate())"),
     "prepare output": ({"fc1": PrepareModuleOutput(output_layouts=Replicate(), desired_output_layouts=Shard(0))},

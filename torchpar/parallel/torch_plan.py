@@ -6,13 +6,18 @@ changing where ``parallelize_module`` is imported from. Each style is read, by i
 compute the same local tensors: a colwise layer whose input is ``Shard(d)`` all-gathers the
 sequence itself, one whose input is ``Replicate()`` takes it whole (a ``PrepareModuleInput`` above
 it gathered it, as torchtitan's plans do), a rowwise one whose output is ``Shard(d)``
-reduce-scatters. Parameters become this rank's plain shards, not DTensors, and outputs are local
-tensors (torch's ``use_local_output=True``). Like torch's, a plan's layouts are trusted: they say
-what each local tensor is.
+reduce-scatters. Parameters become this rank's plain shards, not DTensors. A layer's output is a
+local tensor, or with ``use_local_output=False`` on a ``ColwiseParallel`` / ``RowwiseParallel``
+entry a DTensor on the plan's mesh placed as its ``output_layouts`` say: torchtitan's head
+``ColwiseParallel(output_layouts=Shard(-1), use_local_output=False)`` gives the vocabulary-sharded
+logits that torch's ``loss_parallel()`` takes, without gathering them. A DTensor given to a planned
+layer is laid out as the layer's input layout and its local part taken (torch's layers take DTensor
+inputs too). ``SequenceParallel`` and ``PrepareModuleInput`` return local tensors whatever their
+``use_local_output`` (torch's default there is DTensors; the values are the same). Like torch's, a
+plan's layouts are trusted: they say what each local tensor is.
 
 What torchpar's layers do not compute is refused, naming the plan entry, before anything changes:
-``use_local_output=False`` on a layer (DTensor outputs), ``ColwiseParallel`` on an embedding (its
-embedding dimension split), a colwise output on another layout than ``Shard(-1)`` or ``Replicate()``,
+``ColwiseParallel`` on an embedding (its embedding dimension split), a colwise output on another layout than ``Shard(-1)`` or ``Replicate()``,
 ``PrepareModuleOutput``, a ``PrepareModuleInput`` other than sequence shards to whole (positional
 inputs only), and sequence parallelism on a dimension other than 0 (``[s, b, h]``, Megatron's layout)
 or 1 (``[b, s, h]``, torch's default; each collective then transposes), or on two in one plan.
@@ -22,7 +27,7 @@ import warnings
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput, RowwiseParallel,
                                                SequenceParallel)
 
@@ -59,9 +64,6 @@ def _style(name, module, style, sequence_dim):
     if not isinstance(style, (ColwiseParallel, RowwiseParallel, SequenceParallel)):
         raise NotImplementedError(f"{what}: {type(style).__name__} is not supported; torchpar takes ColwiseParallel, "
                                   "RowwiseParallel, SequenceParallel and PrepareModuleInput")
-    if not style.use_local_output and not isinstance(style, SequenceParallel):
-        raise NotImplementedError(f"{what}: use_local_output=False (DTensor outputs) is not supported; "
-                                  "torchpar's layers return local tensors")
     if isinstance(style, SequenceParallel):
         return "sequence", True
     if isinstance(style, ColwiseParallel):
@@ -79,6 +81,42 @@ def _style(name, module, style, sequence_dim):
         raise NotImplementedError(f"{what}: input_layouts={src}; torchpar's takes "
                                   f"{Replicate() if embedding else Shard(-1)}")
     return ("vocab" if embedding else "rowwise"), _sequence_sharded(what, "output", out, sequence_dim)
+
+
+def _input_layout(style, sequence_dim):
+    """The layout of the local tensor the converted layer takes (what a DTensor input is made)."""
+    if isinstance(style, SequenceParallel):
+        return Shard(sequence_dim)
+    return _one(style.input_layouts)
+
+
+def _placed(layout, ndim):
+    """``layout`` with a negative shard dimension counted from the end of an ``ndim``-d tensor."""
+    return Shard(layout.dim % ndim) if type(layout) is Shard else layout
+
+
+def _from_dtensor(args, layouts, mesh, what):
+    """Positional DTensor inputs laid out as ``layouts[i]`` (None: left as they are) on ``mesh``,
+    and their local parts taken."""
+    def local(i, a):
+        if not isinstance(a, DTensor) or i >= len(layouts) or layouts[i] is None:
+            return a
+        if a.device_mesh != mesh:
+            raise ValueError(f"{what}: input {i} is a DTensor on {a.device_mesh}, the plan's mesh is {mesh}")
+        return a.redistribute(mesh, (_placed(layouts[i], a.dim()),)).to_local()
+    return tuple(local(i, a) for i, a in enumerate(args))
+
+
+def _layer_hooks(module, style, sequence_dim, mesh, what):
+    """A planned layer's hooks: DTensor inputs made local; with ``use_local_output=False``
+    (ColwiseParallel, RowwiseParallel) the output made a DTensor placed as ``output_layouts``."""
+    layout = _input_layout(style, sequence_dim)
+    module.register_forward_pre_hook(lambda m, args: _from_dtensor(args, (layout,), mesh, what))
+    if isinstance(style, SequenceParallel) or style.use_local_output:
+        return
+    out_layout = _one(style.output_layouts)
+    module.register_forward_hook(lambda m, args, out: DTensor.from_local(
+        out, mesh, (_placed(out_layout, out.dim()),), run_check=False))
 
 
 def _sequence_sharded(what, field, layout, sequence_dim):
@@ -109,10 +147,11 @@ class _GatherSequence(torch.autograd.Function):
         return grad.chunk(tp, ctx.dim)[rank].contiguous(), None, None
 
 
-def _prepare_input(name, style, sequence_dim, group):
+def _prepare_input(name, style, sequence_dim, mesh):
     """The forward pre-hook of a PrepareModuleInput entry: its positional inputs that are sequence
     shards and wanted whole are gathered; the others pass as they are."""
     what = f"parallelize_module: plan entry for {name!r} (PrepareModuleInput)"
+    group = mesh.get_group(0)
     if style.input_kwarg_layouts or style.desired_input_kwarg_layouts:
         raise NotImplementedError(f"{what}: keyword input layouts are not supported")
     if style.input_layouts is None:
@@ -131,7 +170,13 @@ def _prepare_input(name, style, sequence_dim, group):
         if len(args) != len(pairs):  # an input passed by keyword would go ungathered (review finding)
             raise ValueError(f"{what}: the module got {len(args)} positional inputs for {len(pairs)} input_layouts "
                              "(as torch's, PrepareModuleInput prepares positional inputs only)")
-        return tuple(_GatherSequence.apply(a, sequence_dim, group) if i in gather else a for i, a in enumerate(args))
+        return tuple(prepared(i, a) if i in gather else a for i, a in enumerate(args))
+
+    def prepared(i, a):
+        if isinstance(a, DTensor):  # made whole by DTensor's own redistribution
+            return _from_dtensor((a,), (Replicate(),), mesh, what)[0]
+        return _GatherSequence.apply(a, sequence_dim, group)
+
     return hook
 
 
@@ -156,7 +201,7 @@ def parallelize_module(module, device_mesh=None, parallelize_plan=None, *, src_d
         raise NotImplementedError(f"parallelize_module: the plan shards the sequence on dimensions {sorted(dims)}; "
                                   "torchpar takes one per plan, 0 ([s, b, h]) or 1 ([b, s, h])")
     sequence_dim = dims.pop() if dims else 0
-    ours, sequence_parallel_of, hooks = {}, {}, {}
+    ours, sequence_parallel_of, hooks, styles = {}, {}, {}, {}
     for pattern, style in plan.items():
         hits = [n for n in named if n and _matches(pattern, n)] if pattern else [""]
         if "" in hits:
@@ -166,10 +211,11 @@ def parallelize_module(module, device_mesh=None, parallelize_plan=None, *, src_d
             warnings.warn(f"parallelize_module: plan entry {pattern!r} matches no submodule; skipped", stacklevel=2)
         for n in hits:
             if isinstance(style, PrepareModuleInput):
-                if (hook := _prepare_input(n, style, sequence_dim, group)) is not None:
+                if (hook := _prepare_input(n, style, sequence_dim, device_mesh)) is not None:
                     hooks[n] = hook
             else:
                 ours[n], sequence_parallel_of[n] = _style(n, named[n], style, sequence_dim)
+                styles[n] = style
     checked = check_plan(holder, ours)  # parallelize's checks (module types, ties) before anything changes
     if src_data_rank is not None:
         src = dist.get_global_rank(group, src_data_rank)
@@ -179,4 +225,7 @@ def parallelize_module(module, device_mesh=None, parallelize_plan=None, *, src_d
     apply_plan(holder, checked, group, sequence_dim, sequence_parallel_of)
     for n, hook in hooks.items():
         holder.get_submodule(n).register_forward_pre_hook(hook)
+    for n, style in styles.items():
+        _layer_hooks(holder.get_submodule(n), style, sequence_dim, device_mesh,
+                     f"parallelize_module: plan entry for {n!r}")
     return holder["m"] if root else holder
