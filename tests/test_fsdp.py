@@ -43,12 +43,20 @@ class Block(nn.Module):
         return x + self.fc2(torch.tanh(self.fc1(self.ln(x))))
 
 
+class SelfCheckpointingBlock(Block):
+    """Activation checkpointing inside the unit (a GPT block's full recomputation): the
+    recomputation in backward reads the module's parameters, which must be the gathered ones."""
+
+    def forward(self, x):
+        return torch.utils.checkpoint.checkpoint(super().forward, x, use_reentrant=False)
+
+
 class Net(nn.Module):
-    def __init__(self, d=7, depth=3, seed=0):
+    def __init__(self, d=7, depth=3, seed=0, block=Block):
         super().__init__()
         torch.manual_seed(seed)
         self.inp = nn.Linear(5, d)
-        self.blocks = nn.ModuleList(Block(d) for _ in range(depth))
+        self.blocks = nn.ModuleList(block(d) for _ in range(depth))
         self.out = nn.Linear(d, 3)
 
     def forward(self, x):
@@ -896,6 +904,8 @@ def _pattern_grads_match(ctx, pattern, steps=2, **shard_kwargs):
     _setup(ctx)
     if pattern == "checkpoint_no_early_stop":
         model = CheckpointedNetNoEarlyStop(use_reentrant=False)
+    elif pattern == "checkpoint_inside_unit":
+        model = Net(block=SelfCheckpointingBlock)
     elif pattern.startswith("checkpoint"):
         model = CheckpointedNet(use_reentrant=pattern.endswith("reentrant"))
     else:
@@ -919,7 +929,7 @@ def _pattern_grads_match(ctx, pattern, steps=2, **shard_kwargs):
 
 @on_backends
 @pytest.mark.parametrize("pattern", ["checkpoint", "checkpoint_reentrant", "checkpoint_no_early_stop",
-                                     "backward_twice", "two_synced_backwards", "after_failed_backward",
+                                     "checkpoint_inside_unit", "backward_twice", "two_synced_backwards", "after_failed_backward",
                                      "after_failed_forward",
                                      "no_grad_forward_before_backward"])
 def test_forward_backward_patterns_equal_single_process(backend, pattern):

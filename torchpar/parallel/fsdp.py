@@ -615,10 +615,17 @@ def _post_forward(module, args, output):
     if grad and tensors:
         # Runs when the first gradient reaches the unit's outputs, before its backward: gather
         # the unit again and prefetch the next one in backward order.
-        engine, index = unit.engine, unit.index
-        torch.autograd.graph.register_multi_grad_hook(
-            tensors, lambda grads: engine.pre_backward(index), mode="any")
+        torch.autograd.graph.register_multi_grad_hook(tensors, lambda grads: _pre_backward(unit), mode="any")
     return output
+
+
+def _pre_backward(unit):
+    unit.engine.pre_backward(unit.index)
+    # Registered gathered until backward ends, as FSDP2's unshard does: activation checkpointing
+    # inside the unit recomputes its forward in this backward and reads the module's attributes
+    # (it read the pieces: a full-recompute block under fully_shard failed; audit finding).
+    unit.register(unit.unsharded)
+    torch.autograd.Variable._execution_engine.queue_callback(lambda: unit.register(unit.sharded))
 
 
 def _restore_pieces(module, args, output):
