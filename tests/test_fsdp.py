@@ -868,6 +868,9 @@ def _run_pattern(model, x, y, pattern):
         with pytest.raises(RuntimeError, match="on purpose"):
             _loss(model(x), y).backward()
         handle.remove()
+        if isinstance(model, FSDPModule):  # torch FSDP2's recovery: the pieces registered again
+            model.reset_iter_state()
+            _assert_pieces_registered(model)
         for p in model.parameters():
             p.grad = None
         _loss(model(x), y).backward()

@@ -94,6 +94,7 @@ class FSDPModule:
         try:
             unit.engine.reset_iter_state()
         finally:
+            _register_pieces_again()
             for u in units:
                 u.unshard_handle = None
                 u.register(u.sharded)
@@ -568,6 +569,8 @@ def _pre_forward(module, args, kwargs):
     unit = module._fsdp
     if unit.engine is None:
         _lazy_init(module)
+    if unit.index == 0:
+        _register_pieces_again()  # after a backward that raised
     grad = torch.is_grad_enabled()
     unit.unshard_handle = None  # the forward waits for an unshard() itself
     unit.engine.pre_forward(unit.index, grad)
@@ -619,13 +622,26 @@ def _post_forward(module, args, output):
     return output
 
 
+# Units whose gathered parameters are registered for a backward (_pre_backward) until it ends.
+_GATHERED_FOR_BACKWARD = []
+
+
 def _pre_backward(unit):
     unit.engine.pre_backward(unit.index)
     # Registered gathered until backward ends, as FSDP2's unshard does: activation checkpointing
     # inside the unit recomputes its forward in this backward and reads the module's attributes
-    # (it read the pieces: a full-recompute block under fully_shard failed; audit finding).
+    # (it read the pieces: a full-recompute block under fully_shard failed; audit finding). Not
+    # at the unit's post-backward: a graph holding two forwards of it recomputes both. A backward
+    # that raises runs no callback: the next forward of a root, or reset_iter_state, restores them.
     unit.register(unit.unsharded)
-    torch.autograd.Variable._execution_engine.queue_callback(lambda: unit.register(unit.sharded))
+    _GATHERED_FOR_BACKWARD.append(unit)
+    torch.autograd.Variable._execution_engine.queue_callback(_register_pieces_again)
+
+
+def _register_pieces_again():
+    while _GATHERED_FOR_BACKWARD:
+        unit = _GATHERED_FOR_BACKWARD.pop()
+        unit.register(unit.sharded)
 
 
 def _restore_pieces(module, args, output):
