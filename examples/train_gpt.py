@@ -21,6 +21,7 @@ import argparse
 import glob
 import math
 import os
+import shutil
 import sys
 import time
 
@@ -90,13 +91,23 @@ def parse_args(argv=None):
     g.add_argument("--eval-every", type=int, default=50)
     g.add_argument("--eval-batches", type=int, default=4)
     g.add_argument("--seed", type=int, default=0)
-    g.add_argument("--out", default="runs/gpt", help="folder for the loss curve (and its JSON)")
-    g.add_argument("--save", default=None, help="folder for a sharded checkpoint at the end (torch.distributed.checkpoint)")
-    g.add_argument("--resume", default=None, help="checkpoint folder to resume from (any layout)")
+    g.add_argument("--out", default="runs/gpt", help="folder for the loss curve")
+    g.add_argument("--save", default=None,
+                   help="folder for sharded checkpoints (torch.distributed.checkpoint): DIR/step_N, the newest named "
+                        "in DIR/latest; written at the end and every --save-every steps")
+    g.add_argument("--save-every", type=int, default=0, help="steps between checkpoints (0: at the end only)")
+    g.add_argument("--resume", default=None,
+                   help="checkpoint to resume from (any layout): a --save folder (its latest) or a checkpoint folder")
     g.add_argument("--no-progress", action="store_true")
     args = p.parse_args(argv)
     if args.micro_batches is None:
         args.micro_batches = 2 * args.pp
+    for name in ("steps", "save_every"):
+        if getattr(args, name) < 0:
+            p.error(f"--{name.replace('_', '-')} must be >= 0, got {getattr(args, name)}")
+    for name in ("batch_size", "eval_every", "eval_batches", "warmup"):
+        if getattr(args, name) < (0 if name == "warmup" else 1):
+            p.error(f"--{name.replace('_', '-')} must be >= {0 if name == 'warmup' else 1}, got {getattr(args, name)}")
     return args
 
 
@@ -132,6 +143,11 @@ class Batches:
         cut = int(0.9 * len(data))
         self.train, self.val = data[:cut], data[cut:]
         self.seq_len, self.batch_size, self.seed = seq_len, batch_size, seed
+        for split, part in (("training", self.train), ("validation", self.val)):
+            if len(part) < seq_len + 2:  # (get draws starts below len - seq_len - 1)
+                raise ValueError(f"the corpus's {split} split has {len(part)} bytes, fewer than a window of "
+                                 f"--seq-len {seq_len} needs ({seq_len + 2}); the last 10 % of the corpus "
+                                 f"({len(data)} bytes) is the validation split")
 
     def get(self, split, i):
         data = self.train if split == "train" else self.val
@@ -146,8 +162,9 @@ class Batches:
 def checkpoint_functions(args):
     """(save_checkpoint, load_checkpoint) from torchpar.models.checkpoint when --save/--resume
     ask for them; a clear error on every rank before training when that module is missing.
-    The interface: ``save_checkpoint(path, trainer)`` after the last step (trainer.step is the
-    number of steps done) and ``load_checkpoint(path, trainer) -> step`` before the first one;
+    The interface: ``save_checkpoint(path, trainer, run)`` (trainer.step is the number of steps
+    done; ``run``: this run's schedule arguments, kept with it) and ``load_checkpoint(path,
+    trainer) -> step`` before the first step;
     training goes on from that step (the batches are drawn by step, so the data continue)."""
     if args.save is None and args.resume is None:
         return None, None
@@ -156,6 +173,60 @@ def checkpoint_functions(args):
     except ImportError as e:
         raise ValueError(f"--save/--resume need torchpar.models.checkpoint, which this build lacks ({e})")
     return save_checkpoint, load_checkpoint
+
+
+def latest_checkpoint(path):
+    """The checkpoint folder --resume PATH names: PATH/<the name in PATH/latest> for a --save
+    folder, else PATH itself."""
+    latest = os.path.join(path, "latest")
+    if os.path.isfile(latest):
+        with open(latest) as f:
+            return os.path.join(path, f.read().strip())
+    return path
+
+
+def save_step(save, path, trainer, rank, run):
+    """Checkpoint ``trainer`` into PATH/step_N, then name it in PATH/latest (replaced in one
+    rename: a run killed while saving leaves the previous checkpoint in place) and remove the
+    older step folders."""
+    name = f"step_{trainer.step}"
+    save(os.path.join(path, name), trainer, run)
+    dist.barrier()  # every rank's files written before the pointer moves
+    if rank == 0:
+        tmp = os.path.join(path, "latest.tmp")
+        with open(tmp, "w") as f:
+            f.write(name + "\n")
+        os.replace(tmp, os.path.join(path, "latest"))
+        for old in glob.glob(os.path.join(path, "step_*")):
+            if os.path.basename(old) != name:
+                shutil.rmtree(old, ignore_errors=True)
+
+
+def check_paths(args):
+    """--out and --save must be folders (or absent), checked before training, not after."""
+    for flag, path in (("--out", args.out), ("--save", args.save)):
+        if path is not None and os.path.exists(path) and not os.path.isdir(path):
+            raise ValueError(f"{flag} {path}: exists and is not a folder")
+
+
+SCHEDULE_ARGS = ("steps", "warmup", "lr")
+
+
+def check_schedule(meta, args, rank):
+    """The learning rate follows --steps, --warmup and --lr: a resumed run goes on as if it had not
+    stopped only when they are the run's that saved the checkpoint: another schedule is taken,
+    with a note. A checkpoint at or past --steps is refused (nothing to train)."""
+    start = meta["step"]
+    if start >= args.steps:
+        raise ValueError(f"--resume: the checkpoint is at step {start}, --steps {args.steps}: nothing to train "
+                         f"(--steps counts from the start of training)")
+    saved = meta.get("run") or {}
+    diffs = [f"--{k} {getattr(args, k)} (the saved run's {saved[k]})" for k in SCHEDULE_ARGS
+             if k in saved and saved[k] != getattr(args, k)]
+    if diffs and rank == 0:
+        print(f"train_gpt.py: note: resuming with another learning-rate schedule: {', '.join(diffs)}; from step "
+              f"{start} the rate is {lr_at(start, args):.3g} where the saved run's would be "
+              f"{lr_at(start, argparse.Namespace(**{**vars(args), **saved})):.3g}", file=sys.stderr)
 
 
 def check_device(args):
@@ -222,10 +293,12 @@ def main(argv=None):
                         args.dp_replicate, args.reshard_after_forward)
         check_layout(cfg, layout, world, args.batch_size)  # every rank, before any collective
         check_device(args)
+        check_paths(args)
         save, load = checkpoint_functions(args)
-        if args.resume:  # another model's checkpoint: refused here, before any collective
+        resume = latest_checkpoint(args.resume) if args.resume else None
+        if resume:  # another model's checkpoint: refused here, before any collective
             from torchpar.models.checkpoint import check_checkpoint
-            check_checkpoint(args.resume, cfg)
+            check_schedule(check_checkpoint(resume, cfg), args, rank)
         batches = Batches(load_corpus(args.data), cfg.seq_len, args.batch_size, args.seed)
     except ValueError as e:
         print(f"train_gpt.py (rank {rank}): error: {e}", file=sys.stderr)
@@ -233,9 +306,18 @@ def main(argv=None):
         return 2
     trainer = ParallelGPT(cfg, layout, lr=args.lr, weight_decay=args.weight_decay, seed=args.seed,
                           device=args.device, clip_grad=args.clip_grad)
-    start = load(args.resume, trainer) if args.resume else 0
+    try:
+        start = load(resume, trainer) if resume else 0
+    except Exception as e:  # a damaged shard file: DCP raises it on every rank
+        if rank == 0:
+            print(f"train_gpt.py: error: --resume {resume}: {type(e).__name__}: {str(e).strip()[:500]}", file=sys.stderr)
+        dist.destroy_process_group()
+        return 2
+    run = {k: getattr(args, k) for k in SCHEDULE_ARGS}
     if rank == 0:
-        print(f"GPT {num_parameters(GPT(cfg)) / 1e6:.1f}M "
+        with torch.device("meta"):  # counted without drawing from rank 0's generators (dropout's streams)
+            count = num_parameters(GPT(cfg))
+        print(f"GPT {count / 1e6:.1f}M "
               f"parameters {cfg}\nlayout {layout} on {world} ranks ({args.backend}, {args.device}); corpus "
               f"{len(batches.train) + len(batches.val)} bytes; global batch {args.batch_size} x {cfg.seq_len} tokens")
     history = {"train": [], "val": []}
@@ -263,11 +345,13 @@ def main(argv=None):
                 post["val"] = f"{history['val'][-1][1]:.3f}"
             bar.set_postfix(post, refresh=False)
             bar.update(1)
+        if args.save and args.save_every and (step + 1) % args.save_every == 0 and step + 1 < args.steps:
+            save_step(save, args.save, trainer, rank, run)
     if bar is not None:
         bar.close()
     elapsed = time.perf_counter() - t_run
     if args.save:
-        save(args.save, trainer)
+        save_step(save, args.save, trainer, rank, run)
     if rank == 0:
         os.makedirs(args.out, exist_ok=True)
         curve = "not drawn (no step run)"
@@ -282,7 +366,8 @@ def main(argv=None):
         if trainer.grad_norm is not None:
             print(f"gradient norm at the last step: {trainer.grad_norm:.4f} (clipped to {args.clip_grad:g})")
         print(f"loss curve: {curve}")
-        print(f"checkpoint: {os.path.abspath(args.save) if args.save else 'not saved (pass --save DIR)'}")
+        saved = os.path.abspath(latest_checkpoint(args.save)) if args.save else "not saved (pass --save DIR)"
+        print(f"checkpoint: {saved}")
     dist.destroy_process_group()
     return 0
 

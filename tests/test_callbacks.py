@@ -1,7 +1,9 @@
 """Callbacks on a work's future that issue or wait on other operations (issue 21): they run
 where the work finishes, on the group's worker, in the caller, or on the point-to-point
-progress thread. A collective issued there runs; a wait that only that thread could end is
-an error saying so, never a hang."""
+progress thread. A collective issued there runs, and so does a queued one its work's wait()
+waits for; a wait that only that thread could end is an error saying so. (Waiting on a queued
+collective's future, rather than its work, from a callback on the group's worker still blocks
+that thread: docs/backend.md.)"""
 import pytest
 import torch
 import torch.distributed as dist
@@ -28,6 +30,26 @@ def _collective_waited_on_in_a_callback(ctx):
     chained = dist.all_reduce(t, async_op=True, group=ctx.pg).get_future().then(then_sum_again)
     assert torch.equal(chained.wait(), torch.full((5,), 60.0))
     # An operation issued from the main thread meanwhile keeps its place in the order.
+    u = torch.full((2,), float(ctx.rank))
+    dist.all_reduce(u, group=ctx.pg)
+    assert torch.equal(u, torch.ones(2))
+    return True
+
+
+def _callback_waits_on_a_collective_queued_after_its_own(ctx):
+    """Two async all_reduces; the first one's callback waits on the second's work. The callback
+    runs on the thread that would run the second: it runs it there (it waited forever before:
+    audit finding; gloo's thread pool runs it), and the group goes on in order."""
+    a, b = torch.ones(2), torch.full((2,), float(ctx.rank + 1))
+    first = dist.all_reduce(a, async_op=True, group=ctx.pg)
+    second = dist.all_reduce(b, async_op=True, group=ctx.pg)
+
+    def wait_for_the_second(fut):
+        second.wait()
+        return fut.value()[0] + b
+
+    assert torch.equal(first.get_future().then(wait_for_the_second).wait(), torch.full((2,), 5.0))
+    second.wait()
     u = torch.full((2,), float(ctx.rank))
     dist.all_reduce(u, group=ctx.pg)
     assert torch.equal(u, torch.ones(2))
@@ -104,6 +126,10 @@ def _wait_in_a_recv_callback_is_an_error(ctx):
 
 def test_a_callback_can_wait_on_a_collective_it_issues(transport):
     pool(transport).run(_collective_waited_on_in_a_callback)
+
+
+def test_a_callback_can_wait_on_a_collective_queued_after_its_own(transport):
+    pool(transport).run(_callback_waits_on_a_collective_queued_after_its_own)
 
 
 def test_a_recv_callback_can_issue_an_async_collective(transport):

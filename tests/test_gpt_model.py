@@ -46,3 +46,13 @@ def test_bad_config():
         GPT(GPTConfig.tiny(hidden=30))
     with pytest.raises(ValueError, match="recompute must be one of"):
         GPT(GPTConfig.tiny()).set_recompute("some")
+
+
+def test_a_model_built_on_meta_draws_no_random_numbers():
+    """examples/train_gpt.py counts parameters this way on rank 0 after the dropout streams are
+    seeded: a CPU model there drew from rank 0's generator alone, and under tp > 1 its dropout
+    masks then differed from its peer's (replicated weights drifted apart; audit finding)."""
+    state = torch.random.get_rng_state()
+    with torch.device("meta"):
+        GPT(GPTConfig.tiny())
+    assert torch.equal(state, torch.random.get_rng_state())

@@ -91,3 +91,78 @@ def test_checkpoint_of_another_model_is_refused_on_every_rank(tmp_path):
     for rank in range(4):
         assert re.search(rf"rank {rank}\): error: checkpoint .* is of another model: layers = 4 in the checkpoint, "
                          r"2 here", out.stderr), out.stderr
+
+
+_KILLED_AFTER_STEP = """
+import runpy, sys
+from torchpar.models.parallel_gpt import ParallelGPT
+train_step = ParallelGPT.train_step
+def killed(self, *batch):
+    if self.step == {kill}:
+        raise KeyboardInterrupt("killed")
+    return train_step(self, *batch)
+ParallelGPT.train_step = killed
+sys.exit(runpy.run_path({script!r}, run_name="train_gpt")["main"]({argv!r}))
+"""
+
+
+@pytest.mark.timeout(200)
+def test_a_run_killed_after_a_periodic_checkpoint_resumes_as_if_it_had_not_stopped(tmp_path):
+    """--save-every 5 of a 10-step run killed at step 7: --resume goes on from step 5 on the same
+    learning-rate schedule (it follows --steps) to the uninterrupted run's final losses
+    (audit finding: only a checkpoint at the end existed, so a resumed run always had another
+    schedule)."""
+    ckpt = str(tmp_path / "ckpt")
+    common = ["--model", "tiny", "--batch-size", "4", "--warmup", "2", "--steps", "10", "--no-progress",
+              "--eval-every", "100", "--out", str(tmp_path)]
+    whole = subprocess.run([sys.executable, SCRIPT, *common], capture_output=True, text=True, timeout=100, env=ENV)
+    assert whole.returncode == 0, whole.stdout + whole.stderr
+    killed = subprocess.run([sys.executable, "-c", _KILLED_AFTER_STEP.format(
+        kill=7, script=SCRIPT, argv=[*common, "--save", ckpt, "--save-every", "5"])],
+        capture_output=True, text=True, timeout=100, env=ENV)
+    assert killed.returncode != 0 and "killed" in killed.stderr, killed.stdout + killed.stderr
+    assert open(os.path.join(ckpt, "latest")).read().strip() == "step_5"
+    resumed = subprocess.run([sys.executable, SCRIPT, *common, "--resume", ckpt], capture_output=True, text=True,
+                             timeout=100, env=ENV)
+    assert resumed.returncode == 0, resumed.stdout + resumed.stderr
+    assert "5 steps in" in resumed.stdout and "another learning-rate schedule" not in resumed.stderr
+    assert _final_losses(resumed.stdout) == pytest.approx(_final_losses(whole.stdout), rel=1e-5)
+    # The same checkpoint resumed under another --steps: the schedule differs, and says so.
+    other = subprocess.run([sys.executable, SCRIPT, *common[:-5], "--steps", "12", "--no-progress", "--eval-every",
+                            "100", "--out", str(tmp_path), "--resume", ckpt], capture_output=True, text=True,
+                           timeout=100, env=ENV)
+    assert other.returncode == 0 and "--steps 12 (the saved run's 10)" in other.stderr, other.stdout + other.stderr
+
+
+@pytest.mark.timeout(200)
+@pytest.mark.parametrize("case", ["small corpus", "checkpoint at steps"] + [
+    pytest.param(c, marks=pytest.mark.slow) for c in ("eval every 0", "out is a file", "interleaved at pp 1", "heads")])
+def test_bad_arguments_are_refused_before_training(tmp_path, case):
+    """Each refused before the first step with a message naming it (audit findings: these failed
+    mid-run with a traceback, or after training, or trained nothing and exited 0)."""
+    args = ["--model", "tiny", "--batch-size", "4", "--steps", "2", "--no-progress", "--out", str(tmp_path / "o")]
+    if case == "small corpus":  # passes the 1000-byte floor; its validation split is shorter than a window
+        (tmp_path / "d.txt").write_bytes(bytes(range(256)) * 8)
+        args += ["--data", str(tmp_path / "d.txt"), "--seq-len", "256"]
+        expect = "validation split has 205 bytes"
+    elif case == "eval every 0":
+        args += ["--eval-every", "0"]
+        expect = "--eval-every must be >= 1"
+    elif case == "checkpoint at steps":
+        ok = subprocess.run([sys.executable, SCRIPT, *args, "--save", str(tmp_path / "c")], capture_output=True,
+                            text=True, timeout=100, env=ENV)
+        assert ok.returncode == 0, ok.stdout + ok.stderr
+        args += ["--resume", str(tmp_path / "c")]
+        expect = "the checkpoint is at step 2, --steps 2: nothing to train"
+    elif case == "out is a file":
+        (tmp_path / "f").write_text("")
+        args[-1] = str(tmp_path / "f")
+        expect = "exists and is not a folder"
+    elif case == "interleaved at pp 1":
+        args += ["--schedule", "interleaved"]
+        expect = "needs at least 2 pipeline ranks"
+    else:
+        args += ["--hidden", "30"]
+        expect = "hidden 30 is not a multiple of heads 4"
+    out = subprocess.run([sys.executable, SCRIPT, *args], capture_output=True, text=True, timeout=100, env=ENV)
+    assert out.returncode == 2 and expect in out.stderr and "steps in" not in out.stdout, out.stdout + out.stderr

@@ -69,16 +69,16 @@ void CollectiveQueue::submit(c10::intrusive_ptr<Work> work, const char* name, Ta
     // Nobody else runs the queue until the callback returns, so an operation queued now and
     // waited on by the callback would never start (issue 21). What was queued before it
     // runs here first, then it: the order of issue is kept.
-    std::deque<Queued> earlier;
     {
       std::lock_guard<std::mutex> lock(mu_);
       TORCH_CHECK(!stopping_, "torchpar ", name, ": group '", group_name_, "' has been shut down");
-      earlier.swap(queue_);
     }
-    for (auto& q : earlier) execute(q, /*caller_blocks=*/false);
+    run_queued_here();
     execute(item, /*caller_blocks=*/!async_op);
     return;
   }
+  // Queued: a callback of an earlier operation may wait() on it (Work::wait, run_queued_here).
+  item.work->set_queue(this);
   // On the point-to-point progress thread (a callback on a send's or recv's future), a
   // blocking collective would wait for that very thread; an async one is left to the worker.
   if (!async_op) check_not_on_progress_thread("a blocking collective");
@@ -98,6 +98,18 @@ void CollectiveQueue::submit(c10::intrusive_ptr<Work> work, const char* name, Ta
     busy_ = false;
   }
   cv_.notify_all();
+}
+
+bool CollectiveQueue::running_on_this_thread() const { return running_here == this; }
+
+void CollectiveQueue::run_queued_here() {
+  TORCH_INTERNAL_ASSERT(running_here == this, "run_queued_here off the thread running the queue");
+  std::deque<Queued> earlier;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    earlier.swap(queue_);
+  }
+  for (auto& q : earlier) execute(q, /*caller_blocks=*/false);
 }
 
 void CollectiveQueue::run_worker() {

@@ -38,6 +38,12 @@ class CollectiveQueue {
               bool async_op);
   // Runs what was already queued, then ends the worker (idempotent).
   void stop();
+  // Whether this thread is running one of this queue's operations now (its worker, or a caller
+  // running one inline): a future callback is, between its operation and the next one.
+  bool running_on_this_thread() const;
+  // For such a thread (a callback waiting on an operation issued before it ran): runs what is
+  // queued, here and in order, since nobody else runs the queue until the callback returns.
+  void run_queued_here();
 
  private:
   struct Queued {

@@ -4,6 +4,7 @@
 
 #include <thread>
 
+#include "backend/queue.h"
 #include "transport/request.h"
 
 namespace torchpar {
@@ -51,8 +52,16 @@ void Work::complete_and_release(c10::intrusive_ptr<Work> work, std::exception_pt
 }
 
 bool Work::wait(std::chrono::milliseconds timeout) {
-  const bool blocks = !isCompleted();
+  bool blocks = !isCompleted();
   if (blocks) check_not_on_progress_thread("wait() on a torchpar work");
+  // A callback on an earlier operation of the same group, waiting on this one: the thread it runs
+  // on is the one that would run this one, so it runs what is queued now (as a callback issuing
+  // an operation does, queue.cpp). Otherwise the wait would never end (audit finding; gloo's
+  // thread pool runs it).
+  if (blocks && queue_ != nullptr && queue_->running_on_this_thread()) {
+    queue_->run_queued_here();
+    blocks = !isCompleted();
+  }
   // A point-to-point work is counted while it blocks: its engine's progress thread polls for
   // transfers only then (P2PEngine::waiters).
   struct Waiting {

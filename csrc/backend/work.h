@@ -19,6 +19,8 @@
 
 namespace torchpar {
 
+class CollectiveQueue;
+
 class Work : public c10d::Work {
  public:
   Work(int rank, c10d::OpType type, const char* title, std::vector<at::Tensor> outputs);
@@ -39,6 +41,9 @@ class Work : public c10d::Work {
   // A point-to-point work: wait() counts itself in its engine's `waiters` while it blocks
   // (P2PEngine::waiters says why).
   void count_waits_in(std::shared_ptr<std::atomic<int>> waiters) { waiters_ = std::move(waiters); }
+  // A collective waiting in its group's queue. Only compared with the queue this thread is
+  // running (alive while it does), never followed otherwise: the work may outlive its group.
+  void set_queue(CollectiveQueue* queue) { queue_ = queue; }
   const std::shared_ptr<std::atomic<int>>& waits_counted_in() const { return waiters_; }
 
   // Refuses to block the point-to-point progress thread (see check_not_on_progress_thread).
@@ -68,6 +73,7 @@ class Work : public c10d::Work {
   c10::intrusive_ptr<c10::ivalue::Future> future_;
   std::atomic<int> source_rank_{-1};
   std::shared_ptr<std::atomic<int>> waiters_;
+  CollectiveQueue* queue_ = nullptr;
 };
 
 // Completes when every added piece has completed; fails with the first piece's error.

@@ -251,11 +251,12 @@ def _describe(md):
 
 # ---- the interface of examples/train_gpt.py ----
 
-def save_checkpoint(path, trainer):
+def save_checkpoint(path, trainer, run=None):
     """Write ``trainer``'s (a ParallelGPT) model, optimizer state and step to the folder
-    ``path``; every rank calls it and writes only what it holds."""
+    ``path``; every rank calls it and writes only what it holds. ``run``: a JSON-able record kept
+    beside them (the example's learning-rate schedule), read back by ``read_meta``."""
     meta = {"config": trainer.config.to_dict(), "step": trainer.step, "optimizer": _optimizer_name(trainer),
-            "layout": str(trainer.layout)}
+            "layout": str(trainer.layout), "run": run}
     entries = _entries(trainer, with_optimizer=True, with_copies=False)
     meta["optimizer_state"] = any(k.startswith("optim.") for k in entries)
     dcp.save({META_KEY: json.dumps(meta)}, checkpoint_id=path, planner=_SavePlanner(entries))
@@ -266,10 +267,17 @@ def read_meta(path):
     if not os.path.isfile(os.path.join(path, ".metadata")):
         raise ValueError(f"checkpoint {path}: not a torch.distributed.checkpoint folder (no .metadata there)")
     state = {META_KEY: ""}
-    with warnings.catch_warnings():  # DCP's note that no_dist means a single process
-        warnings.simplefilter("ignore")
-        dcp.load(state, checkpoint_id=path, no_dist=True)
-    return json.loads(state[META_KEY])
+    try:
+        with warnings.catch_warnings():  # DCP's note that no_dist means a single process
+            warnings.simplefilter("ignore")
+            dcp.load(state, checkpoint_id=path, no_dist=True)
+        meta = json.loads(state[META_KEY])
+        if not {"config", "step", "optimizer", "optimizer_state"} <= set(meta):
+            raise ValueError(f"its record lacks {sorted({'config', 'step', 'optimizer', 'optimizer_state'} - set(meta))}")
+    except Exception as e:  # a DCP folder of something else, or a damaged one
+        raise ValueError(f"checkpoint {path}: not a readable torchpar GPT checkpoint ({type(e).__name__}: "
+                         f"{str(e).strip().splitlines()[0] if str(e).strip() else 'no message'})") from e
+    return meta
 
 
 def check_checkpoint(path, config, optimizer=None):

@@ -137,12 +137,16 @@ def check_layout(cfg: GPTConfig, layout: Layout, world_size: int, batch_size: Op
         bad.append(f"schedule {L.schedule!r} is not one of {sorted(SCHEDULES)}")
     elif L.virtual_stages > 1 and L.schedule != "interleaved":
         bad.append(f"{L.virtual_stages} virtual stages per rank need the interleaved schedule, not {L.schedule!r}")
-    if L.schedule == "interleaved" and L.microbatches % L.pp:
+    if L.schedule == "interleaved" and L.pp < 2:
+        bad.append(f"the interleaved schedule needs at least 2 pipeline ranks (pp={L.pp})")
+    elif L.schedule == "interleaved" and L.microbatches % L.pp:
         bad.append(f"the interleaved schedule needs micro-batches ({L.microbatches}) a multiple of pp ({L.pp})")
     if L.recompute not in RECOMPUTE:
         bad.append(f"recompute {L.recompute!r} is not one of {RECOMPUTE}")
     if L.dtype not in DTYPES:
         bad.append(f"dtype {L.dtype!r} is not one of {sorted(DTYPES)}")
+    if cfg.heads < 1 or cfg.hidden % cfg.heads:
+        bad.append(f"hidden {cfg.hidden} is not a multiple of heads {cfg.heads}")
     for what, n in (("heads", cfg.heads), ("vocab_size", cfg.vocab_size)):
         if n % L.tp:
             bad.append(f"{what} {n} does not split over tp={L.tp}")
