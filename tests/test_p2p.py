@@ -128,7 +128,10 @@ def _any_source(ctx):
     else:
         dist.send(payload(r, 0, 20), dst=0, group=ctx.pg)
         if r == 1:
-            dist.send(payload(r, 0, 20), dst=0, tag=5, group=ctx.pg)
+            sent = dist.isend(payload(r, 0, 20), dst=0, tag=5, group=ctx.pg)
+            sent.wait()
+            with pytest.raises(RuntimeError, match="only defined for a completed receive"):
+                sent._source_rank()  # a send has no source (as gloo's; it gave the destination)
     return True
 
 

@@ -275,8 +275,10 @@ c10::intrusive_ptr<Work> ProcessGroupTorchpar::post_p2p(bool is_send, at::Tensor
     std::exception_ptr error = req->error();
     if (!error) {
       try {
-        if (!is_send) s.finish();
-        work->set_source_rank(req->source());
+        if (!is_send) {  // (a send has no source: sourceRank() raises on it, as gloo's)
+          s.finish();
+          work->set_source_rank(req->source());
+        }
       } catch (...) {
         error = std::current_exception();
       }
