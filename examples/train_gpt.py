@@ -203,10 +203,16 @@ def save_step(save, path, trainer, rank, run):
 
 
 def check_paths(args):
-    """--out and --save must be folders (or absent), checked before training, not after."""
+    """--out and --save must be folders (or absent), checked before training, not after. A --save
+    folder holding another run's checkpoints is refused unless this run resumes from it (its
+    older step folders are removed at each save, and one of the same step written over)."""
     for flag, path in (("--out", args.out), ("--save", args.save)):
         if path is not None and os.path.exists(path) and not os.path.isdir(path):
             raise ValueError(f"{flag} {path}: exists and is not a folder")
+    if args.save and os.path.isfile(os.path.join(args.save, "latest")) and (
+            args.resume is None or os.path.realpath(args.resume) != os.path.realpath(args.save)):
+        raise ValueError(f"--save {args.save} holds the checkpoints of another run; --resume {args.save} to go "
+                         "on with it, or save elsewhere")
 
 
 SCHEDULE_ARGS = ("steps", "warmup", "lr")

@@ -4,6 +4,8 @@ progress thread. A collective issued there runs, and so does a queued one its wo
 waits for; a wait that only that thread could end is an error saying so. (Waiting on a queued
 collective's future, rather than its work, from a callback on the group's worker still blocks
 that thread: docs/backend.md.)"""
+import time
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -50,6 +52,13 @@ def _callback_waits_on_a_collective_queued_after_its_own(ctx):
 
     assert torch.equal(first.get_future().then(wait_for_the_second).wait(), torch.full((2,), 5.0))
     second.wait()
+    # A chain: the first's callback waits on the second, whose callback waits on the third (a
+    # nested wait found the queue moved aside: review finding).
+    if ctx.rank == 1:
+        time.sleep(0.2)  # rank 0's callbacks are attached before its first all_reduce can finish
+    works = [dist.all_reduce(torch.ones(1), async_op=True, group=ctx.pg) for _ in range(3)]
+    chained = [works[i].get_future().then(lambda fut, i=i: works[i + 1].wait()) for i in range(2)]
+    assert all(c.wait() for c in chained) and torch.equal(works[2].result()[0], torch.full((1,), 2.0))
     u = torch.full((2,), float(ctx.rank))
     dist.all_reduce(u, group=ctx.pg)
     assert torch.equal(u, torch.ones(2))

@@ -136,7 +136,8 @@ def test_a_run_killed_after_a_periodic_checkpoint_resumes_as_if_it_had_not_stopp
 
 @pytest.mark.timeout(200)
 @pytest.mark.parametrize("case", ["small corpus"] + [pytest.param(c, marks=pytest.mark.slow) for c in (
-    "checkpoint at steps", "eval every 0", "out is a file", "interleaved at pp 1", "heads")])
+    "checkpoint at steps", "save over another run", "eval every 0", "out is a file", "interleaved at pp 1",
+    "heads")])
 def test_bad_arguments_are_refused_before_training(tmp_path, case):
     """Each refused before the first step with a message naming it (audit findings: these failed
     mid-run with a traceback, or after training, or trained nothing and exited 0)."""
@@ -145,6 +146,12 @@ def test_bad_arguments_are_refused_before_training(tmp_path, case):
         (tmp_path / "d.txt").write_bytes(bytes(range(256)) * 8)
         args += ["--data", str(tmp_path / "d.txt"), "--seq-len", "256"]
         expect = "validation split has 205 bytes"
+    elif case == "save over another run":
+        ok = subprocess.run([sys.executable, SCRIPT, *args, "--save", str(tmp_path / "c")], capture_output=True,
+                            text=True, timeout=100, env=ENV)
+        assert ok.returncode == 0, ok.stdout + ok.stderr
+        args += ["--save", str(tmp_path / "c")]
+        expect = "holds the checkpoints of another run"
     elif case == "eval every 0":
         args += ["--eval-every", "0"]
         expect = "--eval-every must be >= 1"

@@ -102,14 +102,26 @@ void CollectiveQueue::submit(c10::intrusive_ptr<Work> work, const char* name, Ta
 
 bool CollectiveQueue::running_on_this_thread() const { return running_here == this; }
 
-void CollectiveQueue::run_queued_here() {
+void CollectiveQueue::run_queued_here(const Work* until) {
   TORCH_INTERNAL_ASSERT(running_here == this, "run_queued_here off the thread running the queue");
-  std::deque<Queued> earlier;
+  // What is queued now, taken one at a time from the queue itself: a callback of one of them
+  // that waits on a later one finds it there (review: with the queue moved aside first, a
+  // chain of two such callbacks waited on itself).
+  size_t left;
   {
     std::lock_guard<std::mutex> lock(mu_);
-    earlier.swap(queue_);
+    left = queue_.size();
   }
-  for (auto& q : earlier) execute(q, /*caller_blocks=*/false);
+  for (; left > 0 && !(until != nullptr && until->completed()); --left) {
+    Queued q;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      if (queue_.empty()) return;  // a nested wait ran the rest
+      q = std::move(queue_.front());
+      queue_.pop_front();
+    }
+    execute(q, /*caller_blocks=*/false);
+  }
 }
 
 void CollectiveQueue::run_worker() {

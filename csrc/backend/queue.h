@@ -42,8 +42,9 @@ class CollectiveQueue {
   // running one inline): a future callback is, between its operation and the next one.
   bool running_on_this_thread() const;
   // For such a thread (a callback waiting on an operation issued before it ran): runs what is
-  // queued, here and in order, since nobody else runs the queue until the callback returns.
-  void run_queued_here();
+  // queued, here and in order, since nobody else runs the queue until the callback returns;
+  // stops once `until` (if given) has completed.
+  void run_queued_here(const Work* until = nullptr);
 
  private:
   struct Queued {

@@ -59,7 +59,7 @@ bool Work::wait(std::chrono::milliseconds timeout) {
   // an operation does, queue.cpp). Otherwise the wait would never end (audit finding; gloo's
   // thread pool runs it).
   if (blocks && queue_ != nullptr && queue_->running_on_this_thread()) {
-    queue_->run_queued_here();
+    queue_->run_queued_here(this);
     blocks = !isCompleted();
   }
   // A point-to-point work is counted while it blocks: its engine's progress thread polls for
@@ -103,6 +103,11 @@ int Work::sourceRank() const {
 }
 
 bool Work::isCompleted() {
+  std::lock_guard<std::mutex> lock(mutex_);
+  return completed_;
+}
+
+bool Work::completed() const {
   std::lock_guard<std::mutex> lock(mutex_);
   return completed_;
 }

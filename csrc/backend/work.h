@@ -53,6 +53,7 @@ class Work : public c10d::Work {
   int sourceRank() const override;
   bool isCompleted() override;
   bool isSuccess() const override;
+  bool completed() const;
 
  private:
   friend class GroupWork;  // takes on its parts' releases

@@ -94,7 +94,7 @@ class FSDPModule:
         try:
             unit.engine.reset_iter_state()
         finally:
-            _register_pieces_again()
+            _register_pieces_again(engine=unit.engine)
             for u in units:
                 u.unshard_handle = None
                 u.register(u.sharded)
@@ -569,8 +569,8 @@ def _pre_forward(module, args, kwargs):
     unit = module._fsdp
     if unit.engine is None:
         _lazy_init(module)
-    if unit.index == 0:
-        _register_pieces_again()  # after a backward that raised
+    if unit.index == 0 and torch._C._current_graph_task_id() == -1:
+        _register_pieces_again(engine=unit.engine)  # after a backward that raised
     grad = torch.is_grad_enabled()
     unit.unshard_handle = None  # the forward waits for an unshard() itself
     unit.engine.pre_forward(unit.index, grad)
@@ -622,8 +622,11 @@ def _post_forward(module, args, output):
     return output
 
 
-# Units whose gathered parameters are registered for a backward (_pre_backward) until it ends.
-_GATHERED_FOR_BACKWARD = []
+# Per autograd graph task (torch._C._current_graph_task_id()): the units whose gathered
+# parameters _pre_backward registered for that backward, until it ends. Keyed so that a backward
+# puts back only its own units: a nested one (reentrant checkpointing), another thread's, or
+# another model's forward inside a recomputation must not take a running backward's (review).
+_GATHERED_FOR_BACKWARD = {}
 
 
 def _pre_backward(unit):
@@ -632,16 +635,27 @@ def _pre_backward(unit):
     # inside the unit recomputes its forward in this backward and reads the module's attributes
     # (it read the pieces: a full-recompute block under fully_shard failed; audit finding). Not
     # at the unit's post-backward: a graph holding two forwards of it recomputes both. A backward
-    # that raises runs no callback: the next forward of a root, or reset_iter_state, restores them.
+    # that raises runs no callback: the next forward of its root (outside any backward), or
+    # reset_iter_state, puts them back.
     unit.register(unit.unsharded)
-    _GATHERED_FOR_BACKWARD.append(unit)
-    torch.autograd.Variable._execution_engine.queue_callback(_register_pieces_again)
+    task = torch._C._current_graph_task_id()
+    if task not in _GATHERED_FOR_BACKWARD:
+        _GATHERED_FOR_BACKWARD[task] = []
+        torch.autograd.Variable._execution_engine.queue_callback(lambda: _register_pieces_again(task=task))
+    _GATHERED_FOR_BACKWARD[task].append(unit)
 
 
-def _register_pieces_again():
-    while _GATHERED_FOR_BACKWARD:
-        unit = _GATHERED_FOR_BACKWARD.pop()
-        unit.register(unit.sharded)
+def _register_pieces_again(task=None, engine=None):
+    """The pieces registered again on the units of backward ``task``, or of every finished
+    backward of ``engine``'s units (after one that raised)."""
+    tasks = [task] if task is not None else list(_GATHERED_FOR_BACKWARD)
+    for t in tasks:
+        units = _GATHERED_FOR_BACKWARD.get(t, [])
+        for unit in [u for u in units if engine is None or u.engine is engine]:
+            unit.register(unit.sharded)
+            units.remove(unit)
+        if not units:
+            _GATHERED_FOR_BACKWARD.pop(t, None)
 
 
 def _restore_pieces(module, args, output):
