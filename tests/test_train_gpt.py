@@ -146,21 +146,19 @@ def test_bad_arguments_are_refused_before_training(tmp_path, case):
         (tmp_path / "d.txt").write_bytes(bytes(range(256)) * 8)
         args += ["--data", str(tmp_path / "d.txt"), "--seq-len", "256"]
         expect = "validation split has 205 bytes"
-    elif case == "save over another run":
+    elif case in ("save over another run", "checkpoint at steps"):  # a first run saved into c
         ok = subprocess.run([sys.executable, SCRIPT, *args, "--save", str(tmp_path / "c")], capture_output=True,
                             text=True, timeout=100, env=ENV)
         assert ok.returncode == 0, ok.stdout + ok.stderr
-        args += ["--save", str(tmp_path / "c")]
-        expect = "holds the checkpoints of another run"
+        if case == "save over another run":
+            args += ["--save", str(tmp_path / "c")]
+            expect = "holds the checkpoints of another run"
+        else:
+            args += ["--resume", str(tmp_path / "c")]
+            expect = "the checkpoint is at step 2, --steps 2: nothing to train"
     elif case == "eval every 0":
         args += ["--eval-every", "0"]
         expect = "--eval-every must be >= 1"
-    elif case == "checkpoint at steps":
-        ok = subprocess.run([sys.executable, SCRIPT, *args, "--save", str(tmp_path / "c")], capture_output=True,
-                            text=True, timeout=100, env=ENV)
-        assert ok.returncode == 0, ok.stdout + ok.stderr
-        args += ["--resume", str(tmp_path / "c")]
-        expect = "the checkpoint is at step 2, --steps 2: nothing to train"
     elif case == "out is a file":
         (tmp_path / "f").write_text("")
         args[-1] = str(tmp_path / "f")
