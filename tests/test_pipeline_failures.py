@@ -34,7 +34,10 @@ from torchpar.parallel.pipeline import PipelineStage, Schedule1F1B, ScheduleGPip
 SLOW_VARIANTS = {"test_fully_shard_groups_survive_a_step_that_failed_before_running[one pipeline]",
                  "test_data_parallel_peers_of_a_failed_armed_pipeline_are_not_left_in_its_reduction[torchpar-forward]",
                  "test_a_stage_that_raises_fails_every_rank_promptly[torchpar-4-2-7-forward]",
-                 "test_fully_shard_peers_of_a_failed_pipeline_fail_at_once[forward-hybrid]"}
+                 "test_fully_shard_peers_of_a_failed_pipeline_fail_at_once[forward-hybrid]",
+                 "test_data_parallel_peers_of_a_failed_armed_pipeline_are_not_left_in_its_reduction"
+                 "[torchpar-after its reduction]",
+                 "test_a_stage_that_raises_fails_every_rank_promptly[torchpar-3-0-8-backward]"}
 
 TIMEOUT = 900  # the group's: a rank that waits this long has missed the failure
 BOUND = 90     # each test's, far below TIMEOUT
