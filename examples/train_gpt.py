@@ -102,12 +102,10 @@ def parse_args(argv=None):
     args = p.parse_args(argv)
     if args.micro_batches is None:
         args.micro_batches = 2 * args.pp
-    for name in ("steps", "save_every"):
-        if getattr(args, name) < 0:
-            p.error(f"--{name.replace('_', '-')} must be >= 0, got {getattr(args, name)}")
-    for name in ("batch_size", "eval_every", "eval_batches", "warmup"):
-        if getattr(args, name) < (0 if name == "warmup" else 1):
-            p.error(f"--{name.replace('_', '-')} must be >= {0 if name == 'warmup' else 1}, got {getattr(args, name)}")
+    for name, least in (("steps", 0), ("save_every", 0), ("warmup", 0), ("batch_size", 1), ("eval_every", 1),
+                        ("eval_batches", 1)):
+        if getattr(args, name) < least:
+            p.error(f"--{name.replace('_', '-')} must be >= {least}, got {getattr(args, name)}")
     return args
 
 

@@ -102,10 +102,7 @@ int Work::sourceRank() const {
   return r;
 }
 
-bool Work::isCompleted() {
-  std::lock_guard<std::mutex> lock(mutex_);
-  return completed_;
-}
+bool Work::isCompleted() { return completed(); }
 
 bool Work::completed() const {
   std::lock_guard<std::mutex> lock(mutex_);

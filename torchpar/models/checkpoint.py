@@ -272,8 +272,9 @@ def read_meta(path):
             warnings.simplefilter("ignore")
             dcp.load(state, checkpoint_id=path, no_dist=True)
         meta = json.loads(state[META_KEY])
-        if not {"config", "step", "optimizer", "optimizer_state"} <= set(meta):
-            raise ValueError(f"its record lacks {sorted({'config', 'step', 'optimizer', 'optimizer_state'} - set(meta))}")
+        missing = {"config", "step", "optimizer", "optimizer_state"} - set(meta)
+        if missing:
+            raise ValueError(f"its record lacks {sorted(missing)}")
     except Exception as e:  # a DCP folder of something else, or a damaged one
         raise ValueError(f"checkpoint {path}: not a readable torchpar GPT checkpoint ({type(e).__name__}: "
                          f"{str(e).strip().splitlines()[0] if str(e).strip() else 'no message'})") from e

@@ -17,10 +17,11 @@ inputs too). ``SequenceParallel`` and ``PrepareModuleInput`` return local tensor
 plan's layouts are trusted: they say what each local tensor is.
 
 What torchpar's layers do not compute is refused, naming the plan entry, before anything changes:
-``ColwiseParallel`` on an embedding (its embedding dimension split), a colwise output on another layout than ``Shard(-1)`` or ``Replicate()``,
-``PrepareModuleOutput``, a ``PrepareModuleInput`` other than sequence shards to whole (positional
-inputs only), and sequence parallelism on a dimension other than 0 (``[s, b, h]``, Megatron's layout)
-or 1 (``[b, s, h]``, torch's default; each collective then transposes), or on two in one plan.
+``ColwiseParallel`` on an embedding (its embedding dimension split), a colwise output on another
+layout than ``Shard(-1)`` or ``Replicate()``, ``PrepareModuleOutput``, a ``PrepareModuleInput``
+other than sequence shards to whole (positional inputs only), and sequence parallelism on a
+dimension other than 0 (``[s, b, h]``, Megatron's layout) or 1 (``[b, s, h]``, torch's default;
+each collective then transposes), or on two in one plan.
 """
 import warnings
 
@@ -95,23 +96,23 @@ def _placed(layout, ndim):
     return Shard(layout.dim % ndim) if type(layout) is Shard else layout
 
 
-def _from_dtensor(args, layouts, mesh, what):
-    """Positional DTensor inputs laid out as ``layouts[i]`` (None: left as they are) on ``mesh``,
-    and their local parts taken."""
-    def local(i, a):
-        if not isinstance(a, DTensor) or i >= len(layouts) or layouts[i] is None:
-            return a
-        if a.device_mesh != mesh:
-            raise ValueError(f"{what}: input {i} is a DTensor on {a.device_mesh}, the plan's mesh is {mesh}")
-        return a.redistribute(mesh, (_placed(layouts[i], a.dim()),)).to_local()
-    return tuple(local(i, a) for i, a in enumerate(args))
+def _local_of(dtensor, layout, mesh, what):
+    """A DTensor input laid out as ``layout`` on ``mesh``, and its local part taken."""
+    if dtensor.device_mesh != mesh:
+        raise ValueError(f"{what}: a DTensor input on {dtensor.device_mesh}, the plan's mesh is {mesh}")
+    return dtensor.redistribute(mesh, (_placed(layout, dtensor.dim()),)).to_local()
 
 
 def _layer_hooks(module, style, sequence_dim, mesh, what):
     """A planned layer's hooks: DTensor inputs made local; with ``use_local_output=False``
     (ColwiseParallel, RowwiseParallel) the output made a DTensor placed as ``output_layouts``."""
     layout = _input_layout(style, sequence_dim)
-    module.register_forward_pre_hook(lambda m, args: _from_dtensor(args, (layout,), mesh, what))
+
+    def take_local(m, args):
+        if args and isinstance(args[0], DTensor):
+            return (_local_of(args[0], layout, mesh, what),) + args[1:]
+        return None
+    module.register_forward_pre_hook(take_local)
     if isinstance(style, SequenceParallel) or style.use_local_output:
         return
     out_layout = _one(style.output_layouts)
@@ -174,7 +175,7 @@ def _prepare_input(name, style, sequence_dim, mesh):
 
     def prepared(i, a):
         if isinstance(a, DTensor):  # made whole by DTensor's own redistribution
-            return _from_dtensor((a,), (Replicate(),), mesh, what)[0]
+            return _local_of(a, Replicate(), mesh, what)
         return _GatherSequence.apply(a, sequence_dim, group)
 
     return hook
