@@ -302,7 +302,8 @@ def main(argv=None):
         resume = latest_checkpoint(args.resume) if args.resume else None
         if resume:  # another model's checkpoint: refused here, before any collective
             from torchpar.models.checkpoint import check_checkpoint
-            check_schedule(check_checkpoint(resume, cfg), args, rank)
+            saved = check_checkpoint(resume, cfg)
+            check_schedule(saved, args, rank)
         batches = Batches(load_corpus(args.data), cfg.seq_len, args.batch_size, args.seed)
     except ValueError as e:
         print(f"train_gpt.py (rank {rank}): error: {e}", file=sys.stderr)
@@ -317,6 +318,13 @@ def main(argv=None):
             print(f"train_gpt.py: error: --resume {resume}: {type(e).__name__}: {str(e).strip()[:500]}", file=sys.stderr)
         dist.destroy_process_group()
         return 2
+    if resume and rank == 0 and cfg.dropout > 0:
+        from torchpar.models.checkpoint import restores_random_state
+        if not restores_random_state(saved, trainer):
+            why = (f"the checkpoint's were saved at another layout ({saved['layout']})" if "rng_streams" in saved
+                   else "the checkpoint holds none")
+            print(f"train_gpt.py: note: dropout's random streams start afresh from --seed {args.seed}: {why}",
+                  file=sys.stderr)
     run = {k: getattr(args, k) for k in SCHEDULE_ARGS}
     if rank == 0:
         with torch.device("meta"):  # counted without drawing from rank 0's generators (dropout's streams)

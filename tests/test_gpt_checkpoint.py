@@ -5,6 +5,7 @@ second step after the resume depends on it) and the step all come back. 4 ranks,
 model and batches of tests/test_gpt_3d.py; the resumed trainer is built from another seed, so
 only the checkpoint can give it the right weights.
 """
+import dataclasses
 import re
 
 import pytest
@@ -100,17 +101,21 @@ def test_resume_at_another_layout_continues_the_single_process_run(saved, want, 
     _check_resumed(get_pool(4).run(_resume, LAYOUTS[resume_at], saved[saved_at]), want)
 
 
-@pytest.mark.parametrize("name,dtype", [("fsdp-2x1x2", "float32"), ("1x2x2", "float32"),
-                                        pytest.param("2x2x1", "bfloat16", marks=pytest.mark.slow),
-                                        pytest.param("hsdp-2x2x1x1", "bfloat16", marks=pytest.mark.slow)])
-def test_adamw_round_trip_at_the_same_layout(tmp_path, name, dtype):
+@pytest.mark.parametrize("name,dtype,dropout", [
+    ("fsdp-2x1x2", "float32", 0.0), ("1x2x2", "float32", 0.0), ("sp-1x2x2", "float32", 0.1),
+    pytest.param("2x2x1", "bfloat16", 0.0, marks=pytest.mark.slow),
+    pytest.param("hsdp-2x2x1x1", "bfloat16", 0.0, marks=pytest.mark.slow)])
+def test_adamw_round_trip_at_the_same_layout(tmp_path, name, dtype, dropout):
     """AdamW's two moments and step count, and under O2 the float32 masters: a resume at the same
-    layout continues exactly as the run that did not stop."""
+    layout continues exactly as the run that did not stop. With dropout, each rank's random state
+    comes back too (the default generator of its stage and its model-parallel seed: the resumed
+    trainer is built from another seed), so the masks are the uninterrupted run's."""
     layout = LAYOUTS.get(name) or Layout(dp=2, tp=2)
+    cfg = dataclasses.replace(CFG, dropout=dropout)
     path = str(tmp_path / "ckpt")
     pool = get_pool(4)
-    continued = pool.run(_train_and_save, layout, path, "adamw", dtype)
-    for rank, result in enumerate(pool.run(_resume, layout, path, "adamw", CFG, dtype)):
+    continued = pool.run(_train_and_save, layout, path, "adamw", dtype, cfg)
+    for rank, result in enumerate(pool.run(_resume, layout, path, "adamw", cfg, dtype)):
         assert not isinstance(result, str), f"rank {rank}: {result}"
         torch.testing.assert_close(result[1], continued[rank], rtol=1e-6, atol=1e-7,
                                    msg=lambda m: f"rank {rank}: {m}")

@@ -111,10 +111,11 @@ def test_a_run_killed_after_a_periodic_checkpoint_resumes_as_if_it_had_not_stopp
     """--save-every 5 of a 10-step run killed at step 7: --resume goes on from step 5 on the same
     learning-rate schedule (it follows --steps) to the uninterrupted run's final losses
     (audit finding: only a checkpoint at the end existed, so a resumed run always had another
-    schedule)."""
+    schedule), with dropout drawing the uninterrupted run's masks (the random state is in the
+    checkpoint; before it was, the resumed run drew the first steps' masks again)."""
     ckpt = str(tmp_path / "ckpt")
-    common = ["--model", "tiny", "--batch-size", "4", "--warmup", "2", "--steps", "10", "--no-progress",
-              "--eval-every", "100", "--out", str(tmp_path)]
+    common = ["--model", "tiny", "--batch-size", "4", "--warmup", "2", "--dropout", "0.1", "--steps", "10",
+              "--no-progress", "--eval-every", "100", "--out", str(tmp_path)]
     whole = subprocess.run([sys.executable, SCRIPT, *common], capture_output=True, text=True, timeout=100, env=ENV)
     assert whole.returncode == 0, whole.stdout + whole.stderr
     killed = subprocess.run([sys.executable, "-c", _KILLED_AFTER_STEP.format(
@@ -126,6 +127,7 @@ def test_a_run_killed_after_a_periodic_checkpoint_resumes_as_if_it_had_not_stopp
                              timeout=100, env=ENV)
     assert resumed.returncode == 0, resumed.stdout + resumed.stderr
     assert "5 steps in" in resumed.stdout and "another learning-rate schedule" not in resumed.stderr
+    assert "random streams start afresh" not in resumed.stderr, resumed.stderr
     assert _final_losses(resumed.stdout) == pytest.approx(_final_losses(whole.stdout), rel=1e-5)
     # The same checkpoint resumed under another --steps: the schedule differs, and says so.
     other = subprocess.run([sys.executable, SCRIPT, *common[:-5], "--steps", "12", "--no-progress", "--eval-every",

@@ -24,7 +24,12 @@ What a rank holds of a parameter:
   again, and on load it reads ``tok_emb.weight`` (and that tensor's optimizer state).
 
 The step counter is saved too; ``examples/train_gpt.py`` sets the learning rate from the step,
-so the schedule resumes where it stopped. A checkpoint of another model (any config field but
+so the schedule resumes where it stopped. So is each rank's random state (dropout's streams: torch's
+default generators and the model-parallel seeds of torchpar.parallel.tensor.random), restored when
+the checkpoint is resumed at the layout it was saved at, so that a resumed run with dropout draws
+the masks the uninterrupted run would have drawn. At another layout the ranks' streams have no
+counterpart (each pipeline stage and tensor-parallel rank draws its own), so they start afresh from
+the seed, as Megatron-LM ignores the RNG state when the tensor or pipeline sizes change. A checkpoint of another model (any config field but
 dropout differs) or another optimizer is refused by every rank before anything is read.
 """
 import dataclasses
@@ -34,6 +39,7 @@ import os
 import warnings
 
 import torch
+import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
 from torch.distributed.checkpoint.metadata import (ChunkStorageMetadata, MetadataIndex, TensorProperties,
@@ -44,6 +50,7 @@ from torch.distributed.checkpoint.planner_helpers import create_read_items_for_c
 from torchpar.models.gpt import GPT
 from torchpar.optim.zero import ZeroRedundancyOptimizer
 from torchpar.parallel.fsdp import FSDPModule
+from torchpar.parallel.tensor.random import get_rng_tracker
 
 META_KEY = "gpt_meta"
 # Config fields that do not change the shape or meaning of any tensor: a checkpoint resumes
@@ -249,17 +256,59 @@ def _describe(md):
     return "not a tensor"
 
 
+# ---- random state: dropout's streams ----
+
+def _rng_key(rank, what):
+    return f"rng.rank{rank}.{what}"
+
+
+def _rng_state(trainer):
+    """{checkpoint key: tensor} of this rank's random state: what dropout draws from."""
+    rank = dist.get_rank()
+    out = {_rng_key(rank, "cpu"): torch.default_generator.get_state()}
+    if trainer.device.type == "cuda" and torch.cuda.is_initialized():
+        out[_rng_key(rank, "cuda")] = torch.cuda.get_rng_state(trainer.device)
+    seeds = get_rng_tracker().get_states()
+    if seeds:  # the model-parallel seeds differ by tensor-parallel rank and stage
+        out[_rng_key(rank, "tracker")] = torch.tensor([seeds[k] for k in sorted(seeds)], dtype=torch.int64)
+    return out
+
+
+def _layout_record(trainer):
+    return {**dataclasses.asdict(trainer.layout), "world_size": dist.get_world_size()}
+
+
+def restores_random_state(meta, trainer):
+    """Whether ``load_checkpoint`` puts back the random state saved in the checkpoint ``meta``
+    describes: only at the layout it was saved at (each rank then holds what it held)."""
+    return "rng_streams" in meta and meta.get("layout_record") == _layout_record(trainer)
+
+
+def _load_rng_state(path, trainer, meta):
+    state = {k: torch.empty_like(v) for k, v in _rng_state(trainer).items()
+             if not k.endswith(".cuda") or meta.get("rng_cuda")}
+    dcp.load(state, checkpoint_id=path)
+    rank = dist.get_rank()
+    torch.default_generator.set_state(state[_rng_key(rank, "cpu")])
+    if _rng_key(rank, "cuda") in state:
+        torch.cuda.set_rng_state(state[_rng_key(rank, "cuda")], trainer.device)
+    if meta["rng_streams"]:
+        get_rng_tracker().set_states(dict(zip(meta["rng_streams"], state[_rng_key(rank, "tracker")].tolist())))
+
+
 # ---- the interface of examples/train_gpt.py ----
 
 def save_checkpoint(path, trainer, run=None):
     """Write ``trainer``'s (a ParallelGPT) model, optimizer state and step to the folder
     ``path``; every rank calls it and writes only what it holds. ``run``: a JSON-able record kept
     beside them (the example's learning-rate schedule), read back by ``read_meta``."""
+    rng = _rng_state(trainer)
     meta = {"config": trainer.config.to_dict(), "step": trainer.step, "optimizer": _optimizer_name(trainer),
-            "layout": str(trainer.layout), "run": run}
+            "layout": str(trainer.layout), "run": run, "layout_record": _layout_record(trainer),
+            "rng_streams": sorted(get_rng_tracker().get_states()), "rng_cuda": any(k.endswith(".cuda") for k in rng)}
     entries = _entries(trainer, with_optimizer=True, with_copies=False)
     meta["optimizer_state"] = any(k.startswith("optim.") for k in entries)
-    dcp.save({META_KEY: json.dumps(meta)}, checkpoint_id=path, planner=_SavePlanner(entries))
+    dcp.save({META_KEY: json.dumps(meta), **rng}, checkpoint_id=path, planner=_SavePlanner(entries))
 
 
 def read_meta(path):
@@ -320,7 +369,8 @@ def _create_optimizer_state(trainer):
 @torch.no_grad()
 def load_checkpoint(path, trainer):
     """Read the checkpoint at ``path`` (saved at any layout) into ``trainer``, a ParallelGPT of
-    the same model; returns the step to go on from (also set as ``trainer.step``)."""
+    the same model; returns the step to go on from (also set as ``trainer.step``). The random
+    state comes back too when the layout is the one saved (``restores_random_state``)."""
     meta = check_checkpoint(path, trainer.config, _optimizer_name(trainer))
     if meta["optimizer_state"]:
         _create_optimizer_state(trainer)
@@ -329,5 +379,7 @@ def load_checkpoint(path, trainer):
     for _, p, s, _ in _held_parameters(trainer):
         if s is not p:  # O2 under DDP: the master was loaded; the 16-bit copy follows
             p.copy_(s)
+    if restores_random_state(meta, trainer):
+        _load_rng_state(path, trainer, meta)
     trainer.step = meta["step"]
     return trainer.step
