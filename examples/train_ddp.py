@@ -2,11 +2,13 @@
 
     torchrun --standalone --nproc_per_node=2 examples/train_ddp.py --steps 200
     torchrun --standalone --nproc_per_node=2 examples/train_ddp.py --backend gloo
+    python examples/train_ddp.py   # one process
 
 Each rank trains the same MLP on its own slice of a synthetic regression problem;
 gradients are averaged during backward, so the replicas stay identical (checked at the end).
 """
 import argparse
+import os
 import time
 
 import torch
@@ -26,6 +28,8 @@ def main():
     p.add_argument("--bucket-cap-mb", type=float, default=25)
     args = p.parse_args()
 
+    if "RANK" not in os.environ:  # plain `python examples/train_ddp.py`: one process
+        os.environ.update(RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(29500 + os.getpid() % 1000))
     dist.init_process_group(args.backend)
     rank, world = dist.get_rank(), dist.get_world_size()
     torch.manual_seed(0)  # the same teacher everywhere; DDP broadcasts rank 0's student anyway

@@ -50,9 +50,15 @@ def _reshard_after_forward(value):
         raise argparse.ArgumentTypeError(f"true, false or a number of ranks, not {value!r}") from None
 
 
+class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Defaults shown, but not a None default (its help says what it means)."""
+
+    def _get_help_string(self, action):
+        return action.help if action.default is None else super()._get_help_string(action)
+
+
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=_HelpFormatter)
     g = p.add_argument_group("layout (dp x tp x pp = world size)")
     g.add_argument("--dp", type=int, default=1)
     g.add_argument("--tp", type=int, default=1)
@@ -65,9 +71,9 @@ def parse_args(argv=None):
                    help="with --fsdp: free each block's gathered parameters after forward (true), keep them (false), "
                         "or keep 1/N of them among N ranks, e.g. one host's, whose backward all-gathers then stay "
                         "among those N")
-    g.add_argument("--schedule", choices=list(SCHEDULES), default="1f1b")
+    g.add_argument("--schedule", choices=list(SCHEDULES), default="1f1b", help="pipeline schedule (pp > 1)")
     g.add_argument("--virtual-stages", type=int, default=None, help="stages per pipeline rank (interleaved: 2)")
-    g.add_argument("--sequence-parallel", action="store_true")
+    g.add_argument("--sequence-parallel", action="store_true", help="Megatron's sequence parallelism (tp > 1)")
     g.add_argument("--dtype", choices=list(DTYPES), default="float32", help="bfloat16: O2 mixed precision")
     g.add_argument("--recompute", choices=RECOMPUTE, default="none")
     g.add_argument("--backend", choices=["torchpar", "gloo"], default="torchpar")
@@ -77,20 +83,20 @@ def parse_args(argv=None):
     g.add_argument("--model", choices=list(MODELS), default="default")
     for name in ("seq-len", "hidden", "heads", "layers"):
         g.add_argument(f"--{name}", type=int, default=None, help="overrides the --model preset")
-    g.add_argument("--dropout", type=float, default=0.0)
+    g.add_argument("--dropout", type=float, default=0.0, help="probability, in [0, 1)")
     g.add_argument("--tie-embeddings", action="store_true", help="lm_head shares the token embedding's weight")
     g = p.add_argument_group("training")
     g.add_argument("--data", default=None, help="a text file or a folder of them (default: the stdlib's .py files)")
-    g.add_argument("--steps", type=int, default=200)
+    g.add_argument("--steps", type=int, default=200, help="optimizer steps in all (a resumed run counts from 0)")
     g.add_argument("--batch-size", type=int, default=16, help="global batch, sequences")
     g.add_argument("--micro-batches", type=int, default=None, help="per step and dp rank (default: 2 x pp)")
-    g.add_argument("--lr", type=float, default=1e-3)
+    g.add_argument("--lr", type=float, default=1e-3, help="peak learning rate (AdamW)")
     g.add_argument("--warmup", type=int, default=20, help="steps of linear warm-up, then cosine decay to lr/10")
     g.add_argument("--weight-decay", type=float, default=0.1)
     g.add_argument("--clip-grad", type=float, default=1.0, help="max global gradient norm (0: no clipping)")
-    g.add_argument("--eval-every", type=int, default=50)
-    g.add_argument("--eval-batches", type=int, default=4)
-    g.add_argument("--seed", type=int, default=0)
+    g.add_argument("--eval-every", type=int, default=50, help="steps between validation losses")
+    g.add_argument("--eval-batches", type=int, default=4, help="batches per validation loss")
+    g.add_argument("--seed", type=int, default=0, help="initial weights and dropout's streams")
     g.add_argument("--out", default="runs/gpt", help="folder for the loss curve")
     g.add_argument("--save", default=None,
                    help="folder for sharded checkpoints (torch.distributed.checkpoint): DIR/step_N, the newest named "
@@ -102,10 +108,14 @@ def parse_args(argv=None):
     args = p.parse_args(argv)
     if args.micro_batches is None:
         args.micro_batches = 2 * args.pp
-    for name, least in (("steps", 0), ("save_every", 0), ("warmup", 0), ("batch_size", 1), ("eval_every", 1),
-                        ("eval_batches", 1)):
-        if getattr(args, name) < least:
+    for name, least in (("steps", 1), ("save_every", 0), ("warmup", 0), ("batch_size", 1), ("eval_every", 1),
+                        ("eval_batches", 1), ("seq_len", 1), ("hidden", 1), ("heads", 1), ("layers", 1)):
+        if getattr(args, name) is not None and getattr(args, name) < least:
             p.error(f"--{name.replace('_', '-')} must be >= {least}, got {getattr(args, name)}")
+    if not 0 <= args.dropout < 1:
+        p.error(f"--dropout must be in [0, 1), got {args.dropout}")
+    if args.save_every and not args.save:
+        p.error("--save-every needs --save DIR (where the checkpoints go)")
     return args
 
 
@@ -117,9 +127,15 @@ def model_config(args):
 
 # ---- data ----
 
+def _is_text(data):
+    # git's test for a binary file: a NUL byte in its first 8000 bytes.
+    return b"\0" not in data[:8000]
+
+
 def load_corpus(path=None):
-    """Bytes of `path` (a file, or every file under a folder, sorted), or of the standard
-    library's top-level .py files: the same bytes on every rank, no download."""
+    """Bytes of `path` (a file, or every text file under a folder, sorted: binary files, such as
+    images or checkpoints kept beside the text, are skipped), or of the standard library's
+    top-level .py files: the same bytes on every rank, no download."""
     if path is not None and not os.path.exists(path):
         raise ValueError(f"--data {path}: no such file or folder")
     if path is None:
@@ -128,7 +144,8 @@ def load_corpus(path=None):
         files = sorted(f for f in glob.glob(os.path.join(path, "**", "*"), recursive=True) if os.path.isfile(f))
     else:
         files = [path]
-    data = b"".join(open(f, "rb").read() for f in files)
+    texts = [open(f, "rb").read() for f in files]
+    data = b"".join(t for t in texts if len(files) == 1 or _is_text(t))
     if len(data) < 1000:
         raise ValueError(f"--data {path}: {len(data)} bytes; need at least 1000")
     return torch.frombuffer(bytearray(data), dtype=torch.uint8).long()
@@ -228,9 +245,11 @@ def check_schedule(meta, args, rank):
     diffs = [f"--{k} {getattr(args, k)} (the saved run's {saved[k]})" for k in SCHEDULE_ARGS
              if k in saved and saved[k] != getattr(args, k)]
     if diffs and rank == 0:
-        print(f"train_gpt.py: note: resuming with another learning-rate schedule: {', '.join(diffs)}; from step "
-              f"{start} the rate is {lr_at(start, args):.3g} where the saved run's would be "
-              f"{lr_at(start, argparse.Namespace(**{**vars(args), **saved})):.3g}", file=sys.stderr)
+        now, then = lr_at(start, args), lr_at(start, argparse.Namespace(**{**vars(args), **saved}))
+        rates = (f"from step {start} the rate is {now:.3g} where the saved run's would be {then:.3g}" if now != then
+                 else f"the rate at step {start} is the saved run's ({now:.3g}); the two schedules part later")
+        print(f"train_gpt.py: note: resuming with another learning-rate schedule: {', '.join(diffs)}; {rates}",
+              file=sys.stderr)
 
 
 def check_device(args):
@@ -296,6 +315,9 @@ def main(argv=None):
                         args.sequence_parallel, args.dtype, args.recompute, args.micro_batches,
                         args.dp_replicate, args.reshard_after_forward)
         check_layout(cfg, layout, world, args.batch_size)  # every rank, before any collective
+        if args.sequence_parallel and args.tp == 1 and rank == 0:
+            print("train_gpt.py: note: --sequence-parallel does nothing at --tp 1 (it splits the sequence among "
+                  "the tensor-parallel ranks)", file=sys.stderr)
         check_device(args)
         check_paths(args)
         save, load = checkpoint_functions(args)

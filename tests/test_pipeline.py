@@ -831,14 +831,20 @@ _CSV_EARLY_RECV_B = """rank,action,microbatch,stage
 """
 
 
-def _custom_csv(ctx):
-    from torchpar.parallel.pipeline import ScheduleFromCSV
+def _custom_csv(ctx, folder=None):
+    """The CSV above, or (``folder``) ZB-H1's own schedule dumped by ``to_csv(path)`` and read back."""
+    from torchpar.parallel.pipeline import ScheduleFromCSV, ScheduleZeroBubble
     torch.set_num_threads(1)
     model = _model(4)
     x, y = _data(0, 8)
     ref, _ = _reference_grads(model, x, y)
     stage = PipelineStage(split(copy.deepcopy(model), 2, ctx.rank), ctx.rank, 2)
-    sched = ScheduleFromCSV(stage, 2, _CSV_EARLY_RECV_B, loss_fn=_mse)
+    csv = _CSV_EARLY_RECV_B
+    if folder is not None:
+        csv = os.path.join(folder, f"zb_h1.{ctx.rank}.csv")
+        text = ScheduleZeroBubble(stage, 2, loss_fn=_mse).to_csv(csv)
+        assert open(csv).read() == text and ",W," in text
+    sched = ScheduleFromCSV(stage, 2, csv, loss_fn=_mse)
     sched.step(*((x,) if stage.is_first else ()), target=y if stage.is_last else None)
     _check_grads([stage], ref, 2, rtol=1e-5, atol=1e-6)
 
@@ -846,6 +852,10 @@ def _custom_csv(ctx):
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_custom_csv_schedule_with_receives_posted_before_the_forward(backend):
     _pool(backend, 2).run(_custom_csv)
+
+
+def test_a_schedule_written_by_to_csv_runs_as_a_custom_one(tmp_path):
+    _pool("torchpar", 2).run(_custom_csv, str(tmp_path))
 
 
 def _csv_schedules_disagree(ctx):

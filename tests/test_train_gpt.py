@@ -173,3 +173,33 @@ def test_bad_arguments_are_refused_before_training(tmp_path, case):
         expect = "hidden 30 is not a multiple of heads 4"
     out = subprocess.run([sys.executable, SCRIPT, *args], capture_output=True, text=True, timeout=100, env=ENV)
     assert out.returncode == 2 and expect in out.stderr and "steps in" not in out.stdout, out.stdout + out.stderr
+
+
+@pytest.fixture(scope="module")
+def script():
+    """examples/train_gpt.py's functions, imported (its main() does not run)."""
+    import runpy
+    return runpy.run_path(SCRIPT, run_name="train_gpt")
+
+
+@pytest.mark.parametrize("argv,expect", [
+    (["--seq-len", "0"], "--seq-len must be >= 1, got 0"), (["--hidden", "0"], "--hidden must be >= 1, got 0"),
+    (["--seq-len", "-1"], "--seq-len must be >= 1, got -1"), (["--dropout", "1.5"], "--dropout must be in [0, 1)"),
+    (["--steps", "0"], "--steps must be >= 1, got 0"), (["--save-every", "5"], "--save-every needs --save DIR")])
+def test_bad_numbers_are_refused_by_the_argument_parser(script, capsys, argv, expect):
+    """Audit findings: these crashed inside the model with a traceback (or, --steps 0, reported
+    a loss of nan; --save-every without --save was ignored)."""
+    with pytest.raises(SystemExit) as e:
+        script["parse_args"](argv)
+    assert e.value.code == 2 and expect in capsys.readouterr().err
+
+
+def test_a_data_folder_skips_binary_files(script, tmp_path):
+    """--data FOLDER reads its text files: an image or a checkpoint kept beside them is not
+    trained on (audit finding: every file was read)."""
+    (tmp_path / "a.txt").write_bytes(b"hello world\n" * 100)
+    (tmp_path / "sub").mkdir()
+    (tmp_path / "sub" / "b.py").write_bytes(b"x = 1\n" * 200)
+    (tmp_path / "loss.png").write_bytes(b"\x89PNG\r\n\x1a\n\0\0\0\rIHDR" * 50)
+    assert len(script["load_corpus"](str(tmp_path))) == 1200 + 1200
+

@@ -106,7 +106,8 @@ class Layout:
         shard = f"hsdp {self.dp_replicate}x{self.dp // self.dp_replicate}" if self.dp_replicate > 1 else "fsdp"
         if self.reshard_after_forward is not True:
             shard += f" reshard_after_forward={self.reshard_after_forward}"
-        extras = [n for n, on in ((shard, self.fsdp), ("sp", self.sequence_parallel)) if on]
+        extras = [n for n, on in ((shard, self.fsdp), ("sp", self.sequence_parallel),
+                                  (f"recompute={self.recompute}", self.recompute != "none")) if on]
         return (f"dp={self.dp} tp={self.tp} pp={self.pp} {self.schedule}"
                 f"{f' v={self.virtual_stages}' if self.virtual_stages > 1 else ''} {self.dtype}"
                 f"{''.join(' ' + e for e in extras)}")

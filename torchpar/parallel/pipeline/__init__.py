@@ -3,9 +3,10 @@
 action lists come from C++ (csrc/parallel/pipeline/). See docs/pipeline.md."""
 from torchpar.parallel.pipeline.schedules import (Schedule1F1B, ScheduleFromCSV, ScheduleGPipe,
                                                   ScheduleInterleaved1F1B, ScheduleZeroBubble, get_schedule_class)
-from torchpar.parallel.pipeline.pipe import Pipe, pipeline
+from torchpar.parallel.pipeline.pipe import Pipe, SplitPoint, pipeline
 from torchpar.parallel.pipeline.split import split
 from torchpar.parallel.pipeline.stage import PipelineStage
 
 __all__ = ["PipelineStage", "split", "ScheduleGPipe", "Schedule1F1B", "ScheduleInterleaved1F1B",
-           "ScheduleZeroBubble", "ScheduleFromCSV", "get_schedule_class", "pipeline", "Pipe"]
+           "ScheduleZeroBubble", "ScheduleFromCSV", "get_schedule_class", "pipeline", "Pipe",
+           "SplitPoint"]

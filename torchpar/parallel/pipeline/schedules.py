@@ -128,6 +128,15 @@ class _PipelineSchedule:
         with torch.no_grad():
             return self._run(self._eval_actions, args, target, losses, trace, kwargs, return_outputs, train=False)
 
+    def to_csv(self, path=None):
+        """This schedule as ``rank,action,microbatch,stage`` lines, every rank's (the format
+        ``ScheduleFromCSV`` reads; docs/pipeline.md), written to ``path`` when given."""
+        text = self.schedule.to_csv()
+        if path is not None:
+            with open(path, "w") as f:
+                f.write(text)
+        return text
+
     # ---- one step ----
 
     def _agree(self, first_mbs, err, train):
