@@ -56,7 +56,7 @@ test-py: build
 	$(PY) -m pytest -q -m "not slow" --durations=25 tests
 
 test-slow: build
-	$(PY) -m pytest -q -m slow tests || test $$? -eq 5
+	$(PY) -m pytest -q -m slow --durations=15 tests || test $$? -eq 5
 
 # Jobs across test hosts (network namespaces joined by a bridge; needs root, skips without):
 # torchrun --nnodes=2/3, collectives, DDP, a killed rank, a restart, a link going down
@@ -78,11 +78,17 @@ TORCH_DIR = $(VENV)/lib/python3.11/site-packages/torch
 CPP_SOURCES := $(wildcard csrc/transport/*.cpp csrc/transport/shm/*.cpp csrc/transport/tcp/*.cpp \
 	csrc/collectives/*.cpp csrc/collectives/p2p/*.cpp)
 CPP_TESTS := $(wildcard tests/cpp/*.cpp)
-build/cpp-tests: $(VENV)/.deps $(CPP_SOURCES) $(wildcard csrc/*/*.h csrc/*/*/*.h) $(CPP_TESTS) $(wildcard tests/cpp/*.h) | $(OPENSSL_DEV)
-	@mkdir -p build
-	c++ -O2 -std=c++20 -mavx2 -mfma -mf16c -DCPU_CAPABILITY_AVX2 -DCPU_CAPABILITY=AVX2 -Wno-unknown-pragmas \
-	  -Icsrc -I$(TORCH_DIR)/include $(CPP_SOURCES) $(CPP_TESTS) \
-	  -L$(TORCH_DIR)/lib -Wl,-rpath,$(abspath $(TORCH_DIR))/lib -lc10 -lgtest -lgtest_main -lcrypto -lpthread -lrt -o $@
+CPP_HEADERS := $(wildcard csrc/*/*.h csrc/*/*/*.h tests/cpp/*.h)
+CPP_FLAGS := -O2 -std=c++20 -mavx2 -mfma -mf16c -DCPU_CAPABILITY_AVX2 -DCPU_CAPABILITY=AVX2 -Wno-unknown-pragmas \
+	-Icsrc -I$(TORCH_DIR)/include
+# One object per source, so that `make -j` compiles them in parallel (test-cpp passes -j$(NPROC)).
+CPP_OBJECTS := $(patsubst %.cpp,build/cpp-obj/%.o,$(CPP_SOURCES) $(CPP_TESTS))
+build/cpp-obj/%.o: %.cpp $(CPP_HEADERS) $(VENV)/.deps | $(OPENSSL_DEV)
+	@mkdir -p $(dir $@)
+	c++ $(CPP_FLAGS) -c $< -o $@
+build/cpp-tests: $(CPP_OBJECTS)
+	c++ $(CPP_OBJECTS) -L$(TORCH_DIR)/lib -Wl,-rpath,$(abspath $(TORCH_DIR))/lib -lc10 -lgtest -lgtest_main -lcrypto \
+	  -lpthread -lrt -o $@
 
 # The same tests under ThreadSanitizer (the point-to-point engine's threads: progress thread,
 # callers of isend writing the send fast path, waiters). Slower to build; run by hand:
@@ -94,7 +100,7 @@ build/cpp-tests: $(VENV)/.deps $(CPP_SOURCES) $(wildcard csrc/*/*.h csrc/*/*/*.h
 # receive run on different threads of a rank (the caller's fast path, the progress thread),
 # the Hosts tests report them as races. They are not; P2P.*, Groups.* and Transport* are
 # the set to read.
-build/cpp-tests-tsan: $(VENV)/.deps $(CPP_SOURCES) $(wildcard csrc/*/*.h csrc/*/*/*.h) $(CPP_TESTS) $(wildcard tests/cpp/*.h) | $(OPENSSL_DEV)
+build/cpp-tests-tsan: $(VENV)/.deps $(CPP_SOURCES) $(CPP_TESTS) $(CPP_HEADERS) | $(OPENSSL_DEV)
 	@mkdir -p build
 	c++ -O1 -g -fsanitize=thread -std=c++20 -mavx2 -mfma -mf16c -DCPU_CAPABILITY_AVX2 -DCPU_CAPABILITY=AVX2 \
 	  -Wno-unknown-pragmas -Icsrc -I$(TORCH_DIR)/include $(CPP_SOURCES) $(CPP_TESTS) \
@@ -103,7 +109,7 @@ build/cpp-tests-tsan: $(VENV)/.deps $(CPP_SOURCES) $(wildcard csrc/*/*.h csrc/*/
 test-cpp:
 	@test -f /usr/include/gtest/gtest.h || (apt-get install -y -q libgtest-dev >/dev/null 2>&1 || \
 	  (apt-get update -q >/dev/null 2>&1 && apt-get install -y -q libgtest-dev >/dev/null 2>&1)) || true
-	@if test -f /usr/include/gtest/gtest.h; then $(MAKE) --no-print-directory build/cpp-tests && \
+	@if test -f /usr/include/gtest/gtest.h; then $(MAKE) --no-print-directory -j$(NPROC) build/cpp-tests && \
 	  build/cpp-tests --gtest_brief=1; else echo "NOTE: libgtest-dev unavailable: C++ tests skipped"; fi
 
 # libFuzzer on the parsers of what other processes send (tests/fuzz/fuzz_wire.cpp): the
