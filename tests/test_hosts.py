@@ -33,8 +33,9 @@ def _env(**extra):
     return worker_env(**SMALL_BUFFERS, **{"HOSTS_TIMEOUT": "30", **extra})
 
 
-def _torchrun(hosts, nprocs, mode, tmp_path, max_restarts=0, **env):
-    """One torchrun per host (hosts[i] runs nprocs[i] ranks), c10d rendezvous on host 0."""
+def _torchrun(hosts, nprocs, mode, tmp_path, max_restarts=0, argv=None, **env):
+    """One torchrun per host (hosts[i] runs nprocs[i] ranks), c10d rendezvous on host 0, each
+    rank running the worker in ``mode`` (or ``argv``: a script and its arguments)."""
     procs = []
     for h, nproc in zip(hosts, nprocs):
         # is_host: torchrun guesses whether it should host the rendezvous store from its
@@ -44,7 +45,7 @@ def _torchrun(hosts, nprocs, mode, tmp_path, max_restarts=0, **env):
                f"--rdzv-endpoint={hosts[0].address}:{RDZV_PORT}", f"--rdzv-id=hosts-{os.getpid()}",
                f"--rdzv-conf=is_host={int(h is hosts[0])}",
                f"--local-addr={h.address}", f"--max-restarts={max_restarts}", "--monitor-interval=0.2",
-               WORKER, mode]
+               *(argv or [WORKER, mode])]
         log = open(tmp_path / f"{h.netns}.log", "w+")
         procs.append((h.popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=_env(**env)), log))
     return procs
@@ -126,6 +127,39 @@ def test_torchrun_two_hosts_two_ranks_each(can_make_hosts, tmp_path):
 def test_torchrun_three_hosts_uneven_ranks(can_make_hosts, tmp_path):
     """Three hosts with 2, 1 and 1 ranks (each torchrun its own --nproc-per-node)."""
     _run_suite([2, 1, 1], tmp_path, timeout=300)
+
+
+def _final_losses(text):
+    m = re.search(r"final train loss ([0-9.]+), validation loss ([0-9.]+)", text)
+    assert m, text[-6000:]
+    return float(m.group(1)), float(m.group(2))
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(400)
+def test_gpt_example_across_two_hosts_saves_a_checkpoint_one_process_resumes(can_make_hosts, tmp_path):
+    """examples/train_gpt.py under torchrun --nnodes=2 --nproc-per-node=2 at dp 2 x tp 2 (tensor
+    parallelism inside each host, the data-parallel average between them, as Megatron places
+    them), 4 steps then a checkpoint written by the ranks of both hosts; one process resumes it
+    for 2 more steps: the final losses of 6 steps in one process."""
+    script = os.path.join(ROOT, "examples", "train_gpt.py")
+    ckpt = str(tmp_path / "ckpt")
+    # Inside the warm-up throughout: the learning rate of a step does not depend on --steps.
+    common = ["--model", "tiny", "--batch-size", "8", "--warmup", "10", "--eval-every", "100", "--no-progress",
+              "--out", str(tmp_path / "out")]
+    argv = [script, "--dp", "2", "--tp", "2", *common, "--steps", "4", "--save", ckpt]
+    with Hosts(2) as hosts:
+        codes, text = _wait(_torchrun(hosts, [2, 2], None, tmp_path, argv=argv), 300)
+    assert codes == [0, 0], f"torchrun exit statuses {codes}:\n{text[-6000:]}"
+    assert "4 steps in" in text and open(os.path.join(ckpt, "latest")).read().strip() == "step_4", text[-6000:]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    env["PYTHONPATH"] = ROOT + os.pathsep + env.get("PYTHONPATH", "")
+    run = lambda *extra: subprocess.run([sys.executable, script, *common, *extra], capture_output=True, text=True,
+                                        timeout=120, env=env)
+    resumed, whole = run("--steps", "6", "--resume", ckpt), run("--steps", "6")
+    assert resumed.returncode == 0 and "2 steps in" in resumed.stdout, resumed.stdout + resumed.stderr
+    assert whole.returncode == 0, whole.stdout + whole.stderr
+    assert _final_losses(resumed.stdout) == pytest.approx(_final_losses(whole.stdout), rel=1e-3)
 
 
 @pytest.mark.slow
