@@ -88,6 +88,31 @@ def test_mp_policy_trains_as_torch_fsdp2_with_the_same_policy(backend, output_dt
     _pool(backend, 2).run(_mp_policy_like_torch, output_dtype)
 
 
+def _float16_reduce_like_torch(ctx):
+    """A float16 reduce (mp_policy's reduce_dtype None: param_dtype's) of gradients whose sum
+    over the ranks overflows float16 but whose mean does not: divided by ~sqrt(world) before the
+    sum and the rest after, as FSDP2 does (audit finding: summed first, the gradients were inf)."""
+    torch.set_num_threads(1)
+    policy = MixedPrecisionPolicy(param_dtype=torch.float16)
+    ours, theirs = nn.Linear(4, 2, bias=False), nn.Linear(4, 2, bias=False)
+    theirs.load_state_dict(ours.state_dict())
+    w0 = ours.weight.detach().clone()
+    fully_shard(ours, ctx.pg, mp_policy=policy)
+    torch_fully_shard(theirs, mesh=DeviceMesh.from_group(ctx.gloo, "cpu"), mp_policy=policy)
+    x = torch.full((1, 4), 40000.0)  # each rank's weight gradient: 40000, float16's max is 65504
+    for m in (ours, theirs):
+        m(x).float().sum().backward()
+        torch.optim.SGD(m.parameters(), lr=1e-6).step()
+    mine, want = ours.state_dict()["weight"], _full(theirs.weight)
+    torch.testing.assert_close(mine, w0 - 1e-6 * 40000, rtol=1e-6, atol=1e-7)  # the mean gradient: 40000
+    torch.testing.assert_close(mine, want, rtol=0, atol=0)
+
+
+@on_backends
+def test_float16_reduce_divides_around_the_sum_as_torch_fsdp2(backend):
+    _pool(backend, 2).run(_float16_reduce_like_torch)
+
+
 class _Recorder(nn.Module):
     """Records the dtype its input arrives in, then computes in its weight's."""
 

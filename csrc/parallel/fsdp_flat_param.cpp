@@ -6,6 +6,7 @@
 #include <torch/csrc/autograd/variable.h>
 
 #include <algorithm>
+#include <cmath>
 #include <sstream>
 
 // _allgather_base / _reduce_scatter_base: renamed all_gather_single / reduce_scatter_single in
@@ -326,6 +327,11 @@ void FlatParam::discard_unsharded_grads() {
 
 std::pair<c10::intrusive_ptr<c10d::Work>, at::Tensor> FlatParam::start_reduce_scatter(at::Tensor& packed,
                                                                                       double tag) {
+  const double pre = divide_factors().first;
+  if (pre != 1.0) {  // the gradients only, not the tag and used slots
+    at::NoGradGuard no_grad;
+    packed.view({world_, packed_stride()}).narrow(1, 0, shard_numel_).div_(pre);
+  }
   packed.view({world_, packed_stride()}).select(1, shard_numel_ + rank_).fill_(tag);
   // Replicated: room after the reduced chunk for the all-reduce's own slots (start_replica_all_reduce).
   at::Tensor out = at::empty({packed_stride() + (replicated() ? 1 + replicas_ : 0)}, packed.options());
@@ -359,10 +365,26 @@ std::vector<double> FlatParam::reduced_tags(const at::Tensor& reduced) const {
   return std::vector<double>(v, v + world_);
 }
 
+std::pair<double, double> FlatParam::divide_factors() const {
+  const double factor = gradient_divide_factor.value_or(static_cast<double>(world_ * replicas_));
+  if (reduce_dtype_ != at::kHalf) {
+    return {1.0, factor};
+  }
+  // float16 (largest finite 65504): the sum of the ranks' gradients can overflow where their
+  // mean would not, so divide by about sqrt(factor) (a power of two: exact) before the sum and
+  // by the rest after, as torch's FSDP2 does for a reduce dtype at risk of overflow
+  // (_get_gradient_divide_factors; FSDP1's gradient_predivide_factor).
+  double pre = 1.0;
+  while (std::fmod(factor, pre) == 0.0 && factor / pre > pre) {
+    pre *= 2.0;
+  }
+  return {pre, factor / pre};
+}
+
 void FlatParam::deliver_grads(const at::Tensor& out) {
   at::NoGradGuard no_grad;
   at::Tensor reduced = out.narrow(0, 0, shard_numel_);
-  reduced.div_(gradient_divide_factor.value_or(static_cast<double>(world_ * replicas_)));
+  reduced.div_(divide_factors().second);
   const at::Tensor used = out.narrow(0, used_slot(0), static_cast<int64_t>(size()))
                               .to(at::Device(at::kCPU), at::kDouble).contiguous();
   for (size_t i = 0; i < sharded_.size(); ++i) {

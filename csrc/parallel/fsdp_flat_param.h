@@ -152,10 +152,14 @@ class FlatParam {
   };
   ReplicaSlots replica_slots(const at::Tensor& reduced) const;
   // Divide the summed shard by the number of ranks that summed it (the world size, times the
-  // replicas under hybrid sharding), or by gradient_divide_factor where set, and hand it to the
+  // replicas under hybrid sharding), or by gradient_divide_factor where set (for float16, the
+  // part of it not divided before the reduce-scatter), and hand it to the
   // sharded parameters' .grad (assigned as views of `reduced` when .grad is undefined, added
   // otherwise), but for parameters no rank had a gradient for (their .grad is left as it is).
   void deliver_grads(const at::Tensor& reduced);
+  // (divided by before the reduce-scatter, after it): (1, the divide factor) but for float16,
+  // which is split around the sum (divide_factors in the .cpp says why).
+  std::pair<double, double> divide_factors() const;
   // torch FSDP2's set_gradient_divide_factor: what the sum over the ranks is divided by instead
   // (1: the sum itself, e.g. for a loss that is a sum over tokens normalised by hand).
   std::optional<double> gradient_divide_factor;
