@@ -18,7 +18,9 @@ O2 mixed precision (``mixed_precision=MixedPrecision(...)``): parameters in a 16
 float32 master copies of the owned shard held here and stepped, then copied back into the
 parameters and all-gathered in the 16-bit dtype (half the bytes). ``loss_scaler`` (a
 ``DynamicLossScaler``) unscales the float32 master gradients and skips a step that
-overflowed on any rank.
+overflowed on any rank. With gradients sharded (ZeRO-2), torch's ``GradScaler`` sees only this
+rank's and would skip the step on some ranks only (a hang): use ``loss_scaler`` or torch's
+``ShardedGradScaler`` (docs/zero.md).
 
 Gradient clipping (``clip_grad_norm_``, FairScale's ``OSS.clip_grad_norm``): between backward
 and ``step()``, each rank adds up ``|g|^p`` over the gradients of the parameters it owns (each
