@@ -19,6 +19,7 @@ Without torchrun it runs as a single process (dp = tp = pp = 1).
 """
 import argparse
 import glob
+import json
 import math
 import os
 import shutil
@@ -145,9 +146,12 @@ def load_corpus(path=None):
     else:
         files = [path]
     texts = [open(f, "rb").read() for f in files]
-    data = b"".join(t for t in texts if len(files) == 1 or _is_text(t))
+    folder = path is not None and os.path.isdir(path)
+    kept = [t for t in texts if not folder or _is_text(t)]
+    data = b"".join(kept)
     if len(data) < 1000:
-        raise ValueError(f"--data {path}: {len(data)} bytes; need at least 1000")
+        skipped = f" (from {len(kept)} text files; {len(texts) - len(kept)} binary files skipped)" if folder else ""
+        raise ValueError(f"--data {path}: {len(data)} bytes{skipped}; need at least 1000")
     return torch.frombuffer(bytearray(data), dtype=torch.uint8).long()
 
 
@@ -224,6 +228,11 @@ def check_paths(args):
     for flag, path in (("--out", args.out), ("--save", args.save)):
         if path is not None and os.path.exists(path) and not os.path.isdir(path):
             raise ValueError(f"{flag} {path}: exists and is not a folder")
+    if args.save and args.data and os.path.isdir(args.data):
+        data, save = os.path.realpath(args.data), os.path.realpath(args.save)
+        if os.path.commonpath([data, save]) == data:
+            raise ValueError(f"--save {args.save} is inside --data {args.data}: the checkpoints' files would be read "
+                             "as training data by a resumed run (another corpus, other batches)")
     if args.save and os.path.isfile(os.path.join(args.save, "latest")) and (
             args.resume is None or os.path.realpath(args.resume) != os.path.realpath(args.save)):
         raise ValueError(f"--save {args.save} holds the checkpoints of another run; --resume {args.save} to go "
@@ -341,10 +350,10 @@ def main(argv=None):
         dist.destroy_process_group()
         return 2
     if resume and rank == 0 and cfg.dropout > 0:
-        from torchpar.models.checkpoint import restores_random_state
+        from torchpar.models.checkpoint import random_state_differences, restores_random_state
         if not restores_random_state(saved, trainer):
-            why = (f"the checkpoint's were saved at another layout ({saved['layout']})" if "rng_streams" in saved
-                   else "the checkpoint holds none")
+            why = (f"the checkpoint's were saved at another layout ({', '.join(random_state_differences(saved, trainer))})"
+                   if "rng_streams" in saved else "the checkpoint holds none")
             print(f"train_gpt.py: note: dropout's random streams start afresh from --seed {args.seed}: {why}",
                   file=sys.stderr)
     run = {k: getattr(args, k) for k in SCHEDULE_ARGS}
@@ -392,6 +401,9 @@ def main(argv=None):
         if history["train"]:
             curve = plot(history, os.path.join(args.out, "loss.png"),
                          f"GPT {cfg.layers}x{cfg.hidden}, {layout}, {args.backend}")
+            with open(os.path.join(args.out, "loss.json"), "w") as f:  # the plotted values, [step, loss] pairs
+                json.dump(history, f)
+            curve += f" (values: {os.path.join(args.out, 'loss.json')})"
         steps = args.steps - start
         val = history["val"][-1][1] if history["val"] else float("nan")
         print(f"{steps} steps in {elapsed:.1f} s ({steps * tokens / max(elapsed, 1e-9):,.0f} tokens/s); "

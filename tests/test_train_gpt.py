@@ -1,12 +1,14 @@
 """examples/train_gpt.py (issue 20) as users run it: one process without torchrun (on --data,
 clipping every step), 4 ranks under torchrun (2 x 2 x 1 and 1 x 2 x 2 with a loss-curve PNG), and
 a layout that does not fit the world size refused by every rank before training."""
+import json
 import os
 import re
 import subprocess
 import sys
 
 import pytest
+import torch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRIPT = os.path.join(ROOT, "examples", "train_gpt.py")
@@ -115,29 +117,39 @@ def test_a_run_killed_after_a_periodic_checkpoint_resumes_as_if_it_had_not_stopp
     checkpoint; before it was, the resumed run drew the first steps' masks again)."""
     ckpt = str(tmp_path / "ckpt")
     common = ["--model", "tiny", "--batch-size", "4", "--warmup", "2", "--dropout", "0.1", "--steps", "10",
-              "--no-progress", "--eval-every", "100", "--out", str(tmp_path)]
-    whole = subprocess.run([sys.executable, SCRIPT, *common], capture_output=True, text=True, timeout=100, env=ENV)
-    assert whole.returncode == 0, whole.stdout + whole.stderr
-    killed = subprocess.run([sys.executable, "-c", _KILLED_AFTER_STEP.format(
-        kill=7, script=SCRIPT, argv=[*common, "--save", ckpt, "--save-every", "5"])],
+              "--no-progress", "--eval-every", "100"]
+    run = lambda out, *extra, code=None: subprocess.run(
+        [sys.executable, *(["-c", code] if code else [SCRIPT]), *([] if code else [*common, "--out", str(tmp_path / out),
+                                                                        *extra])],
         capture_output=True, text=True, timeout=100, env=ENV)
+    whole = run("whole")
+    assert whole.returncode == 0, whole.stdout + whole.stderr
+    killed = run(None, code=_KILLED_AFTER_STEP.format(kill=7, script=SCRIPT, argv=[
+        *common, "--out", str(tmp_path / "killed"), "--save", ckpt, "--save-every", "5"]))
     assert killed.returncode != 0 and "killed" in killed.stderr, killed.stdout + killed.stderr
     assert open(os.path.join(ckpt, "latest")).read().strip() == "step_5"
-    resumed = subprocess.run([sys.executable, SCRIPT, *common, "--resume", ckpt], capture_output=True, text=True,
-                             timeout=100, env=ENV)
-    assert resumed.returncode == 0, resumed.stdout + resumed.stderr
-    assert "5 steps in" in resumed.stdout and "another learning-rate schedule" not in resumed.stderr
-    assert "random streams start afresh" not in resumed.stderr, resumed.stderr
-    assert _final_losses(resumed.stdout) == pytest.approx(_final_losses(whole.stdout), rel=1e-5)
+    # Resumed as saved, and with full recomputation and GPipe (which change no random draw).
+    for out, extra in (("resumed", []), ("recompute", ["--recompute", "full", "--schedule", "gpipe"])):
+        resumed = run(out, "--resume", ckpt, *extra)
+        assert resumed.returncode == 0, resumed.stdout + resumed.stderr
+        assert "5 steps in" in resumed.stdout and "another learning-rate schedule" not in resumed.stderr
+        assert "random streams start afresh" not in resumed.stderr, resumed.stderr
+        # Every step's loss (loss.json: full precision), dropout drawing the uninterrupted run's masks.
+        got = json.load(open(tmp_path / out / "loss.json"))["train"]
+        want = json.load(open(tmp_path / "whole" / "loss.json"))["train"][5:]
+        assert [s for s, _ in got] == [s for s, _ in want]
+        torch.testing.assert_close([v for _, v in got], [v for _, v in want], rtol=1e-6, atol=0)
+    # Other micro-batches: other draws; the streams start afresh, and the note says why.
+    other = run("other", "--resume", ckpt, "--micro-batches", "4")
+    assert other.returncode == 0 and "start afresh from --seed 0: the checkpoint's were saved at another layout " \
+        "(microbatches 2 -> 4)" in other.stderr, other.stdout + other.stderr
     # The same checkpoint resumed under another --steps: the schedule differs, and says so.
-    other = subprocess.run([sys.executable, SCRIPT, *common[:-5], "--steps", "12", "--no-progress", "--eval-every",
-                            "100", "--out", str(tmp_path), "--resume", ckpt], capture_output=True, text=True,
-                           timeout=100, env=ENV)
-    assert other.returncode == 0 and "--steps 12 (the saved run's 10)" in other.stderr, other.stdout + other.stderr
+    longer = run("longer", "--resume", ckpt, "--steps", "12")
+    assert longer.returncode == 0 and "--steps 12 (the saved run's 10)" in longer.stderr, longer.stdout + longer.stderr
 
 
 @pytest.mark.timeout(200)
-@pytest.mark.parametrize("case", ["small corpus"] + [pytest.param(c, marks=pytest.mark.slow) for c in (
+@pytest.mark.parametrize("case", ["small corpus", "save inside data"] + [pytest.param(c, marks=pytest.mark.slow) for c in (
     "checkpoint at steps", "save over another run", "eval every 0", "out is a file", "interleaved at pp 1",
     "heads")])
 def test_bad_arguments_are_refused_before_training(tmp_path, case):
@@ -161,6 +173,11 @@ def test_bad_arguments_are_refused_before_training(tmp_path, case):
     elif case == "eval every 0":
         args += ["--eval-every", "0"]
         expect = "--eval-every must be >= 1"
+    elif case == "save inside data":
+        (tmp_path / "corpus").mkdir()
+        (tmp_path / "corpus" / "a.txt").write_text("text " * 1000)
+        args += ["--data", str(tmp_path / "corpus"), "--save", str(tmp_path / "corpus" / "ckpt")]
+        expect = "is inside --data"
     elif case == "out is a file":
         (tmp_path / "f").write_text("")
         args[-1] = str(tmp_path / "f")

@@ -26,10 +26,12 @@ What a rank holds of a parameter:
 The step counter is saved too; ``examples/train_gpt.py`` sets the learning rate from the step,
 so the schedule resumes where it stopped. So is each rank's random state (dropout's streams: torch's
 default generators and the model-parallel seeds of torchpar.parallel.tensor.random), restored when
-the checkpoint is resumed at the layout it was saved at, so that a resumed run with dropout draws
-the masks the uninterrupted run would have drawn. At another layout the ranks' streams have no
-counterpart (each pipeline stage and tensor-parallel rank draws its own), so they start afresh from
-the seed, as Megatron-LM ignores the RNG state when the tensor or pipeline sizes change. A checkpoint of another model (any config field but
+every rank holds the place in the layout it held (dp, tp, pp, virtual stages) and forwards the same
+micro-batches (the schedule, DDP or fully_shard, and recomputation may change), so that a resumed
+run with dropout draws the masks the uninterrupted run would have drawn. Where the ranks' places
+change, a rank's saved stream has no counterpart (each pipeline stage and tensor-parallel rank
+draws its own), so they start afresh from the seed, as Megatron-LM ignores the RNG state when
+the tensor or pipeline sizes change. A checkpoint of another model (any config field but
 dropout differs) or another optimizer is refused by every rank before anything is read.
 """
 import dataclasses
@@ -274,14 +276,31 @@ def _rng_state(trainer):
     return out
 
 
+# The Layout fields that decide what each rank draws and in which order: its place in the mesh
+# (dp, tp, pp, virtual stages), the micro-batches it forwards, which ops draw from the
+# model-parallel stream (sequence parallelism), and the dtype of the tensors masks are drawn for.
+# The others (schedule at the same stages: each stage forwards its micro-batches in order; DDP or
+# fully_shard; recomputation, which torch.utils.checkpoint replays from saved generator states;
+# resharding) change no draw: a resume may change them and keep the streams (review finding).
+_RNG_LAYOUT_FIELDS = ("dp", "tp", "pp", "virtual_stages", "microbatches", "sequence_parallel", "dtype")
+
+
 def _layout_record(trainer):
     return {**dataclasses.asdict(trainer.layout), "world_size": dist.get_world_size()}
 
 
+def random_state_differences(meta, trainer):
+    """The layout fields (and world size) that differ from those the checkpoint ``meta``
+    describes was saved at and decide the ranks' random draws: ``["pp 2 -> 4", ...]``."""
+    saved, now = meta.get("layout_record") or {}, _layout_record(trainer)
+    return [f"{k} {saved.get(k)} -> {now[k]}" for k in (*_RNG_LAYOUT_FIELDS, "world_size") if saved.get(k) != now[k]]
+
+
 def restores_random_state(meta, trainer):
     """Whether ``load_checkpoint`` puts back the random state saved in the checkpoint ``meta``
-    describes: only at the layout it was saved at (each rank then holds what it held)."""
-    return "rng_streams" in meta and meta.get("layout_record") == _layout_record(trainer)
+    describes: when every rank holds the place it held, forwarding the same micro-batches
+    (``random_state_differences`` is empty)."""
+    return "rng_streams" in meta and not random_state_differences(meta, trainer)
 
 
 def _load_rng_state(path, trainer, meta):
