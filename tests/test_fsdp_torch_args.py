@@ -113,6 +113,51 @@ def test_float16_reduce_divides_around_the_sum_as_torch_fsdp2(backend):
     _pool(backend, 2).run(_float16_reduce_like_torch)
 
 
+class _Embedder(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.emb, self.fc = nn.Embedding(16, 8), nn.Linear(8, 1)
+
+    def forward(self, idx):
+        return self.fc(torch.tanh(self.emb(idx))).squeeze(-1)
+
+
+def _unshard_in_backward_like_torch(ctx):
+    """set_unshard_in_backward(False) on an embedding unit: its backward gathers nothing (its
+    weight's gradient needs only the indices), and training equals torch FSDP2's with the same
+    setting, step for step."""
+    torch.set_num_threads(1)
+    torch.manual_seed(0)
+    ours = _Embedder()
+    theirs = copy.deepcopy(ours)
+    mesh = DeviceMesh.from_group(ctx.gloo, "cpu")
+    fully_shard(ours.emb, ctx.pg)
+    fully_shard(ours, ctx.pg)
+    torch_fully_shard(theirs.emb, mesh=mesh)
+    torch_fully_shard(theirs, mesh=mesh)
+    for m in (ours, theirs):
+        m.emb.set_unshard_in_backward(False)
+    opts = [torch.optim.SGD(m.parameters(), lr=0.5) for m in (ours, theirs)]
+    for step in range(3):
+        g = torch.Generator().manual_seed(100 * step + ctx.rank)
+        idx, y = torch.randint(0, 16, (4, 5), generator=g), torch.randn(4, 5, generator=g)
+        for m, o in zip((ours, theirs), opts):
+            o.zero_grad()
+            ((m(idx) - y) ** 2).mean().backward()
+            o.step()
+        mine = ours.state_dict()
+        for n, p in theirs.named_parameters():
+            torch.testing.assert_close(mine[n], _full(p), rtol=1e-6, atol=1e-7, msg=lambda m: f"step {step}, {n}: {m}")
+    unit = ours.emb._fsdp.index
+    launches = [e for e in ours.fsdp_engine.trace() if tuple(e) == ("all_gather_launch", unit)]
+    assert len(launches) == 1, ours.fsdp_engine.trace()  # the last step's forward only
+
+
+@on_backends
+def test_set_unshard_in_backward_skips_the_embeddings_backward_gather_as_torch_fsdp2(backend):
+    _pool(backend, 2).run(_unshard_in_backward_like_torch)
+
+
 class _Recorder(nn.Module):
     """Records the dtype its input arrives in, then computes in its weight's."""
 

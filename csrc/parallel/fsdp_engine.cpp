@@ -260,7 +260,7 @@ void FsdpEngine::prefetch_in_backward_locked(int64_t unit) {
   int64_t next = backward_next(unit);
   const auto& listed = units_[unit].backward_prefetch;
   if (!listed) {
-    if (next >= 0 && units_[next].trained && !units_[next].slot_done) prefetch_locked(next);
+    if (next >= 0 && gathers_in_backward(next)) prefetch_locked(next);
     return;
   }
   // The furthest listed unit along backward order: the lowest position in the agreed forward order.
@@ -269,8 +269,13 @@ void FsdpEngine::prefetch_in_backward_locked(int64_t unit) {
     if (t != root_ && position_[t] >= 0 && (stop < 0 || position_[t] < stop)) stop = position_[t];
   }
   for (; stop >= 0 && next >= 0 && position_[next] >= stop; next = backward_next(next)) {
-    if (units_[next].trained && !units_[next].slot_done) prefetch_locked(next);
+    if (gathers_in_backward(next)) prefetch_locked(next);
   }
+}
+
+bool FsdpEngine::gathers_in_backward(int64_t unit) const {
+  const Unit& u = units_[unit];
+  return u.trained && !u.slot_done && u.flat->unshard_in_backward;
 }
 
 void FsdpEngine::check_unit(int64_t unit) const {
@@ -441,7 +446,9 @@ void FsdpEngine::pre_backward(int64_t unit) {
     u.needs_backward = true;
     u.pending = u.nodes;
   }
-  unshard_locked(unit);
+  if (u.flat->unshard_in_backward) {
+    unshard_locked(unit);
+  }
   // Backward runs the units in reverse forward order; the root (gathered throughout) comes first,
   // so the unit after it is the last one of forward. Prefetched whether or not this rank ran it
   // (the others may have): the same on every rank.

@@ -203,6 +203,9 @@ class FsdpEngine : public std::enable_shared_from_this<FsdpEngine> {
   // pre_backward(u)'s prefetch (and a skipped unit's in its place): the next unit in backward
   // order, or every unit from there to the furthest one u lists.
   void prefetch_in_backward_locked(int64_t unit);
+  // Whether backward will gather `unit` (so that a prefetch may): it trains, its backward slot
+  // is still ahead, and its parameters are read in backward (FlatParam::unshard_in_backward).
+  bool gathers_in_backward(int64_t unit) const;
   void check_unit(int64_t unit) const;
   // Free u's gathered parameters (and a post-forward slice); `after_forward`, in a forward a
   // backward follows: free them to u's post-forward slice where u has a post-forward group.

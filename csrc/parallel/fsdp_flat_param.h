@@ -181,6 +181,10 @@ class FlatParam {
   // leaves the unit gathered for the next forward and backward, which then skip its all-gather
   // (fsdp_engine.h, "Kept gathered"). A syncing backward frees it whatever this says.
   bool reshard_after_backward = true;
+  // torch FSDP2's set_unshard_in_backward(False): the unit's parameters are not read by its
+  // backward (an embedding's gradient needs the indices only), so its pre-backward gathers
+  // nothing and no backward prefetch gathers it; the gradients still reduce as always.
+  bool unshard_in_backward = true;
   // Optimizer steps taken over this unit's sharded parameters (counted by a torch.optim step
   // hook, torchpar/parallel/fsdp.py): a gathered copy from before a step is not current.
   int64_t optimizer_steps = 0;

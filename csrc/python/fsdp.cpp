@@ -88,6 +88,7 @@ TORCHPAR_PYBIND(fsdp) {
       .def_readwrite("gradient_divide_factor", &FlatParam::gradient_divide_factor)
       .def_readwrite("requires_all_reduce", &FlatParam::requires_all_reduce)
       .def_readwrite("reshard_after_backward", &FlatParam::reshard_after_backward)
+      .def_readwrite("unshard_in_backward", &FlatParam::unshard_in_backward)
       .def_readwrite("optimizer_steps", &FlatParam::optimizer_steps)
       .def_readwrite("unshard_requested", &FlatParam::unshard_requested)
       .def("start_gather", &FlatParam::start_gather, py::call_guard<py::gil_scoped_release>())

@@ -147,6 +147,15 @@ class FSDPModule:
             if isinstance(m, FSDPModule):
                 m._fsdp.flat.reshard_after_backward = bool(reshard_after_backward)
 
+    def set_unshard_in_backward(self, unshard_in_backward):
+        """torch FSDP2's: with False, this unit's parameters are not gathered for its backward
+        (nor prefetched for it), for a unit whose backward does not read them, e.g. an
+        embedding (its weight's gradient needs only the indices): one all-gather fewer per step.
+        Its gradients are reduced as always. Not recursive (this unit's parameters only, as
+        FSDP2's). A backward that does read them (a matmul, a recomputation) would read freed
+        storage: torch raises there. Set it alike on every rank."""
+        self._fsdp.flat.unshard_in_backward = bool(unshard_in_backward)
+
     def reshard(self):
         """Free this unit's gathered parameters now (not recursive, as torch's); the module's
         parameters are its pieces again. Every rank of the group must do the same before the next
@@ -631,6 +640,8 @@ _GATHERED_FOR_BACKWARD = {}
 
 def _pre_backward(unit):
     unit.engine.pre_backward(unit.index)
+    if not unit.flat.unshard_in_backward:  # nothing gathered to register
+        return
     # Registered gathered until backward ends, as FSDP2's unshard does: activation checkpointing
     # inside the unit recomputes its forward in this backward and reads the module's attributes
     # (it read the pieces: a full-recompute block under fully_shard failed; audit finding). Not
