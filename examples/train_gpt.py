@@ -139,14 +139,14 @@ def load_corpus(path=None):
     top-level .py files: the same bytes on every rank, no download."""
     if path is not None and not os.path.exists(path):
         raise ValueError(f"--data {path}: no such file or folder")
+    folder = path is not None and os.path.isdir(path)
     if path is None:
         files = sorted(glob.glob(os.path.join(os.path.dirname(os.__file__), "*.py")))
-    elif os.path.isdir(path):
+    elif folder:
         files = sorted(f for f in glob.glob(os.path.join(path, "**", "*"), recursive=True) if os.path.isfile(f))
     else:
         files = [path]
     texts = [open(f, "rb").read() for f in files]
-    folder = path is not None and os.path.isdir(path)
     kept = [t for t in texts if not folder or _is_text(t)]
     data = b"".join(kept)
     if len(data) < 1000:

@@ -389,7 +389,7 @@ def _create_optimizer_state(trainer):
 def load_checkpoint(path, trainer):
     """Read the checkpoint at ``path`` (saved at any layout) into ``trainer``, a ParallelGPT of
     the same model; returns the step to go on from (also set as ``trainer.step``). The random
-    state comes back too when the layout is the one saved (``restores_random_state``)."""
+    state comes back too where every rank keeps its place (``restores_random_state``)."""
     meta = check_checkpoint(path, trainer.config, _optimizer_name(trainer))
     if meta["optimizer_state"]:
         _create_optimizer_state(trainer)
