@@ -1,7 +1,7 @@
 """Callbacks on a work's future that issue or wait on other operations (issue 21): they run
 where the work finishes, on the group's worker, in the caller, or on the point-to-point
-progress thread. A collective issued there runs, and so does a queued one its work's wait()
-waits for; a wait that only that thread could end is an error saying so. (Waiting on a queued
+progress thread. A collective issued there runs at once, right after the operation whose
+callback issued it, and so does a queued one its work's wait() waits for; a wait that only that thread could end is an error saying so. (Waiting on a queued
 collective's future, rather than its work, from a callback on the group's worker still blocks
 that thread: docs/backend.md.)"""
 import time
@@ -62,6 +62,32 @@ def _callback_waits_on_a_collective_queued_after_its_own(ctx):
     u = torch.full((2,), float(ctx.rank))
     dist.all_reduce(u, group=ctx.pg)
     assert torch.equal(u, torch.ones(2))
+    return True
+
+
+def _callback_collective_is_ordered_after_its_work_on_every_rank(ctx):
+    """A's callback issues C; the main thread issues B right after attaching it (a DDP comm
+    hook's pattern: PowerSGD's callbacks all-reduce P and Q before the next bucket's all-reduce).
+    Rank 0's B is queued before A finishes (A waits for rank 1), rank 1's only after A's
+    callback ran: C runs right after A on both (before: A, B, C on rank 0 and A, C, B on rank 1,
+    a mismatch)."""
+    if ctx.rank == 1:
+        time.sleep(0.2)
+    a = torch.ones(1)
+
+    def issue_c(fut):
+        c = torch.full((3,), float(ctx.rank + 1))
+        dist.all_reduce(c, group=ctx.pg)  # blocking, on the thread that ran A
+        return c
+
+    chained = dist.all_reduce(a, async_op=True, group=ctx.pg).get_future().then(issue_c)
+    if ctx.rank == 1:
+        time.sleep(0.2)
+    b = torch.full((5,), float(ctx.rank))
+    work_b = dist.all_reduce(b, async_op=True, group=ctx.pg)
+    assert torch.equal(chained.wait(), torch.full((3,), 3.0))
+    work_b.wait()
+    assert torch.equal(b, torch.ones(5)) and a.item() == 2.0
     return True
 
 
@@ -139,6 +165,10 @@ def test_a_callback_can_wait_on_a_collective_it_issues(transport):
 
 def test_a_callback_can_wait_on_a_collective_queued_after_its_own(transport):
     pool(transport).run(_callback_waits_on_a_collective_queued_after_its_own)
+
+
+def test_a_collective_issued_by_a_callback_runs_right_after_its_work_on_every_rank(transport):
+    pool(transport).run(_callback_collective_is_ordered_after_its_work_on_every_rank)
 
 
 def test_a_recv_callback_can_issue_an_async_collective(transport):

@@ -67,13 +67,18 @@ void CollectiveQueue::submit(c10::intrusive_ptr<Work> work, const char* name, Ta
   if (running_here == this) {
     // A callback on the future of an operation this thread just finished issues another.
     // Nobody else runs the queue until the callback returns, so an operation queued now and
-    // waited on by the callback would never start (issue 21). What was queued before it
-    // runs here first, then it: the order of issue is kept.
+    // waited on by the callback would never start (issue 21): it runs here, at once, right
+    // after the operation whose callback issued it and ahead of what other threads queued
+    // meanwhile. That place is the same on every rank, however far each rank's main thread
+    // has got: a DDP comm hook attaches its callbacks as it issues the bucket's all-reduce, and
+    // PowerSGD's issue further all-reduces (Vogels et al. 2019), ordered before the next
+    // bucket's on every rank, as NCCL's futures, complete at issue, order them. Running what
+    // was queued first put the next bucket's all-reduce before them on a rank whose main
+    // thread had issued it already, and not on another: a mismatch.
     {
       std::lock_guard<std::mutex> lock(mu_);
       TORCH_CHECK(!stopping_, "torchpar ", name, ": group '", group_name_, "' has been shut down");
     }
-    run_queued_here();
     execute(item, /*caller_blocks=*/!async_op);
     return;
   }
@@ -112,7 +117,7 @@ void CollectiveQueue::run_queued_here(const Work* until) {
     std::lock_guard<std::mutex> lock(mu_);
     left = queue_.size();
   }
-  for (; left > 0 && !(until != nullptr && until->completed()); --left) {
+  for (; left > 0 && !until->completed(); --left) {
     Queued q;
     {
       std::lock_guard<std::mutex> lock(mu_);

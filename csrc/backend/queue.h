@@ -41,10 +41,10 @@ class CollectiveQueue {
   // Whether this thread is running one of this queue's operations now (its worker, or a caller
   // running one inline): a future callback is, between its operation and the next one.
   bool running_on_this_thread() const;
-  // For such a thread (a callback waiting on an operation issued before it ran): runs what is
+  // For such a thread (a callback waiting on an operation queued before it ran): runs what is
   // queued, here and in order, since nobody else runs the queue until the callback returns;
-  // stops once `until` (if given) has completed.
-  void run_queued_here(const Work* until = nullptr);
+  // stops once `until` has completed.
+  void run_queued_here(const Work* until);
 
  private:
   struct Queued {
