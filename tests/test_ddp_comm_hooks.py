@@ -4,7 +4,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
+from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, post_localSGD_hook, powerSGD_hook
 
 from test_ddp import (_assert_same_params, _batch, _loss, _mlp, _pool, _setup, _shard, _train_side_by_side,
                       multi_rank, on_backends)
@@ -74,6 +74,30 @@ def _power_sgd_vs_torch_ddp(ctx):
 @multi_rank
 def test_power_sgd_hook_matches_torch_ddp_with_the_same_hook(world_size):
     _pool("torchpar", world_size).run(_power_sgd_vs_torch_ddp)
+
+
+def _post_local_sgd_vs_torch_ddp(ctx):
+    """Post-local SGD (Lin et al. 2020): global all-reduce for two steps, then only within
+    subgroups of two ranks (torch's ``new_subgroups``): the pairs' models part, as under torch's."""
+    _setup(ctx)
+    subgroup, _ = dist.new_subgroups(group_size=2, group=ctx.pg)
+    ours_model, torch_model = _mlp(2), _mlp(2)
+    ours = DDP(ours_model, process_group=ctx.pg, bucket_cap_mb=0.0002)
+    theirs = nn.parallel.DistributedDataParallel(torch_model, process_group=ctx.pg, bucket_cap_mb=0.0002)
+    for ddp in (ours, theirs):
+        state = post_localSGD_hook.PostLocalSGDState(process_group=ctx.pg, subgroup=subgroup, start_localSGD_iter=2)
+        ddp.register_comm_hook(state, post_localSGD_hook.post_localSGD_hook)
+    _train_side_by_side(ctx, (ours, theirs), (ours_model, torch_model), steps=4, per_rank=3)
+    mine = torch.cat([p.detach().flatten() for p in ours_model.parameters()])
+    every = [torch.empty_like(mine) for _ in range(ctx.world_size)]
+    dist.all_gather(every, mine, group=ctx.pg)
+    assert torch.equal(every[0], every[1]) and not torch.equal(every[0], every[2])
+    dist.destroy_process_group(subgroup)
+
+
+@on_backends
+def test_post_local_sgd_hook_matches_torch_ddp_with_the_same_hook(backend):
+    _pool(backend, 4).run(_post_local_sgd_vs_torch_ddp)
 
 
 def _averaging_hook(state, bucket):
