@@ -19,7 +19,8 @@ float32 master copies of the owned shard held here and stepped, then copied back
 parameters and all-gathered in the 16-bit dtype (half the bytes). ``loss_scaler`` (a
 ``DynamicLossScaler``) unscales the float32 master gradients and skips a step that
 overflowed on any rank. With gradients sharded (ZeRO-2), torch's ``GradScaler`` sees only this
-rank's and would skip the step on some ranks only (a hang): use ``loss_scaler`` or torch's
+rank's and would skip the step on some ranks only (the ranks' collectives part: an error on
+every rank at the next step's first one, a timeout after the last step): use ``loss_scaler`` or torch's
 ``ShardedGradScaler`` (docs/zero.md).
 
 Gradient clipping (``clip_grad_norm_``, FairScale's ``OSS.clip_grad_norm``): between backward
