@@ -52,6 +52,7 @@ from torch.distributed.checkpoint.planner_helpers import create_read_items_for_c
 from torchpar.models.gpt import GPT
 from torchpar.optim.zero import ZeroRedundancyOptimizer
 from torchpar.parallel.fsdp import FSDPModule
+from torchpar.parallel.fsdp_state_dict import runs_to_boxes
 from torchpar.parallel.tensor.random import get_rng_tracker
 
 META_KEY = "gpt_meta"
@@ -61,33 +62,6 @@ _FREE_CONFIG_FIELDS = {"dropout"}
 
 
 # ---- what this rank holds, as boxes of the dense tensors ----
-
-def _runs_to_boxes(shape, start, end):
-    """Elements [start, end) of a row-major tensor of ``shape`` as boxes (offsets, sizes), in
-    order: the flat run a ``fully_shard`` rank holds, cut where it leaves a row unfinished."""
-    if start >= end:
-        return []
-    if len(shape) <= 1:
-        return [((start,), (end - start,))] if shape else [((), ())]
-    inner = math.prod(shape[1:])
-    r0, o0 = divmod(start, inner)
-    r1, o1 = divmod(end, inner)
-    boxes = []
-
-    def within_row(row, a, b):
-        return [((row, *off), (1, *size)) for off, size in _runs_to_boxes(shape[1:], a, b)]
-
-    if r0 == r1:
-        return within_row(r0, o0, o1)
-    if o0:
-        boxes += within_row(r0, o0, inner)
-        r0 += 1
-    if r1 > r0:
-        boxes.append(((r0, *[0] * (len(shape) - 1)), (r1 - r0, *shape[1:])))
-    if o1:
-        boxes += within_row(r1, 0, o1)
-    return boxes
-
 
 @dataclasses.dataclass
 class _Held:
@@ -107,7 +81,7 @@ class _Held:
         if self.flat_start is None:
             return [(self.tp_offsets, t)]
         out, flat, pos = [], t.view(-1), 0
-        for offsets, sizes in _runs_to_boxes(self.local_shape, self.flat_start, self.flat_start + t.numel()):
+        for offsets, sizes in runs_to_boxes(self.local_shape, self.flat_start, self.flat_start + t.numel()):
             n = math.prod(sizes)
             out.append((tuple(a + b for a, b in zip(offsets, self.tp_offsets)), flat[pos:pos + n].view(sizes)))
             pos += n

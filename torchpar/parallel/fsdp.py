@@ -227,20 +227,26 @@ class FSDPModule:
         """``state_dict()`` with each sharded parameter as a ``Shard`` (this rank's piece, no
         communication) instead of the full tensor. It loads back with ``load_state_dict`` into a
         model wrapped the same way over the same number of ranks."""
-        units = [m._fsdp for m in self.modules() if isinstance(m, FSDPModule)]
-        for u in units:
-            u.sharded_form = True
-        try:
-            return self.state_dict()
-        finally:
-            for u in units:
-                u.sharded_form = False
+        return sharded_state_dict(self)
 
     @property
     def fsdp_engine(self):
         """The C++ engine of the model this unit belongs to (made at the root's first forward):
         ``trace()``, ``forward_order()``, ``memory()``, ``peak_memory()``."""
         return self._fsdp.engine
+
+
+def sharded_state_dict(model):
+    """``model.state_dict()`` with the parameters of every fully_shard unit in ``model`` as this
+    rank's ``Shard``, whether or not ``model`` is a unit itself."""
+    units = [m._fsdp for m in model.modules() if isinstance(m, FSDPModule)]
+    for u in units:
+        u.sharded_form = True
+    try:
+        return model.state_dict()
+    finally:
+        for u in units:
+            u.sharded_form = False
 
 
 class UnshardHandle:

@@ -1,0 +1,123 @@
+"""torchpar.parallel.get_state_dict / set_state_dict: fully_shard models and their optimizer
+state through torch.distributed.checkpoint, saved at one world size and resumed at another.
+
+Every rank trains on the same batch, so the sharded training equals one process's at any world
+size: a run saved after 3 AdamW steps and resumed (at 1, 2, 3 or 4 ranks) must take its 4th step
+to the uninterrupted single-process run's weights. Unit sizes are odd, so runs cut through rows
+and some ranks hold none of a parameter."""
+import pytest
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed._shard.sharded_tensor import ShardedTensor
+
+from harness import get_pool
+from test_fsdp import Net, _loss, _setup, _shard_model
+from torchpar.parallel import get_state_dict, set_state_dict
+
+pytestmark = pytest.mark.timeout(180)
+
+STEPS = 3
+
+
+def _batch(step):
+    g = torch.Generator().manual_seed(2000 + step)
+    return torch.randn(6, 5, generator=g), torch.randn(6, 3, generator=g)
+
+
+def _train(model, opt, steps):
+    for step in steps:
+        x, y = _batch(step)
+        opt.zero_grad()
+        _loss(model(x), y).backward()
+        opt.step()
+
+
+def _adamw(model):
+    return torch.optim.AdamW(model.parameters(), lr=0.05, weight_decay=0.1)
+
+
+def _reference():
+    """The single-process run: STEPS steps, then one more."""
+    model = Net()
+    opt = _adamw(model)
+    _train(model, opt, range(STEPS + 1))
+    return model
+
+
+def _save(ctx, path):
+    _setup(ctx)
+    model = _shard_model(Net(), ctx.pg)
+    opt = _adamw(model)
+    _train(model, opt, range(STEPS))
+    model_sd, optim_sd = get_state_dict(model, opt)
+    assert isinstance(model_sd["blocks.0.fc1.weight"], ShardedTensor)
+    assert isinstance(optim_sd["state"]["blocks.0.fc1.weight"]["exp_avg"], ShardedTensor)
+    dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=path)
+    # The optimizer's own state is left as it was (plain pieces) and trains on.
+    assert not isinstance(opt.state[opt.param_groups[0]["params"][0]]["exp_avg"], ShardedTensor)
+    _train(model, opt, [STEPS])
+    return model.state_dict()
+
+
+def _resume(ctx, path):
+    _setup(ctx)
+    model = _shard_model(Net(seed=1), ctx.pg)  # other weights: all of them must come from the checkpoint
+    opt = _adamw(model)
+    model_sd, optim_sd = get_state_dict(model, opt)
+    dcp.load({"model": model_sd, "optim": optim_sd}, checkpoint_id=path)
+    set_state_dict(model, opt, model_state_dict=model_sd, optim_state_dict=optim_sd)
+    _train(model, opt, [STEPS])
+    return model.state_dict()
+
+
+def _assert_same(sd, ref):
+    ref_sd = ref.state_dict()
+    assert list(sd) == list(ref_sd)
+    for name, value in sd.items():
+        torch.testing.assert_close(value, ref_sd[name], rtol=1e-5, atol=1e-6, msg=lambda m: f"{name}: {m}")
+
+
+@pytest.mark.parametrize("save_at,resume_at", [(2, 2), (2, 4), (4, 3), (3, 1)])
+def test_a_dcp_checkpoint_resumes_at_another_world_size(tmp_path, save_at, resume_at):
+    path = str(tmp_path / "ckpt")
+    ref = _reference()
+    for sd in get_pool(save_at).run(_save, path):
+        _assert_same(sd, ref)
+    for sd in get_pool(resume_at).run(_resume, path):
+        _assert_same(sd, ref)
+
+
+def _round_trip(ctx, path):
+    _save(ctx, path)
+    dist.barrier(group=ctx.pg)
+    return _resume(ctx, path)
+
+
+def test_on_gloo(tmp_path):
+    ref = _reference()
+    for sd in get_pool(2, "gloo").run(_round_trip, str(tmp_path / "ckpt")):
+        _assert_same(sd, ref)
+
+
+def _refusals(ctx):
+    _setup(ctx)
+    model = _shard_model(Net(), ctx.pg)
+    opt = _adamw(model)
+    _train(model, opt, range(1))
+    model_sd, optim_sd = get_state_dict(model, opt)
+    other = _shard_model(Net(d=9), ctx.pg)  # another shape: other runs
+    other_opt = _adamw(other)
+    _train(other, other_opt, range(1))
+    with pytest.raises(ValueError, match="get its state_dict from this model"):
+        set_state_dict(other, other_opt, model_state_dict=model_sd, optim_state_dict=optim_sd)
+    plain = {k: torch.zeros(1) for k in model_sd}
+    with pytest.raises(TypeError, match="not the ShardedTensor get_state_dict gave"):
+        set_state_dict(model, opt, model_state_dict=plain, optim_state_dict=optim_sd)
+    from torch.distributed.checkpoint.state_dict import StateDictOptions
+    with pytest.raises(NotImplementedError, match="full_state_dict"):
+        get_state_dict(model, opt, options=StateDictOptions(full_state_dict=True))
+
+
+def test_a_state_dict_of_another_layout_or_not_sharded_is_refused():
+    get_pool(2).run(_refusals)
