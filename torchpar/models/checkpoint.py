@@ -52,7 +52,7 @@ from torch.distributed.checkpoint.planner_helpers import create_read_items_for_c
 from torchpar.models.gpt import GPT
 from torchpar.optim.zero import ZeroRedundancyOptimizer
 from torchpar.parallel.fsdp import FSDPModule
-from torchpar.parallel.fsdp_state_dict import runs_to_boxes
+from torchpar.parallel.state_dict import runs_to_boxes
 from torchpar.parallel.tensor.random import get_rng_tracker
 
 META_KEY = "gpt_meta"

@@ -1,19 +1,24 @@
-"""torchpar.parallel.get_state_dict / set_state_dict: fully_shard models and their optimizer
-state through torch.distributed.checkpoint, saved at one world size and resumed at another.
+"""torchpar.parallel.get_state_dict / set_state_dict: fully_shard and tensor-parallel models and
+their optimizer state through torch.distributed.checkpoint, saved at one world size and resumed
+at another.
 
 Every rank trains on the same batch, so the sharded training equals one process's at any world
 size: a run saved after 3 AdamW steps and resumed (at 1, 2, 3 or 4 ranks) must take its 4th step
-to the uninterrupted single-process run's weights. Unit sizes are odd, so runs cut through rows
-and some ranks hold none of a parameter."""
+to the uninterrupted single-process run's weights. fully_shard's unit sizes are odd, so runs cut
+through rows and some ranks hold none of a parameter."""
 import pytest
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed._shard.sharded_tensor import ShardedTensor
 
+from torch.distributed.device_mesh import DeviceMesh
+from torch.nn import functional as F
+
 from harness import get_pool
 from test_fsdp import Net, _loss, _setup, _shard_model
-from torchpar.parallel import get_state_dict, set_state_dict
+from test_tensor_parallel_torch_plan import _Net, _plan
+from torchpar.parallel import get_state_dict, parallelize_module, set_state_dict
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -121,3 +126,62 @@ def _refusals(ctx):
 
 def test_a_state_dict_of_another_layout_or_not_sharded_is_refused():
     get_pool(2).run(_refusals)
+
+
+# ---- tensor parallelism (torch's plan on torchpar's layers): shards as DTensors ----
+
+def _tp_batch(step):
+    g = torch.Generator().manual_seed(3000 + step)
+    return torch.randint(0, 16, (5, 2), generator=g), torch.randint(0, 16, (5, 2), generator=g)
+
+
+def _tp_train(model, opt, steps):
+    for step in steps:
+        idx, target = _tp_batch(step)
+        opt.zero_grad()
+        F.cross_entropy(model(idx).flatten(0, 1), target.flatten()).backward()
+        opt.step()
+
+
+def _tp_model(ctx, seed=0):
+    model = _Net()
+    if seed:
+        with torch.no_grad():
+            for p in model.parameters():
+                p.add_(seed)
+    # The head gathered: every rank's logits whole, so the loss is one process's.
+    return parallelize_module(model, DeviceMesh.from_group(ctx.pg, "cpu"), _plan(None, gathered_head=True))
+
+
+def _tp_save(ctx, path):
+    _setup(ctx)
+    model = _tp_model(ctx)
+    opt = _adamw(model)
+    _tp_train(model, opt, range(STEPS))
+    model_sd, optim_sd = get_state_dict(model, opt)
+    dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=path)
+    return True
+
+
+def _tp_resume(ctx, path):
+    _setup(ctx)
+    model = _tp_model(ctx, seed=1)
+    opt = _adamw(model)
+    model_sd, optim_sd = get_state_dict(model, opt)
+    dcp.load({"model": model_sd, "optim": optim_sd}, checkpoint_id=path)
+    set_state_dict(model, opt, model_state_dict=model_sd, optim_state_dict=optim_sd)
+    _tp_train(model, opt, [STEPS])
+    idx, _ = _tp_batch(99)
+    return model(idx).detach()
+
+
+@pytest.mark.parametrize("save_at,resume_at", [(2, 4), (4, 1)])
+def test_a_tensor_parallel_checkpoint_resumes_at_another_world_size(tmp_path, save_at, resume_at):
+    path = str(tmp_path / "ckpt")
+    ref = _Net()
+    opt = _adamw(ref)
+    _tp_train(ref, opt, range(STEPS + 1))
+    expected = ref(_tp_batch(99)[0]).detach()
+    get_pool(save_at).run(_tp_save, path)
+    for logits in get_pool(resume_at).run(_tp_resume, path):
+        torch.testing.assert_close(logits, expected, rtol=1e-5, atol=1e-5)

@@ -1,27 +1,35 @@
-"""Checkpoints of ``fully_shard`` models with ``torch.distributed.checkpoint`` (DCP), optimizer
-state included, that load at any number of ranks: torch's ``get_state_dict`` /
-``set_state_dict`` for torchpar's units.
+"""Checkpoints of torchpar's sharded models with ``torch.distributed.checkpoint`` (DCP),
+optimizer state included, that load at any number of ranks: torch's ``get_state_dict`` /
+``set_state_dict`` for ``fully_shard`` units and tensor-parallel layers.
 
-A unit keeps, of each parameter, a contiguous run of its flattened elements (not a DTensor), and
-the optimizer's state for it (Adam's moments) is a run of the same length. torch's
-``get_state_dict`` hands those runs to DCP as plain tensors, which DCP takes for whole tensors
-held alike by every rank: it writes one rank's and drops the others. Here each run becomes a
-``ShardedTensor`` (torch's, the form FSDP1 checkpoints in) of the parameter's full shape whose
-local shards are the boxes the run covers (at most two partial rows at its ends and the whole
-rows between, per dimension), views of this rank's tensors: DCP writes every rank's boxes, checks
-that they tile each tensor, and on load reads the overlapping parts of the saved boxes into the
-boxes the loading layout holds, at any world size.
+Both keep plain local tensors, not DTensors, and torch's ``get_state_dict`` hands them to DCP as
+they are; DCP takes a plain tensor for a whole tensor every rank holds alike, writes one rank's
+and drops the others (on load: a size mismatch, or another rank's values where sizes agree).
+Here each local tensor, and the optimizer state of its size, says where it lies in the full one:
+
+- a ``fully_shard`` unit keeps, of each parameter, a contiguous run of its flattened elements:
+  it becomes a ``ShardedTensor`` (torch's, the form FSDP1 checkpoints in) of the full shape
+  whose local shards are the boxes the run covers (at most two partial rows at its ends and the
+  whole rows between, per dimension), views of the run;
+- a tensor-parallel layer's shard (``ColumnParallelLinear`` rows, ``RowParallelLinear`` weight
+  columns, ``VocabParallelEmbedding`` rows) is a ``DTensor`` over the layer's group, ``Shard(d)``,
+  as torch's ``parallelize_module`` would leave it.
+
+DCP writes every rank's part, checks that the parts tile each tensor, and on load reads the
+overlapping parts of the saved ones into the parts the loading layout holds, at any world size.
 
     from torchpar.parallel import get_state_dict, set_state_dict
     model_sd, optim_sd = get_state_dict(model, optimizer)
     dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=path)
-    ...  # later, the same model wrapped over any number of ranks
+    ...  # later, the same model sharded over any number of ranks
     model_sd, optim_sd = get_state_dict(model, optimizer)
     dcp.load({"model": model_sd, "optim": optim_sd}, checkpoint_id=path)
     set_state_dict(model, optimizer, model_state_dict=model_sd, optim_state_dict=optim_sd)
 
 The optimizer half goes through torch's ``get_optimizer_state_dict`` / ``set_optimizer_state_dict``
-(parameter names as keys, the same layout as for an unsharded model); only the runs are converted.
+(parameter names as keys, the same layout as for an unsharded model); only the parts are converted.
+A tensor-parallel layer inside a ``fully_shard`` unit (a run of a shard) is not built here
+(``torchpar.models.checkpoint`` does it for ParallelGPT).
 """
 import math
 
@@ -33,8 +41,12 @@ from torch.distributed._shard.sharded_tensor import ShardedTensor
 from torch.distributed._shard.sharded_tensor.metadata import ShardedTensorMetadata, TensorProperties
 from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_optimizer_state_dict,
                                                      set_optimizer_state_dict)
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import Shard as ShardPlacement
 
 from torchpar.parallel.fsdp import FSDPModule, Shard, sharded_state_dict
+from torchpar.parallel.tensor import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
 
 
 def runs_to_boxes(shape, start, end):
@@ -101,7 +113,12 @@ class _Run:
             return [((self.shape[0], *[0] * (len(self.shape) - 1)), (0, *self.shape[1:]))]
         return runs_to_boxes(self.shape, start, start + numel)
 
-    def sharded(self, flat):
+    def holds(self, value):
+        """Whether an optimizer state value is per element of the piece (Adam's moments; not its
+        step count)."""
+        return torch.is_tensor(value) and value.dim() == 1 and value.numel() == self.numel
+
+    def to_dcp(self, flat):
         """``flat`` (this rank's elements, any dtype) as a ShardedTensor of the full shape, its
         local shards views of ``flat``; the metadata lists every rank's boxes."""
         def meta(r, offsets, sizes):
@@ -118,8 +135,8 @@ class _Run:
         md = ShardedTensorMetadata(shards_metadata=every, size=torch.Size(self.shape), tensor_properties=props)
         return ShardedTensor._init_from_local_shards_and_global_metadata(shards, md, process_group=self.group)
 
-    def flat(self, value, what):
-        """This run's elements of ``value``: a ShardedTensor made by ``sharded`` at this layout."""
+    def from_dcp(self, value, what):
+        """This run's elements of ``value``: a ShardedTensor made by ``to_dcp`` at this layout."""
         if not isinstance(value, ShardedTensor):
             raise TypeError(f"torchpar set_state_dict: '{what}' is a {type(value).__name__}, not the "
                             "ShardedTensor get_state_dict gave (load the checkpoint into what get_state_dict returned)")
@@ -136,18 +153,76 @@ class _Run:
         return torch.cat([s.tensor.reshape(-1) for s in local])
 
 
-def _runs(model):
-    """{parameter name: _Run} for each parameter a fully_shard unit of ``model`` holds."""
-    runs = {}
+class _TensorParallel:
+    """A tensor-parallel layer's shard of a parameter: this rank's slice ``rank`` of ``tp`` equal
+    slices along ``dim``, as a DTensor ``Shard(dim)`` over the layer's group."""
+
+    def __init__(self, module, dim, local_shape):
+        self.mesh = _mesh(module.group)
+        self.dim, self.local_shape = dim, tuple(local_shape)
+        self.shape = tuple(n * module.tp if d == dim else n for d, n in enumerate(local_shape))
+
+    def holds(self, value):
+        return torch.is_tensor(value) and tuple(value.shape) == self.local_shape
+
+    def to_dcp(self, local):
+        stride = tuple(math.prod(self.shape[d + 1:]) for d in range(len(self.shape)))
+        return DTensor.from_local(local.detach(), self.mesh, [ShardPlacement(self.dim)], run_check=False,
+                                  shape=torch.Size(self.shape), stride=stride)
+
+    def from_dcp(self, value, what):
+        if not isinstance(value, DTensor):
+            raise TypeError(f"torchpar set_state_dict: '{what}' is a {type(value).__name__}, not the DTensor "
+                            "get_state_dict gave (load the checkpoint into what get_state_dict returned)")
+        if tuple(value.shape) != self.shape or tuple(value.to_local().shape) != self.local_shape:
+            raise ValueError(f"torchpar set_state_dict: '{what}' is a DTensor of shape {list(value.shape)}, but this "
+                             f"layer holds a shard {list(self.local_shape)} of {list(self.shape)}: get its state_dict "
+                             "from this model, as sharded now")
+        return value.to_local()
+
+
+_MESHES = {}
+
+
+def _mesh(group):
+    """A 1-D DeviceMesh over a tensor-parallel layer's group (one per group)."""
+    key = id(group)
+    if key not in _MESHES or _MESHES[key][0] is not group:
+        _MESHES[key] = (group, DeviceMesh.from_group(group, device_type="cpu"))
+    return _MESHES[key][1]
+
+
+# Which parameter of a tensor-parallel layer is split along which dimension (the others, such as
+# RowParallelLinear's bias, every rank holds whole).
+_SPLIT = {ColumnParallelLinear: {"weight": 0, "bias": 0}, RowParallelLinear: {"weight": 1},
+          VocabParallelEmbedding: {"weight": 0}}
+
+
+def _holdings(model):
+    """{parameter name: _Run or _TensorParallel} for each parameter of ``model`` that this rank
+    holds a part of."""
+    held = {}
     for prefix, module in model.named_modules():
+        dims = _SPLIT.get(type(module), {})
+        if dims and module.tp > 1:
+            if getattr(module, "stride", 1) > 1:
+                raise NotImplementedError(f"torchpar get_state_dict: '{prefix}' is a ColumnParallelLinear with "
+                                          f"stride={module.stride} (fused blocks), which no single DTensor describes")
+            for name, dim in dims.items():
+                p = getattr(module, name, None)
+                if p is not None:
+                    held[f"{prefix}.{name}" if prefix else name] = _TensorParallel(module, dim, p.shape)
         if not isinstance(module, FSDPModule):
             continue
         unit = module._fsdp
-        flat = unit.flat
         for _, _, i, name in unit.sites:
             key = f"{prefix}.{name}" if prefix else name
-            runs[key] = _Run(flat, i, unit.group, key)
-    return runs
+            if key in held:
+                raise NotImplementedError(f"torchpar get_state_dict: '{key}' is a tensor-parallel shard inside a "
+                                          "fully_shard unit, which this does not build (torchpar.models.checkpoint "
+                                          "does, for ParallelGPT)")
+            held[key] = _Run(unit.flat, i, unit.group, key)
+    return held
 
 
 def _check(options):
@@ -159,47 +234,45 @@ def _check(options):
 
 
 def get_state_dict(model, optimizers, *, options=None):
-    """(model state_dict, optimizer state_dict) of a model with ``fully_shard`` units, for DCP:
-    each unit's parameter pieces and their optimizer state as ShardedTensors of the full shapes
-    (views of this rank's tensors, no communication), the rest as torch's functions give it.
-    ``optimizers``: one optimizer or several, as torch's."""
+    """(model state_dict, optimizer state_dict) of a model with ``fully_shard`` units or
+    tensor-parallel layers, for DCP: each sharded parameter and its optimizer state of the same
+    size as a ShardedTensor or DTensor of the full shape (views of this rank's tensors, no
+    communication), the rest as torch's functions give it. ``optimizers``: one optimizer or
+    several, as torch's."""
     options = _check(options)
-    runs = _runs(model)
+    held = _holdings(model)
     model_sd = sharded_state_dict(model)
     for key, value in model_sd.items():
-        if isinstance(value, Shard):
-            model_sd[key] = runs[key].sharded(value.local)
+        if key in held:
+            model_sd[key] = held[key].to_dcp(value.local if isinstance(value, Shard) else value)
     optim_sd = get_optimizer_state_dict(model, optimizers, options=options)
     # (Its per-parameter dicts are the optimizer's own state dicts: replaced, not changed.)
     optim_sd["state"] = {
-        key: state if key not in runs else {name: runs[key].sharded(v) if _is_run(v, runs[key]) else v
+        key: state if key not in held else {name: held[key].to_dcp(v) if held[key].holds(v) else v
                                             for name, v in state.items()}
         for key, state in optim_sd["state"].items()}
     return model_sd, optim_sd
 
 
-def _is_run(value, run):
-    """Whether an optimizer state value is per element of the piece (Adam's moments; not its
-    step count)."""
-    return torch.is_tensor(value) and value.dim() == 1 and value.numel() == run.numel
-
-
 def set_state_dict(model, optimizers, *, model_state_dict, optim_state_dict, options=None):
     """Loads what ``get_state_dict`` gave (after ``dcp.load`` into it) into the model and the
-    optimizers, converting the ShardedTensors back into this rank's pieces. Returns the model's
-    ``load_state_dict`` result (missing and unexpected keys)."""
+    optimizers, converting the ShardedTensors and DTensors back into this rank's parts. Returns
+    the model's ``load_state_dict`` result (missing and unexpected keys)."""
     options = _check(options)
-    runs = _runs(model)
+    held = _holdings(model)
     model_sd = dict(model_state_dict)
     for key, value in model_sd.items():
-        run = runs.get(key)
-        if run is not None:
-            model_sd[key] = Shard(run.flat(value, key), run.shape, run.start, len(run.runs), run.rank)
+        h = held.get(key)
+        if isinstance(h, _Run):
+            model_sd[key] = Shard(h.from_dcp(value, key), h.shape, h.start, len(h.runs), h.rank)
+        elif h is not None:
+            model_sd[key] = h.from_dcp(value, key)
     result = model.load_state_dict(model_sd, strict=options.strict)
     optim_sd = {**optim_state_dict, "state": {}}
     for key, state in optim_state_dict["state"].items():
-        run = runs.get(key)
-        optim_sd["state"][key] = state if run is None else {
-            name: run.flat(v, f"{key}.{name}") if isinstance(v, ShardedTensor) else v for name, v in state.items()}
+        h = held.get(key)
+        optim_sd["state"][key] = state if h is None else {
+            name: h.from_dcp(v, f"{key}.{name}") if isinstance(v, (ShardedTensor, DTensor)) else v
+            for name, v in state.items()}
     set_optimizer_state_dict(model, optimizers, optim_sd, options=options)
     return result
