@@ -1,7 +1,8 @@
 """Callbacks on a work's future that issue or wait on other operations (issue 21): they run
 where the work finishes, on the group's worker, in the caller, or on the point-to-point
-progress thread. A collective issued there runs at once, right after the operation whose
-callback issued it, and so does a queued one its work's wait() waits for; a wait that only that thread could end is an error saying so. (Waiting on a queued
+progress thread. A collective issued there runs at once, after those issued before the
+finished operation's future was taken (where NCCL's complete-at-issue futures put it), and so does
+a queued one its work's wait() waits for; a wait that only that thread could end is an error saying so. (Waiting on a queued
 collective's future, rather than its work, from a callback on the group's worker still blocks
 that thread: docs/backend.md.)"""
 import time
@@ -91,6 +92,27 @@ def _callback_collective_is_ordered_after_its_work_on_every_rank(ctx):
     return True
 
 
+def _callback_attached_after_a_later_collective_runs_after_it(ctx):
+    """A and B issued, then A's future taken and a callback attached that issues C (review
+    finding). Rank 0's A finished before (its callback runs at once, C queued behind B), rank
+    1's not (its callback runs on the worker after A): C must come after B on both, where NCCL
+    puts it. B and C have the same shape, so a swap would go unnoticed but for the values."""
+    if ctx.rank == 0:
+        time.sleep(0.3)  # rank 1's A waits for rank 0
+    work_a = dist.all_reduce(torch.ones(4), async_op=True, group=ctx.pg)
+    b = torch.full((4,), 10.0 * (ctx.rank + 1))
+    work_b = dist.all_reduce(b, async_op=True, group=ctx.pg)
+    if ctx.rank == 0:
+        work_b.wait()
+    c = torch.full((4,), 100.0 * (ctx.rank + 1))
+    issued = []
+    work_a.get_future().then(lambda fut: issued.append(dist.all_reduce(c, async_op=True, group=ctx.pg))).wait()
+    work_b.wait()
+    issued[0].wait()
+    assert torch.equal(b, torch.full((4,), 30.0)) and torch.equal(c, torch.full((4,), 300.0)), (b, c)
+    return True
+
+
 def _async_collective_in_a_recv_callback(ctx):
     """A recv's callback runs on the progress thread; an async collective issued there goes
     to the worker and completes."""
@@ -169,6 +191,10 @@ def test_a_callback_can_wait_on_a_collective_queued_after_its_own(transport):
 
 def test_a_collective_issued_by_a_callback_runs_right_after_its_work_on_every_rank(transport):
     pool(transport).run(_callback_collective_is_ordered_after_its_work_on_every_rank)
+
+
+def test_a_callback_attached_after_a_later_collective_runs_its_collective_after_that_one(transport):
+    pool(transport).run(_callback_attached_after_a_later_collective_runs_after_it)
 
 
 def test_a_recv_callback_can_issue_an_async_collective(transport):

@@ -16,6 +16,8 @@ namespace {
 // The queue whose operation this thread is running now (its worker, or a caller running one
 // inline), if any: a future callback that issues an operation re-enters submit() here.
 thread_local const CollectiveQueue* running_here = nullptr;
+// The work whose completion (and so whose future's callbacks) this thread is running, if any.
+thread_local const Work* completing_here = nullptr;
 
 // A failure of a group spanning hosts names ranks ("rank 3 (pid 860) has exited", relayed
 // from the rank that saw it; "recv from rank 2 ... timed out"), and a rank number alone does
@@ -67,29 +69,35 @@ void CollectiveQueue::submit(c10::intrusive_ptr<Work> work, const char* name, Ta
   if (running_here == this) {
     // A callback on the future of an operation this thread just finished issues another.
     // Nobody else runs the queue until the callback returns, so an operation queued now and
-    // waited on by the callback would never start (issue 21): it runs here, at once, right
-    // after the operation whose callback issued it and ahead of what other threads queued
-    // meanwhile. That place is the same on every rank, however far each rank's main thread
-    // has got: a DDP comm hook attaches its callbacks as it issues the bucket's all-reduce, and
-    // PowerSGD's issue further all-reduces (Vogels et al. 2019), ordered before the next
-    // bucket's on every rank, as NCCL's futures, complete at issue, order them. Running what
-    // was queued first put the next bucket's all-reduce before them on a rank whose main
-    // thread had issued it already, and not on another: a mismatch.
+    // waited on by the callback would never start (issue 21): it runs here. Where in the
+    // order: where NCCL's futures, complete at issue, put it, the same on every rank however
+    // far each rank's main thread has got. A callback attached to such a future runs when it
+    // is attached, after what was issued before that. So the collectives issued before the
+    // finished operation's future was taken run first (a callback cannot be attached before),
+    // then this one, ahead of what was issued later. A DDP comm hook takes the future as it
+    // issues the bucket's all-reduce: PowerSGD's further all-reduces (Vogels et al. 2019) run
+    // right after it, before the next bucket's; running the whole queue first put the next
+    // bucket's before them on a rank whose main thread was ahead, and not on another (a
+    // mismatch). A future taken after later collectives were issued keeps those first (review:
+    // running none first swapped two same-sized all-reduces between ranks, silently).
     {
       std::lock_guard<std::mutex> lock(mu_);
       TORCH_CHECK(!stopping_, "torchpar ", name, ": group '", group_name_, "' has been shut down");
+      item.issue = issued_->fetch_add(1);
     }
+    run_queued_before(completing_here != nullptr ? completing_here->issued_before_future() : 0);
     execute(item, /*caller_blocks=*/!async_op);
     return;
   }
   // Queued: a callback of an earlier operation may wait() on it (Work::wait, run_queued_here).
-  item.work->set_queue(this);
+  item.work->set_queue(this, issued_);
   // On the point-to-point progress thread (a callback on a send's or recv's future), a
   // blocking collective would wait for that very thread; an async one is left to the worker.
   if (!async_op) check_not_on_progress_thread("a blocking collective");
   {
     std::lock_guard<std::mutex> lock(mu_);
     TORCH_CHECK(!stopping_, "torchpar ", name, ": group '", group_name_, "' has been shut down");
+    item.issue = issued_->fetch_add(1);  // under the lock: the queue stays in the order of issue
     if (async_op || busy_ || !queue_.empty()) {
       queue_.push_back(std::move(item));
       cv_.notify_all();
@@ -122,6 +130,19 @@ void CollectiveQueue::run_queued_here(const Work* until) {
     {
       std::lock_guard<std::mutex> lock(mu_);
       if (queue_.empty()) return;  // a nested wait ran the rest
+      q = std::move(queue_.front());
+      queue_.pop_front();
+    }
+    execute(q, /*caller_blocks=*/false);
+  }
+}
+
+void CollectiveQueue::run_queued_before(uint64_t issue) {
+  while (true) {
+    Queued q;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      if (queue_.empty() || queue_.front().issue >= issue) return;
       q = std::move(queue_.front());
       queue_.pop_front();
     }
@@ -230,6 +251,11 @@ void CollectiveQueue::finish(Queued& item, std::exception_ptr error) {
   // allocated past wait() by however long this thread took, e.g. an FSDP reduce-scatter's packed
   // gradients into the optimizer step; issue 19).
   item.task = nullptr;
+  const Work* outer = std::exchange(completing_here, item.work.get());
+  struct Restore {
+    const Work* outer;
+    ~Restore() { completing_here = outer; }
+  } restore{outer};
   try {
     Work::complete_and_release(std::move(item.work), error);
   } catch (const std::exception& e) {

@@ -52,11 +52,14 @@ class CollectiveQueue {
     const char* name;
     Task task;
     std::chrono::milliseconds timeout;
+    uint64_t issue = 0;  // its place in the order of issue (issued_ before it)
   };
 
   void run_worker();
   // Runs a collective; `caller_blocks` when the caller is waiting for it (inline execution).
   void execute(Queued& item, bool caller_blocks);
+  // Runs what is queued, in order, while it was issued before `issue`.
+  void run_queued_before(uint64_t issue);
   // Completes the item's work with `error` (null: success), never throwing.
   void finish(Queued& item, std::exception_ptr error);
   // " [rank 3's collectives before it: #1690 all_reduce, ...]", for a failure of collective
@@ -72,6 +75,8 @@ class CollectiveQueue {
   std::mutex mu_;
   std::condition_variable cv_;
   std::deque<Queued> queue_;
+  // Collectives issued so far (by any thread), shared with their works (Work::getFuture).
+  std::shared_ptr<std::atomic<uint64_t>> issued_ = std::make_shared<std::atomic<uint64_t>>(0);
   bool stopping_ = false;
   bool busy_ = false;               // a collective is running (on the worker or inline)
   uint64_t next_seq_ = 0;           // only the thread running a collective (busy_) touches it

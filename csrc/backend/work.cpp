@@ -96,6 +96,14 @@ bool Work::wait(std::chrono::milliseconds timeout) {
   return c10d::Work::wait(std::max(std::chrono::milliseconds(1), left));
 }
 
+c10::intrusive_ptr<c10::ivalue::Future> Work::getFuture() {
+  if (issued_ != nullptr) {
+    uint64_t unset = UINT64_MAX;
+    issued_before_future_.compare_exchange_strong(unset, issued_->load());
+  }
+  return future_;
+}
+
 int Work::sourceRank() const {
   int r = source_rank_.load();
   TORCH_CHECK(r >= 0, "sourceRank() is only defined for a completed receive");

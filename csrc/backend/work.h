@@ -10,6 +10,7 @@
 #include <torch/csrc/distributed/c10d/Work.hpp>
 
 #include <atomic>
+#include <cstdint>
 #include <condition_variable>
 #include <exception>
 #include <memory>
@@ -43,12 +44,19 @@ class Work : public c10d::Work {
   void count_waits_in(std::shared_ptr<std::atomic<int>> waiters) { waiters_ = std::move(waiters); }
   // A collective waiting in its group's queue. Only compared with the queue this thread is
   // running (alive while it does), never followed otherwise: the work may outlive its group.
-  void set_queue(CollectiveQueue* queue) { queue_ = queue; }
+  // `issued` counts the group's collectives issued so far (shared: it outlives the group).
+  void set_queue(CollectiveQueue* queue, std::shared_ptr<const std::atomic<uint64_t>> issued) {
+    queue_ = queue;
+    issued_ = std::move(issued);
+  }
+  // How many of its group's collectives had been issued when the future was first taken (every
+  // one issued before a callback could be attached to it); none taken yet: the most there is.
+  uint64_t issued_before_future() const { return issued_before_future_.load(); }
   const std::shared_ptr<std::atomic<int>>& waits_counted_in() const { return waiters_; }
 
   // Refuses to block the point-to-point progress thread (see check_not_on_progress_thread).
   bool wait(std::chrono::milliseconds timeout = ::kNoTimeout) override;
-  c10::intrusive_ptr<c10::ivalue::Future> getFuture() override { return future_; }
+  c10::intrusive_ptr<c10::ivalue::Future> getFuture() override;
   std::vector<at::Tensor> result() override { return outputs_; }
   int sourceRank() const override;
   bool isCompleted() override;
@@ -75,6 +83,8 @@ class Work : public c10d::Work {
   std::atomic<int> source_rank_{-1};
   std::shared_ptr<std::atomic<int>> waiters_;
   CollectiveQueue* queue_ = nullptr;
+  std::shared_ptr<const std::atomic<uint64_t>> issued_;
+  std::atomic<uint64_t> issued_before_future_{UINT64_MAX};
 };
 
 // Completes when every added piece has completed; fails with the first piece's error.
