@@ -227,7 +227,8 @@ class FSDPModule:
         """``state_dict()`` with each sharded parameter as a ``Shard`` (this rank's piece, no
         communication) instead of the full tensor. It loads back with ``load_state_dict`` into a
         model wrapped the same way over the same number of ranks."""
-        return sharded_state_dict(self)
+        with sharded_form(self):
+            return self.state_dict()
 
     @property
     def fsdp_engine(self):
@@ -236,14 +237,15 @@ class FSDPModule:
         return self._fsdp.engine
 
 
-def sharded_state_dict(model):
-    """``model.state_dict()`` with the parameters of every fully_shard unit in ``model`` as this
-    rank's ``Shard``, whether or not ``model`` is a unit itself."""
+@contextmanager
+def sharded_form(model):
+    """Within it, ``model.state_dict()`` gives the parameters of every fully_shard unit in
+    ``model`` as this rank's ``Shard``, whether or not ``model`` is a unit itself."""
     units = [m._fsdp for m in model.modules() if isinstance(m, FSDPModule)]
     for u in units:
         u.sharded_form = True
     try:
-        return model.state_dict()
+        yield
     finally:
         for u in units:
             u.sharded_form = False

@@ -10,7 +10,8 @@ Here each local tensor, and the optimizer state of its size, says where it lies 
 - a ``fully_shard`` unit keeps, of each parameter, a contiguous run of its flattened elements:
   it becomes a ``ShardedTensor`` (torch's, the form FSDP1 checkpoints in) of the full shape
   whose local shards are the boxes the run covers (at most two partial rows at its ends and the
-  whole rows between, per dimension), views of the run;
+  whole rows between, per dimension), views of the run (the parameters' runs are copies, as
+  ``sharded_state_dict()`` makes them);
 - a tensor-parallel layer's shard (``ColumnParallelLinear`` rows, ``RowParallelLinear`` weight
   columns, ``VocabParallelEmbedding`` rows) is a ``DTensor`` over the layer's group, ``Shard(d)``,
   as torch's ``parallelize_module`` would leave it.
@@ -39,13 +40,14 @@ from torch.distributed._shard.metadata import ShardMetadata
 from torch.distributed._shard.sharded_tensor import Shard as LocalShard
 from torch.distributed._shard.sharded_tensor import ShardedTensor
 from torch.distributed._shard.sharded_tensor.metadata import ShardedTensorMetadata, TensorProperties
-from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_optimizer_state_dict,
+from torch.distributed.checkpoint.state_dict import (StateDictOptions, _get_fqns, get_model_state_dict,
+                                                     get_optimizer_state_dict, set_model_state_dict,
                                                      set_optimizer_state_dict)
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor import Shard as ShardPlacement
 
-from torchpar.parallel.fsdp import FSDPModule, Shard, sharded_state_dict
+from torchpar.parallel.fsdp import FSDPModule, Shard, sharded_form
 from torchpar.parallel.tensor import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
 
 
@@ -79,10 +81,12 @@ def runs_to_boxes(shape, start, end):
 class _Run:
     """Where each rank's piece of one parameter of a unit sits: for rank r of ``group``, elements
     ``runs[r] = (start, numel)`` of the flattened parameter of ``shape``."""
-    __slots__ = ("shape", "runs", "group", "rank")
+    __slots__ = ("shape", "runs", "group", "rank", "global_ranks")
 
     def __init__(self, flat, i, group, name):
         self.shape, self.group, self.rank = tuple(flat.shape(i)), group, flat.rank
+        # ShardedTensor placements name global ranks (review: the group's own failed on a subgroup).
+        self.global_ranks = [dist.get_global_rank(group, r) for r in range(flat.world_size)]
         if not self.shape:
             raise NotImplementedError(f"torchpar get_state_dict: '{name}' is a 0-dim parameter, which one rank holds "
                                       "and a ShardedTensor cannot leave empty on the others")
@@ -123,7 +127,7 @@ class _Run:
         local shards views of ``flat``; the metadata lists every rank's boxes."""
         def meta(r, offsets, sizes):
             return ShardMetadata(shard_offsets=list(offsets), shard_sizes=list(sizes),
-                                 placement=f"rank:{r}/{flat.device}")
+                                 placement=f"rank:{self.global_ranks[r]}/{flat.device}")
         shards, at = [], 0
         for offsets, sizes in self._boxes(self.rank):
             n = math.prod(sizes)
@@ -200,8 +204,15 @@ _SPLIT = {ColumnParallelLinear: {"weight": 0, "bias": 0}, RowParallelLinear: {"w
 
 def _holdings(model):
     """{parameter name: _Run or _TensorParallel} for each parameter of ``model`` that this rank
-    holds a part of."""
+    holds a part of. Names are torch's state_dict functions' (no ``_orig_mod.`` of
+    torch.compile, no activation checkpointing wrapper's prefix: review finding)."""
     held = {}
+
+    def fqn(prefix, name):
+        names = _get_fqns(model, f"{prefix}.{name}" if prefix else name)
+        assert len(names) == 1, names
+        return next(iter(names))
+
     for prefix, module in model.named_modules():
         dims = _SPLIT.get(type(module), {})
         if dims and module.tp > 1:
@@ -211,12 +222,12 @@ def _holdings(model):
             for name, dim in dims.items():
                 p = getattr(module, name, None)
                 if p is not None:
-                    held[f"{prefix}.{name}" if prefix else name] = _TensorParallel(module, dim, p.shape)
+                    held[fqn(prefix, name)] = _TensorParallel(module, dim, p.shape)
         if not isinstance(module, FSDPModule):
             continue
         unit = module._fsdp
         for _, _, i, name in unit.sites:
-            key = f"{prefix}.{name}" if prefix else name
+            key = fqn(prefix, name)
             if key in held:
                 raise NotImplementedError(f"torchpar get_state_dict: '{key}' is a tensor-parallel shard inside a "
                                           "fully_shard unit, which this does not build (torchpar.models.checkpoint "
@@ -236,12 +247,13 @@ def _check(options):
 def get_state_dict(model, optimizers, *, options=None):
     """(model state_dict, optimizer state_dict) of a model with ``fully_shard`` units or
     tensor-parallel layers, for DCP: each sharded parameter and its optimizer state of the same
-    size as a ShardedTensor or DTensor of the full shape (views of this rank's tensors, no
-    communication), the rest as torch's functions give it. ``optimizers``: one optimizer or
-    several, as torch's."""
+    size as a ShardedTensor or DTensor of the full shape (no communication); keys and the rest
+    as torch's ``get_model_state_dict`` / ``get_optimizer_state_dict`` give them.
+    ``optimizers``: one optimizer or several, as torch's."""
     options = _check(options)
     held = _holdings(model)
-    model_sd = sharded_state_dict(model)
+    with sharded_form(model):
+        model_sd = get_model_state_dict(model, options=options)
     for key, value in model_sd.items():
         if key in held:
             model_sd[key] = held[key].to_dcp(value.local if isinstance(value, Shard) else value)
@@ -267,7 +279,7 @@ def set_state_dict(model, optimizers, *, model_state_dict, optim_state_dict, opt
             model_sd[key] = Shard(h.from_dcp(value, key), h.shape, h.start, len(h.runs), h.rank)
         elif h is not None:
             model_sd[key] = h.from_dcp(value, key)
-    result = model.load_state_dict(model_sd, strict=options.strict)
+    result = set_model_state_dict(model, model_sd, options=options)
     optim_sd = {**optim_state_dict, "state": {}}
     for key, state in optim_state_dict["state"].items():
         h = held.get(key)
