@@ -9,6 +9,7 @@ A test function is a module-level function ``fn(ctx, *args)``; ``ctx`` has ``ran
 per-rank results or raises with the failing rank's traceback. A call that does not finish
 within its timeout tears the pool down (the next call starts a fresh one).
 """
+import collections
 import faulthandler
 import multiprocessing as mp
 import os
@@ -258,19 +259,36 @@ class RankPool:
         self.procs, self.conns = [], []
 
 
-_pools = {}
+_pools = collections.OrderedDict()  # least recently used first
+# Rank processes kept alive at once. Each holds ~0.4 GB once it has run tests, and the session
+# makes some 20 pools (world sizes x backends x environments): kept all, they reached 21 GB of
+# the machine's 23 by 60 % of make test (a run was OOM-killed at 81 %). Beyond this many, the
+# least recently used pools are closed; one asked for again is started afresh (a few seconds).
+MAX_LIVE_RANKS = int(os.environ.get("TORCHPAR_TEST_MAX_RANKS", "24"))
 
 
 def get_pool(world_size, backend="torchpar", env=None):
-    """A pool shared by all tests of the session; restarted if a previous test broke it.
-    ``env`` (e.g. SMALL_BUFFERS) is set in the ranks before their groups are created."""
+    """A pool shared by all tests of the session; restarted if a previous test broke it, or if it
+    was closed to keep at most MAX_LIVE_RANKS rank processes. ``env`` (e.g. SMALL_BUFFERS) is set
+    in the ranks before their groups are created."""
     key = (world_size, backend, tuple(sorted((env or {}).items())))
     pool = _pools.get(key)
     if pool is None or not pool.alive:
         if pool is not None:
             pool.close(kill=True)
+            del _pools[key]
+        _make_room(world_size)
         pool = _pools[key] = RankPool(world_size, backend, env=env)
+    _pools.move_to_end(key)
     return pool
+
+
+def _make_room(world_size):
+    live = sum(len(p.procs) for p in _pools.values())
+    while _pools and live + world_size > MAX_LIVE_RANKS:
+        _, oldest = _pools.popitem(last=False)
+        live -= len(oldest.procs)
+        oldest.close()
 
 
 def close_pools():

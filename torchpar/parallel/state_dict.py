@@ -152,17 +152,16 @@ class _Run:
             raise ValueError(f"torchpar set_state_dict: '{what}' holds boxes {got} of shape {list(size)}, "
                              f"but this rank holds elements [{self.start}, {self.start + self.numel}) of shape "
                              f"{list(self.shape)}: get its state_dict from this model, as wrapped now")
-        if not local:
-            return torch.empty(0, dtype=value.dtype)
-        return torch.cat([s.tensor.reshape(-1) for s in local])
+        return torch.cat([s.tensor.reshape(-1) for s in local])  # boxes in offset order are in flat order
 
 
 class _TensorParallel:
     """A tensor-parallel layer's shard of a parameter: this rank's slice ``rank`` of ``tp`` equal
     slices along ``dim``, as a DTensor ``Shard(dim)`` over the layer's group."""
 
-    def __init__(self, module, dim, local_shape):
-        self.mesh = _mesh(module.group)
+    def __init__(self, module, dim, param):
+        self.mesh = _mesh(module.group, param.device.type)
+        local_shape = param.shape
         self.dim, self.local_shape = dim, tuple(local_shape)
         self.shape = tuple(n * module.tp if d == dim else n for d, n in enumerate(local_shape))
 
@@ -188,11 +187,11 @@ class _TensorParallel:
 _MESHES = {}
 
 
-def _mesh(group):
-    """A 1-D DeviceMesh over a tensor-parallel layer's group (one per group)."""
-    key = id(group)
+def _mesh(group, device_type):
+    """A 1-D DeviceMesh over a tensor-parallel layer's group (one per group and device type)."""
+    key = (id(group), device_type)
     if key not in _MESHES or _MESHES[key][0] is not group:
-        _MESHES[key] = (group, DeviceMesh.from_group(group, device_type="cpu"))
+        _MESHES[key] = (group, DeviceMesh.from_group(group, device_type=device_type))
     return _MESHES[key][1]
 
 
@@ -222,7 +221,7 @@ def _holdings(model):
             for name, dim in dims.items():
                 p = getattr(module, name, None)
                 if p is not None:
-                    held[fqn(prefix, name)] = _TensorParallel(module, dim, p.shape)
+                    held[fqn(prefix, name)] = _TensorParallel(module, dim, p)
         if not isinstance(module, FSDPModule):
             continue
         unit = module._fsdp
