@@ -92,14 +92,18 @@ def _callback_collective_is_ordered_after_its_work_on_every_rank(ctx):
     return True
 
 
-def _callback_attached_after_a_later_collective_runs_after_it(ctx):
+def _callback_attached_after_a_later_collective_runs_after_it(ctx, coalesced):
     """A and B issued, then A's future taken and a callback attached that issues C (review
     finding). Rank 0's A finished before (its callback runs at once, C queued behind B), rank
     1's not (its callback runs on the worker after A): C must come after B on both, where NCCL
-    puts it. B and C have the same shape, so a swap would go unnoticed but for the values."""
+    puts it. B and C have the same shape, so a swap would go unnoticed but for the values. A
+    coalesced A (one work over several collectives) too (second review)."""
     if ctx.rank == 0:
         time.sleep(0.3)  # rank 1's A waits for rank 0
-    work_a = dist.all_reduce(torch.ones(4), async_op=True, group=ctx.pg)
+    if coalesced:
+        work_a = ctx.pg.allgather_into_tensor_coalesced([torch.zeros(4 * ctx.world_size)], [torch.ones(4)])
+    else:
+        work_a = dist.all_reduce(torch.ones(4), async_op=True, group=ctx.pg)
     b = torch.full((4,), 10.0 * (ctx.rank + 1))
     work_b = dist.all_reduce(b, async_op=True, group=ctx.pg)
     if ctx.rank == 0:
@@ -193,8 +197,9 @@ def test_a_collective_issued_by_a_callback_runs_right_after_its_work_on_every_ra
     pool(transport).run(_callback_collective_is_ordered_after_its_work_on_every_rank)
 
 
-def test_a_callback_attached_after_a_later_collective_runs_its_collective_after_that_one(transport):
-    pool(transport).run(_callback_attached_after_a_later_collective_runs_after_it)
+@pytest.mark.parametrize("coalesced", [False, True], ids=["plain", "coalesced"])
+def test_a_callback_attached_after_a_later_collective_runs_its_collective_after_that_one(transport, coalesced):
+    pool(transport).run(_callback_attached_after_a_later_collective_runs_after_it, coalesced)
 
 
 def test_a_recv_callback_can_issue_an_async_collective(transport):

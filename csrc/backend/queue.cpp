@@ -16,8 +16,6 @@ namespace {
 // The queue whose operation this thread is running now (its worker, or a caller running one
 // inline), if any: a future callback that issues an operation re-enters submit() here.
 thread_local const CollectiveQueue* running_here = nullptr;
-// The work whose completion (and so whose future's callbacks) this thread is running, if any.
-thread_local const Work* completing_here = nullptr;
 
 // A failure of a group spanning hosts names ranks ("rank 3 (pid 860) has exited", relayed
 // from the rank that saw it; "recv from rank 2 ... timed out"), and a rank number alone does
@@ -85,7 +83,8 @@ void CollectiveQueue::submit(c10::intrusive_ptr<Work> work, const char* name, Ta
       TORCH_CHECK(!stopping_, "torchpar ", name, ": group '", group_name_, "' has been shut down");
       item.issue = issued_->fetch_add(1);
     }
-    run_queued_before(completing_here != nullptr ? completing_here->issued_before_future() : 0);
+    const Work* finished = Work::completing_here();
+    run_queued_before(finished != nullptr ? finished->issued_before_future() : 0);
     execute(item, /*caller_blocks=*/!async_op);
     return;
   }
@@ -251,11 +250,6 @@ void CollectiveQueue::finish(Queued& item, std::exception_ptr error) {
   // allocated past wait() by however long this thread took, e.g. an FSDP reduce-scatter's packed
   // gradients into the optimizer step; issue 19).
   item.task = nullptr;
-  const Work* outer = std::exchange(completing_here, item.work.get());
-  struct Restore {
-    const Work* outer;
-    ~Restore() { completing_here = outer; }
-  } restore{outer};
   try {
     Work::complete_and_release(std::move(item.work), error);
   } catch (const std::exception& e) {

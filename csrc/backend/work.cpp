@@ -3,6 +3,7 @@
 #include <ATen/core/jit_type.h>
 
 #include <thread>
+#include <utility>
 
 #include "backend/queue.h"
 #include "transport/request.h"
@@ -14,12 +15,27 @@ Work::Work(int rank, c10d::OpType type, const char* title, std::vector<at::Tenso
       outputs_(std::move(outputs)),
       future_(c10::make_intrusive<c10::ivalue::Future>(c10::ListType::create(c10::TensorType::get()))) {}
 
+namespace {
+thread_local const Work* completing = nullptr;
+}  // namespace
+
+const Work* Work::completing_here() { return completing; }
+
 void Work::complete(std::exception_ptr error) {
-  // The future first: whoever wait()s on the work may read the future's value next.
-  if (error) {
-    future_->setError(error);
-  } else {
-    future_->markCompleted(c10::IValue(outputs_));
+  // The future first: whoever wait()s on the work may read the future's value next. Its
+  // callbacks run inside, and a collective they issue finds its place from this work
+  // (CollectiveQueue::submit).
+  {
+    const Work* outer = std::exchange(completing, this);
+    struct Restore {
+      const Work* outer;
+      ~Restore() { completing = outer; }
+    } restore{outer};
+    if (error) {
+      future_->setError(error);
+    } else {
+      future_->markCompleted(c10::IValue(outputs_));
+    }
   }
   finish(error);
 }
@@ -129,6 +145,9 @@ c10::intrusive_ptr<GroupWork> GroupWork::create(int rank, const std::vector<c10:
   auto group = c10::make_intrusive<GroupWork>(rank, parts.size());
   for (auto& part : parts) {
     if (part->waits_counted_in()) group->count_waits_in(part->waits_counted_in());  // point-to-point parts
+    // Collective parts (a coalesced all-gather, _coalescing_manager): the group's future is the
+    // one a user attaches callbacks to, so it counts the group's issued collectives (review).
+    if (part->issued_ != nullptr) group->issued_ = part->issued_;
     group->releases_.push_back(part->releases_.front());
     group->parts_.push_back(part);
     // The callback holds the group alive until the last part is done.

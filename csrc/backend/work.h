@@ -52,6 +52,8 @@ class Work : public c10d::Work {
   // How many of its group's collectives had been issued when the future was first taken (every
   // one issued before a callback could be attached to it); none taken yet: the most there is.
   uint64_t issued_before_future() const { return issued_before_future_.load(); }
+  // The work whose completion (so whose future's callbacks) this thread is running, if any.
+  static const Work* completing_here();
   const std::shared_ptr<std::atomic<int>>& waits_counted_in() const { return waiters_; }
 
   // Refuses to block the point-to-point progress thread (see check_not_on_progress_thread).

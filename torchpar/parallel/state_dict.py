@@ -30,7 +30,9 @@ overlapping parts of the saved ones into the parts the loading layout holds, at 
 The optimizer half goes through torch's ``get_optimizer_state_dict`` / ``set_optimizer_state_dict``
 (parameter names as keys, the same layout as for an unsharded model); only the parts are converted.
 A tensor-parallel layer inside a ``fully_shard`` unit (a run of a shard) is not built here
-(``torchpar.models.checkpoint`` does it for ParallelGPT).
+(``torchpar.models.checkpoint`` does it for ParallelGPT). Keys keep torchpar DDP's ``module.``
+(torch's functions drop their own DDP's only): such a checkpoint loads under torchpar's DDP, and
+elsewhere fails naming the missing keys.
 """
 import math
 
