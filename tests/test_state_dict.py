@@ -18,7 +18,7 @@ from torch.nn import functional as F
 from harness import get_pool
 from test_fsdp import Net, _loss, _setup, _shard_model
 from test_tensor_parallel_torch_plan import _Net, _plan
-from torchpar.parallel import get_state_dict, parallelize_module, set_state_dict
+from torchpar.parallel import DistributedDataParallel, get_state_dict, parallelize_module, set_state_dict
 
 pytestmark = pytest.mark.timeout(180)
 # In make test-slow (make test's time budget): the same round trips at other sizes run in make test.
@@ -231,3 +231,46 @@ def test_a_tensor_parallel_checkpoint_resumes_at_another_world_size(tmp_path, sa
     get_pool(save_at).run(_tp_save, path)
     for logits in get_pool(resume_at).run(_tp_resume, path):
         torch.testing.assert_close(logits, expected, rtol=1e-5, atol=1e-5)
+
+
+# ---- torchpar's DDP: names without its module. level, as torch's functions give torch DDP's ----
+
+def _ddp_save(ctx, path):
+    _setup(ctx)
+    model = DistributedDataParallel(Net(), process_group=ctx.pg)
+    opt = _adamw(model)
+    _train(model, opt, range(STEPS))
+    model_sd, optim_sd = get_state_dict(model, opt)
+    assert "blocks.0.fc1.weight" in model_sd and "blocks.0.fc1.weight" in optim_sd["state"], list(model_sd)[:3]
+    dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=path)
+    return True
+
+
+def _plain_resume(ctx, path):
+    """Without the wrapper, in one process."""
+    model = Net(seed=1)
+    opt = _adamw(model)
+    model_sd, optim_sd = get_state_dict(model, opt)
+    dcp.load({"model": model_sd, "optim": optim_sd}, checkpoint_id=path)
+    set_state_dict(model, opt, model_state_dict=model_sd, optim_state_dict=optim_sd)
+    _train(model, opt, [STEPS])
+    return model.state_dict()
+
+
+def _ddp_resume(ctx, path):
+    _setup(ctx)
+    model = DistributedDataParallel(Net(seed=1), process_group=ctx.pg)
+    opt = _adamw(model)
+    model_sd, optim_sd = get_state_dict(model, opt)
+    dcp.load({"model": model_sd, "optim": optim_sd}, checkpoint_id=path)
+    set_state_dict(model, opt, model_state_dict=model_sd, optim_state_dict=optim_sd)
+    _train(model, opt, [STEPS])
+    return model.module.state_dict()
+
+
+def test_a_checkpoint_saved_under_ddp_resumes_with_or_without_it(tmp_path):
+    path = str(tmp_path / "ckpt")
+    ref = _reference()
+    get_pool(2).run(_ddp_save, path)
+    for sd in get_pool(1).run(_plain_resume, path) + get_pool(2).run(_ddp_resume, path):
+        _assert_same(sd, ref)

@@ -30,9 +30,9 @@ overlapping parts of the saved ones into the parts the loading layout holds, at 
 The optimizer half goes through torch's ``get_optimizer_state_dict`` / ``set_optimizer_state_dict``
 (parameter names as keys, the same layout as for an unsharded model); only the parts are converted.
 A tensor-parallel layer inside a ``fully_shard`` unit (a run of a shard) is not built here
-(``torchpar.models.checkpoint`` does it for ParallelGPT). Keys keep torchpar DDP's ``module.``
-(torch's functions drop their own DDP's only): such a checkpoint loads under torchpar's DDP, and
-elsewhere fails naming the missing keys.
+(``torchpar.models.checkpoint`` does it for ParallelGPT). Names leave out torchpar DDP's
+``module.`` level, as torch's functions leave out their own DDP's: a checkpoint loads with or
+without the wrapper.
 """
 import math
 
@@ -49,6 +49,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor import Shard as ShardPlacement
 
+from torchpar.parallel.ddp import DistributedDataParallel
 from torchpar.parallel.fsdp import FSDPModule, Shard, sharded_form
 from torchpar.parallel.tensor import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
 
@@ -237,6 +238,37 @@ def _holdings(model):
     return held
 
 
+def _ddp_levels(model):
+    """(with, without) name prefixes of the ``module.`` level each torchpar DDP in ``model`` adds,
+    innermost first: torch's state_dict functions drop their own DDP's level only, and a
+    checkpoint should load with or without the wrapper, as torch's does."""
+    levels = [(f"{p}.module." if p else "module.", f"{p}." if p else "")
+              for p, m in model.named_modules() if isinstance(m, DistributedDataParallel)]
+    return sorted(levels, key=lambda level: -len(level[0]))
+
+
+def _without_ddp(key, levels):
+    for with_, without in levels:
+        if key.startswith(with_):
+            return without + key[len(with_):]
+    return key
+
+
+def _with_ddp(key, levels):
+    for with_, without in levels:
+        if key.startswith(without) and not key.startswith(with_):
+            return with_ + key[len(without):]
+    return key
+
+
+def _renamed(model_sd, optim_sd, rename):
+    """Both state dicts with every parameter name passed through ``rename``."""
+    groups = [{**g, "params": [rename(n) for n in g["params"]]} for g in optim_sd.get("param_groups", [])]
+    return ({rename(k): v for k, v in model_sd.items()},
+            {**optim_sd, "state": {rename(k): v for k, v in optim_sd.get("state", {}).items()},
+             "param_groups": groups})
+
+
 def _check(options):
     options = options or StateDictOptions()
     if options.full_state_dict or options.broadcast_from_rank0:
@@ -264,7 +296,8 @@ def get_state_dict(model, optimizers, *, options=None):
         key: state if key not in held else {name: held[key].to_dcp(v) if held[key].holds(v) else v
                                             for name, v in state.items()}
         for key, state in optim_sd["state"].items()}
-    return model_sd, optim_sd
+    levels = _ddp_levels(model)
+    return _renamed(model_sd, optim_sd, lambda k: _without_ddp(k, levels))
 
 
 def set_state_dict(model, optimizers, *, model_state_dict, optim_state_dict, options=None):
@@ -273,7 +306,8 @@ def set_state_dict(model, optimizers, *, model_state_dict, optim_state_dict, opt
     the model's ``load_state_dict`` result (missing and unexpected keys)."""
     options = _check(options)
     held = _holdings(model)
-    model_sd = dict(model_state_dict)
+    levels = _ddp_levels(model)
+    model_sd, optim_state_dict = _renamed(model_state_dict, optim_state_dict, lambda k: _with_ddp(k, levels))
     for key, value in model_sd.items():
         h = held.get(key)
         if isinstance(h, _Run):
