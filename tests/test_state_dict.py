@@ -68,14 +68,19 @@ def _save(ctx, path):
     return model.state_dict()
 
 
-def _resume(ctx, path):
-    _setup(ctx)
-    model = _shard_model(Net(seed=1), ctx.pg)  # other weights: all of them must come from the checkpoint
+def _load_and_step(model, path, train=_train):
+    """Loads the checkpoint into ``model`` and an AdamW over it, and takes the next step."""
     opt = _adamw(model)
     model_sd, optim_sd = get_state_dict(model, opt)
     dcp.load({"model": model_sd, "optim": optim_sd}, checkpoint_id=path)
     set_state_dict(model, opt, model_state_dict=model_sd, optim_state_dict=optim_sd)
-    _train(model, opt, [STEPS])
+    train(model, opt, [STEPS])
+
+
+def _resume(ctx, path):
+    _setup(ctx)
+    model = _shard_model(Net(seed=1), ctx.pg)  # other weights: all of them must come from the checkpoint
+    _load_and_step(model, path)
     return model.state_dict()
 
 
@@ -212,11 +217,7 @@ def _tp_save(ctx, path):
 def _tp_resume(ctx, path):
     _setup(ctx)
     model = _tp_model(ctx, seed=1)
-    opt = _adamw(model)
-    model_sd, optim_sd = get_state_dict(model, opt)
-    dcp.load({"model": model_sd, "optim": optim_sd}, checkpoint_id=path)
-    set_state_dict(model, opt, model_state_dict=model_sd, optim_state_dict=optim_sd)
-    _tp_train(model, opt, [STEPS])
+    _load_and_step(model, path, _tp_train)
     idx, _ = _tp_batch(99)
     return model(idx).detach()
 
@@ -249,22 +250,14 @@ def _ddp_save(ctx, path):
 def _plain_resume(ctx, path):
     """Without the wrapper, in one process."""
     model = Net(seed=1)
-    opt = _adamw(model)
-    model_sd, optim_sd = get_state_dict(model, opt)
-    dcp.load({"model": model_sd, "optim": optim_sd}, checkpoint_id=path)
-    set_state_dict(model, opt, model_state_dict=model_sd, optim_state_dict=optim_sd)
-    _train(model, opt, [STEPS])
+    _load_and_step(model, path)
     return model.state_dict()
 
 
 def _ddp_resume(ctx, path):
     _setup(ctx)
     model = DistributedDataParallel(Net(seed=1), process_group=ctx.pg)
-    opt = _adamw(model)
-    model_sd, optim_sd = get_state_dict(model, opt)
-    dcp.load({"model": model_sd, "optim": optim_sd}, checkpoint_id=path)
-    set_state_dict(model, opt, model_state_dict=model_sd, optim_state_dict=optim_sd)
-    _train(model, opt, [STEPS])
+    _load_and_step(model, path)
     return model.module.state_dict()
 
 
