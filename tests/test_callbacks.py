@@ -1,10 +1,10 @@
 """Callbacks on a work's future that issue or wait on other operations (issue 21): they run
 where the work finishes, on the group's worker, in the caller, or on the point-to-point
 progress thread. A collective issued there runs at once, after those issued before the
-finished operation's future was taken (where NCCL's complete-at-issue futures put it), and so does
-a queued one its work's wait() waits for; a wait that only that thread could end is an error saying so. (Waiting on a queued
-collective's future, rather than its work, from a callback on the group's worker still blocks
-that thread: docs/backend.md.)"""
+finished operation's future was taken (where NCCL's complete-at-issue futures put it), and so
+does a queued one its work's wait() waits for; a wait that only that thread could end is an
+error saying so. (Waiting on a queued collective's future, rather than its work, from a callback
+on the group's worker still blocks that thread: docs/backend.md.)"""
 import time
 
 import pytest

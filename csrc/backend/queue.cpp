@@ -84,7 +84,9 @@ void CollectiveQueue::submit(c10::intrusive_ptr<Work> work, const char* name, Ta
       item.issue = issued_->fetch_add(1);
     }
     const Work* finished = Work::completing_here();
-    run_queued_before(finished != nullptr ? finished->issued_before_future() : 0);
+    const uint64_t before = finished != nullptr ? finished->issued_before_future() : 0;
+    while (run_front_issued_before(before)) {
+    }
     execute(item, /*caller_blocks=*/!async_op);
     return;
   }
@@ -125,28 +127,20 @@ void CollectiveQueue::run_queued_here(const Work* until) {
     left = queue_.size();
   }
   for (; left > 0 && !until->completed(); --left) {
-    Queued q;
-    {
-      std::lock_guard<std::mutex> lock(mu_);
-      if (queue_.empty()) return;  // a nested wait ran the rest
-      q = std::move(queue_.front());
-      queue_.pop_front();
-    }
-    execute(q, /*caller_blocks=*/false);
+    if (!run_front_issued_before(UINT64_MAX)) return;  // a nested wait ran the rest
   }
 }
 
-void CollectiveQueue::run_queued_before(uint64_t issue) {
-  while (true) {
-    Queued q;
-    {
-      std::lock_guard<std::mutex> lock(mu_);
-      if (queue_.empty() || queue_.front().issue >= issue) return;
-      q = std::move(queue_.front());
-      queue_.pop_front();
-    }
-    execute(q, /*caller_blocks=*/false);
+bool CollectiveQueue::run_front_issued_before(uint64_t issue) {
+  Queued q;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (queue_.empty() || queue_.front().issue >= issue) return false;
+    q = std::move(queue_.front());
+    queue_.pop_front();
   }
+  execute(q, /*caller_blocks=*/false);
+  return true;
 }
 
 void CollectiveQueue::run_worker() {

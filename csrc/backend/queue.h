@@ -58,8 +58,8 @@ class CollectiveQueue {
   void run_worker();
   // Runs a collective; `caller_blocks` when the caller is waiting for it (inline execution).
   void execute(Queued& item, bool caller_blocks);
-  // Runs what is queued, in order, while it was issued before `issue`.
-  void run_queued_before(uint64_t issue);
+  // Runs the front of the queue if it was issued before `issue`; whether it ran one.
+  bool run_front_issued_before(uint64_t issue);
   // Completes the item's work with `error` (null: success), never throwing.
   void finish(Queued& item, std::exception_ptr error);
   // " [rank 3's collectives before it: #1690 all_reduce, ...]", for a failure of collective

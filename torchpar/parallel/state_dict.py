@@ -84,7 +84,7 @@ def runs_to_boxes(shape, start, end):
 class _Run:
     """Where each rank's piece of one parameter of a unit sits: for rank r of ``group``, elements
     ``runs[r] = (start, numel)`` of the flattened parameter of ``shape``."""
-    __slots__ = ("shape", "runs", "group", "rank", "global_ranks")
+    __slots__ = ("shape", "runs", "boxes", "group", "rank", "global_ranks")
 
     def __init__(self, flat, i, group, name):
         self.shape, self.group, self.rank = tuple(flat.shape(i)), group, flat.rank
@@ -101,6 +101,7 @@ class _Run:
             lo, hi = max(begin, r * flat.shard_numel), min(end, (r + 1) * flat.shard_numel)
             self.runs.append((lo - begin, hi - lo) if hi > lo else (0, 0))
         assert self.runs[self.rank] == tuple(flat.shard_range(i)), (self.runs[self.rank], flat.shard_range(i))
+        self.boxes = [self._boxes(start, numel) for start, numel in self.runs]  # each rank's, once
 
     @property
     def start(self):
@@ -110,8 +111,7 @@ class _Run:
     def numel(self):
         return self.runs[self.rank][1]
 
-    def _boxes(self, r):
-        start, numel = self.runs[r]
+    def _boxes(self, start, numel):
         if numel == 0:
             # A rank holding none of the parameter still gives DCP a local shard, of no elements
             # (a ShardedTensor with none asks CUDA for its device on backends other than gloo),
@@ -132,13 +132,13 @@ class _Run:
             return ShardMetadata(shard_offsets=list(offsets), shard_sizes=list(sizes),
                                  placement=f"rank:{self.global_ranks[r]}/{flat.device}")
         shards, at = [], 0
-        for offsets, sizes in self._boxes(self.rank):
+        for offsets, sizes in self.boxes[self.rank]:
             n = math.prod(sizes)
             shards.append(LocalShard(flat.detach()[at:at + n].view(sizes), meta(self.rank, offsets, sizes)))
             at += n
         props = TensorProperties(dtype=flat.dtype, layout=flat.layout, requires_grad=False,
                                  memory_format=torch.contiguous_format, pin_memory=False)
-        every = [meta(r, o, s) for r in range(len(self.runs)) for o, s in self._boxes(r)]
+        every = [meta(r, o, s) for r, boxes in enumerate(self.boxes) for o, s in boxes]
         md = ShardedTensorMetadata(shards_metadata=every, size=torch.Size(self.shape), tensor_properties=props)
         return ShardedTensor._init_from_local_shards_and_global_metadata(shards, md, process_group=self.group)
 
@@ -148,7 +148,7 @@ class _Run:
             raise TypeError(f"torchpar set_state_dict: '{what}' is a {type(value).__name__}, not the "
                             "ShardedTensor get_state_dict gave (load the checkpoint into what get_state_dict returned)")
         local = sorted(value.local_shards(), key=lambda s: s.metadata.shard_offsets)
-        want = self._boxes(self.rank)
+        want = self.boxes[self.rank]
         got = [(tuple(s.metadata.shard_offsets), tuple(s.metadata.shard_sizes)) for s in local]
         size = tuple(value.metadata().size)
         if size != self.shape or got != [(tuple(o), tuple(s)) for o, s in want]:
