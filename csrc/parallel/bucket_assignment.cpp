@@ -9,7 +9,8 @@ namespace torchpar::parallel {
 std::vector<std::vector<int64_t>> assign_buckets(const std::vector<at::Tensor>& params,
                                                  int64_t cap_bytes, int64_t first_cap_bytes,
                                                  std::optional<at::ScalarType> reduce_dtype,
-                                                 const std::vector<int64_t>& order) {
+                                                 const std::vector<int64_t>& order,
+                                                 const std::vector<bool>& sparse) {
   TORCH_CHECK(cap_bytes >= 0 && first_cap_bytes >= 0,
               "torchpar DDP: bucket caps must be >= 0, got ", cap_bytes, " and ", first_cap_bytes);
   const int64_t n = static_cast<int64_t>(params.size());
@@ -27,6 +28,8 @@ std::vector<std::vector<int64_t>> assign_buckets(const std::vector<at::Tensor>& 
   }
   TORCH_CHECK(static_cast<int64_t>(fill.size()) == n, "torchpar DDP: bucket order lists ",
               fill.size(), " of ", n, " parameters");
+  TORCH_CHECK(sparse.empty() || static_cast<int64_t>(sparse.size()) == n, "torchpar DDP: ", sparse.size(),
+              " sparse flags for ", n, " parameters");
   std::vector<std::vector<int64_t>> buckets;
   std::vector<int64_t> open;
   int64_t open_bytes = 0;
@@ -39,6 +42,11 @@ std::vector<std::vector<int64_t>> assign_buckets(const std::vector<at::Tensor>& 
   };
   for (int64_t i : fill) {
     const at::Tensor& p = params[i];
+    if (!sparse.empty() && sparse[i]) {
+      close();
+      buckets.push_back({i});
+      continue;
+    }
     // One flat tensor per bucket means one dtype and one device per bucket.
     if (!open.empty()) {
       const at::Tensor& q = params[open.front()];

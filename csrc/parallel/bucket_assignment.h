@@ -20,11 +20,14 @@ namespace torchpar::parallel {
 // one dtype and one device and closes once it reaches `first_cap_bytes` (the first
 // bucket) or `cap_bytes` (the others); a cap of 0 puts every parameter in its own bucket.
 // Sizes are counted in `reduce_dtype` when given (the dtype the bucket will hold), else in
-// each parameter's dtype.
+// each parameter's dtype. A parameter flagged in `sparse` (it gets sparse gradients,
+// nn.Embedding(sparse=True)) has a bucket of its own: a sparse gradient has no place in a flat
+// tensor, and is reduced by itself (torch's DDP does the same).
 std::vector<std::vector<int64_t>> assign_buckets(const std::vector<at::Tensor>& params,
                                                  int64_t cap_bytes, int64_t first_cap_bytes,
                                                  std::optional<at::ScalarType> reduce_dtype,
-                                                 const std::vector<int64_t>& order = {});
+                                                 const std::vector<int64_t>& order = {},
+                                                 const std::vector<bool>& sparse = {});
 
 // One bucket split into whole-parameter shards, one per rank, for ZeRO (Rajbhandari et al.
 // 2020, arXiv:1910.02054). The bucket's flat tensor is `world_size` equal segments of

@@ -55,6 +55,13 @@ Reducer::Reducer(std::vector<at::Tensor> params, std::vector<std::string> names,
   TORCH_CHECK(!options_.shard_gradients || !options_.gradient_as_bucket_view,
               "torchpar DDP: shard_gradients=True keeps gradients in per-rank shards; "
               "gradient_as_bucket_view=True does not apply");
+  TORCH_CHECK(options_.sparse.empty() || options_.sparse.size() == n, "torchpar DDP: ",
+              options_.sparse.size(), " sparse flags for ", n, " parameters");
+  for (size_t i = 0; i < options_.sparse.size(); ++i) {
+    TORCH_CHECK(!options_.sparse[i] || !options_.shard_gradients, "torchpar DDP: parameter '", names_[i],
+                "' gets sparse gradients (sparse=True), which shard_gradients=True cannot split into "
+                "per-rank shards; use sparse=False, or shard_gradients=False");
+  }
   build_buckets(buckets);
   rebuilt_ = options_.cap_bytes < 0 || options_.shard_gradients;
   if (options_.shard_gradients) {
@@ -88,7 +95,7 @@ Reducer::Reducer(std::vector<at::Tensor> params, std::vector<std::string> names,
 }
 
 void Reducer::allocate(Bucket& b) {
-  if (b.flat.defined()) {
+  if (b.flat.defined() || b.sparse) {
     return;
   }
   // Zeros: a shard's padding is reduced too. A sharded bucket's buffer lives for one backward,
@@ -116,6 +123,12 @@ void Reducer::build_buckets(const std::vector<std::vector<int64_t>>& buckets) {
     TORCH_CHECK(!indices.empty(), "torchpar DDP: empty bucket");
     Bucket b;
     const at::Tensor& first = params_.at(indices.front());
+    for (int64_t i : indices) {
+      const bool sparse = !options_.sparse.empty() && i >= 0 && static_cast<size_t>(i) < n && options_.sparse[i];
+      TORCH_CHECK(!sparse || indices.size() == 1, "torchpar DDP: parameter '", names_[i],
+                  "' gets sparse gradients and needs a bucket of its own");
+      b.sparse = sparse;
+    }
     const at::ScalarType dtype = options_.reduce_dtype.value_or(first.scalar_type());
     int64_t numel = 0;
     for (int64_t i : indices) {
@@ -137,12 +150,12 @@ void Reducer::build_buckets(const std::vector<std::vector<int64_t>>& buckets) {
       b.shard = at::zeros({b.shard_numel}, first.options().dtype(dtype));
     }
     b.options = first.options().dtype(dtype);
-    b.grads_are_views = options_.gradient_as_bucket_view && dtype == first.scalar_type() && shards.empty();
+    b.grads_are_views = options_.gradient_as_bucket_view && dtype == first.scalar_type() && shards.empty() && !b.sparse;
     // A bucket whose gradients are reduced where they lie needs its flat tensor only for a
     // gradient that cannot be (allocate() on demand): no second copy of every gradient.
     // A sharded bucket's flat tensor lives from its first gradient to its reduce-scatter.
     if (!reduces_in_place(b) && shards.empty()) {
-      allocate(b);
+      allocate(b);  // (a sparse bucket has none)
     }
     if (b.grads_are_views) {
       for (size_t k = 0; k < b.params.size(); ++k) {
@@ -376,7 +389,8 @@ void Reducer::abandon_backward() {
 }
 
 at::Tensor Reducer::reduce_zeros(size_t index) {
-  at::Tensor zeros = at::zeros({buckets_[index].numel}, buckets_[index].options);
+  const Bucket& b = buckets_[index];
+  at::Tensor zeros = b.sparse ? empty_sparse_gradient(b) : at::zeros({b.numel}, b.options);
   Reduction r = start_reduction(index, zeros);
   return finish_reduction(r, zeros);
 }
@@ -481,6 +495,10 @@ void Reducer::mark_ready(int64_t index, bool has_gradient) {
   trace_.push_back({TraceEvent::kReady, index});
   const Slot& slot = slots_[index];
   Bucket& b = buckets_[slot.bucket];
+  if (b.sparse) {
+    mark_sparse_ready(b, index);
+    return;
+  }
   const at::Tensor& param = params_[index];
   const at::Tensor& grad = param.grad();
   // Averaging = dividing by the group size before the sum (an average of low-precision
@@ -542,6 +560,50 @@ void Reducer::mark_ready(int64_t index, bool has_gradient) {
   launch_ready_buckets();
 }
 
+at::Tensor Reducer::empty_sparse_gradient(const Bucket& b) const {
+  const at::Tensor& p = params_[b.params.front()];
+  std::vector<int64_t> values_shape{0};  // no rows; sparse_dim 1, as nn.Embedding's gradients
+  values_shape.insert(values_shape.end(), p.sizes().begin() + 1, p.sizes().end());
+  return at::sparse_coo_tensor(at::empty({1, 0}, p.options().dtype(at::kLong)), at::empty(values_shape, b.options),
+                               p.sizes());
+}
+
+void Reducer::mark_sparse_ready(Bucket& b, int64_t index) {
+  // As for a dense bucket, a .grad this backward did not reach takes part as it is (a previous
+  // average, the same everywhere: given back). What is reduced is always a new tensor: the
+  // reduction replaces its rows, and .grad keeps its own until write_back_sparse.
+  const at::Tensor& grad = params_[index].grad();
+  const double scale = comm_hook_ ? 1.0 : 1.0 / group_->getSize();
+  at::Tensor input;
+  if (!grad.defined()) {
+    input = empty_sparse_gradient(b);
+  } else {
+    // A weight also used densely (a tied output layer) gets a dense gradient: its nonzero rows.
+    input = (grad.is_sparse() ? grad : grad.to_sparse(1)).to(b.options.dtype()).mul(scale);
+  }
+  b.inputs[0] = input;
+  --b.pending;
+  launch_ready_buckets();
+}
+
+void Reducer::write_back_sparse(Bucket& b, const at::Tensor& reduced, const std::vector<int32_t>& used_anywhere) {
+  const int64_t i = b.params.front();
+  if (!used_anywhere[i]) {
+    return;  // unused everywhere: .grad stays as it is, as for a dense bucket
+  }
+  const at::Tensor& param = params_[i];
+  TORCH_CHECK(reduced.is_sparse() && reduced.sizes() == param.sizes(), "torchpar DDP: the reduction of parameter '",
+              names_[i], "' (sparse gradients) returned a ", reduced.is_sparse() ? "sparse" : "dense", " tensor of shape ",
+              reduced.sizes(), "; expected a sparse tensor of shape ", param.sizes());
+  at::Tensor average = reduced.coalesce().to(param.scalar_type());
+  const at::Tensor& grad = param.grad();
+  if (grad.defined() && !grad.is_sparse()) {
+    grad.copy_(average.to_dense());
+  } else {
+    param.mutable_grad() = average;
+  }
+}
+
 void Reducer::launch_ready_buckets() {
   while (next_launch_ < buckets_.size() && buckets_[next_launch_].pending == 0) {
     Bucket& b = buckets_[next_launch_];
@@ -550,6 +612,8 @@ void Reducer::launch_ready_buckets() {
     }
     if (reduces_in_place(b)) {
       b.reduction = Reduction{group_->allreduce_coalesced(b.inputs), {}};
+    } else if (b.sparse) {
+      b.reduction = start_reduction(next_launch_, b.inputs[0]);
     } else {
       b.reduction = start_reduction(next_launch_, b.flat);
     }
@@ -560,7 +624,7 @@ void Reducer::launch_ready_buckets() {
 }
 
 bool Reducer::reduces_in_place(const Bucket& b) const {
-  return options_.reduce_grads_in_place && !comm_hook_ && !b.grads_are_views && !b.shard_numel &&
+  return options_.reduce_grads_in_place && !comm_hook_ && !b.grads_are_views && !b.shard_numel && !b.sparse &&
          b.options.dtype() == params_[b.params.front()].dtype();
 }
 
@@ -588,6 +652,12 @@ Reducer::Reduction Reducer::start_reduction(size_t index, const at::Tensor& buff
 at::Tensor Reducer::finish_reduction(Reduction& r, const at::Tensor& buffer) {
   if (!r.hook_result) {
     r.work->wait();
+    if (buffer.is_sparse()) {  // a backend may return the sum rather than write it into the input
+      const std::vector<at::Tensor> out = r.work->result();
+      if (out.size() == 1 && out[0].defined()) {
+        return out[0];
+      }
+    }
     return buffer;
   }
   r.hook_result->wait();
@@ -604,9 +674,9 @@ c10d::GradBucket Reducer::grad_bucket(size_t index, const at::Tensor& buffer) co
   std::vector<c10::IntArrayRef> sizes;
   std::vector<at::Tensor> params;
   for (size_t k = 0; k < b.params.size(); ++k) {
-    const at::Tensor& view = b.views[k];
-    offsets.push_back(view.storage_offset() - b.flat.storage_offset());
-    lengths.push_back(view.numel());
+    // A sparse bucket's buffer is its one parameter's sparse gradient, as in torch's GradBucket.
+    offsets.push_back(b.sparse ? 0 : b.views[k].storage_offset() - b.flat.storage_offset());
+    lengths.push_back(params_[b.params[k]].numel());
     sizes.push_back(params_[b.params[k]].sizes());
     params.push_back(params_[b.params[k]]);
   }
@@ -640,6 +710,10 @@ void Reducer::join_shadow_backward() {
     Bucket& b = buckets_[i];
     if (b.shard_numel) {
       write_back_shard(b, used_anywhere);
+      continue;
+    }
+    if (b.sparse) {
+      write_back_sparse(b, reduced[i], used_anywhere);
       continue;
     }
     if (!b.flat.defined()) {  // reduced where the gradients lie in training steps: no flat tensor
@@ -723,6 +797,10 @@ void Reducer::finalize() {
         write_back_shard(b, used_anywhere);
         continue;
       }
+      if (b.sparse) {
+        write_back_sparse(b, finish_reduction(b.reduction, b.inputs[0]), used_anywhere);
+        continue;
+      }
       const at::Tensor reduced = finish_reduction(b.reduction, b.flat);
       if (!reduced.is_same(b.flat)) {
         b.flat.copy_(reduced.reshape(b.flat.sizes()));
@@ -775,7 +853,7 @@ void Reducer::rebuild_in_observed_order() {
   shared = shared.cpu();
   order.assign(shared.data_ptr<int64_t>(), shared.data_ptr<int64_t>() + shared.numel());
   auto buckets = assign_buckets(params_, options_.cap_bytes, options_.first_cap_bytes,
-                                options_.reduce_dtype, order);
+                                options_.reduce_dtype, order, options_.sparse);
   if (buckets != bucket_indices()) {
     build_buckets(buckets);
   }

@@ -70,6 +70,11 @@ struct ReducerOptions {
   // (the optimizer steps the shards of this layout), and there is no comm hook. Backwards
   // without zero_grad() in between accumulate as with torch's DDP (see before_accumulation).
   bool shard_gradients = false;
+  // Per parameter (empty: none): it gets sparse gradients (nn.Embedding(sparse=True)). Such a
+  // parameter has a bucket of its own whose sparse gradient is all-reduced as it is (the
+  // backend's sparse all_reduce: every rank's rows, summed where they meet) and handed back
+  // sparse, averaged; a rank without a gradient for it takes part with an empty one.
+  std::vector<bool> sparse;
 };
 
 // One entry of the per-step trace, for tests that pin the order of events.
@@ -180,6 +185,9 @@ class Reducer {
     int64_t shard_numel = 0;
     std::vector<int64_t> owners;
     at::Tensor shard;
+    // One parameter with sparse gradients (ReducerOptions::sparse): no flat tensor, no views;
+    // inputs[0] holds what is reduced (its averaged gradient, or an empty sparse tensor).
+    bool sparse = false;
     std::vector<at::Tensor> views;    // views of `flat` shaped like each parameter
     bool grads_are_views = false;     // .grad aliases `views` (gradient_as_bucket_view)
     size_t pending = 0;               // gradients still to arrive this step
@@ -244,6 +252,13 @@ class Reducer {
   std::vector<int32_t> reduce_used_flags(bool zeros = false);
   // Bucket `index`'s reduction with zeros as this rank's share; returns the reduced buffer.
   at::Tensor reduce_zeros(size_t index);
+  // A sparse bucket's share of a rank with no gradient for its parameter: no rows.
+  at::Tensor empty_sparse_gradient(const Bucket& b) const;
+  // A sparse bucket's parameter is ready: its gradient, averaged (a copy), is what is reduced.
+  void mark_sparse_ready(Bucket& b, int64_t index);
+  // After a sparse bucket's reduction: .grad takes the average (sparse; dense where autograd
+  // left this rank a dense gradient, a weight also used densely).
+  void write_back_sparse(Bucket& b, const at::Tensor& reduced, const std::vector<int32_t>& used_anywhere);
   void write_back(Bucket& b, const std::vector<int32_t>& used_anywhere);
   void write_back_shard(Bucket& b, const std::vector<int32_t>& used_anywhere);
   void reset_step();

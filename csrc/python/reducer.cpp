@@ -30,8 +30,9 @@ TORCHPAR_PYBIND(reducer) {
         "buffers, in all (csrc/common/step_buffer.h).");
   m.def("ddp_assign_buckets", &torchpar::parallel::assign_buckets, py::arg("params"),
         py::arg("cap_bytes"), py::arg("first_cap_bytes"), py::arg("reduce_dtype") = py::none(),
-        py::arg("order") = std::vector<int64_t>{},
-        "Bucket -> parameter indices, filled in `order` (default: reverse registration order).");
+        py::arg("order") = std::vector<int64_t>{}, py::arg("sparse") = std::vector<bool>{},
+        "Bucket -> parameter indices, filled in `order` (default: reverse registration order); "
+        "a parameter flagged in `sparse` (sparse gradients) alone in its bucket.");
   m.def("zero_shard_buckets",
         [](const std::vector<at::Tensor>& params, const std::vector<std::vector<int64_t>>& buckets,
            int64_t world_size) {
@@ -47,7 +48,7 @@ TORCHPAR_PYBIND(reducer) {
                        c10::intrusive_ptr<c10d::ProcessGroup> group, bool gradient_as_bucket_view,
                        bool find_unused_parameters, std::optional<at::ScalarType> reduce_dtype,
                        int64_t cap_bytes, int64_t first_cap_bytes, bool static_graph,
-                       bool reduce_grads_in_place, bool shard_gradients) {
+                       bool reduce_grads_in_place, bool shard_gradients, std::vector<bool> sparse) {
              ReducerOptions options;
              options.cap_bytes = cap_bytes;
              options.first_cap_bytes = first_cap_bytes;
@@ -57,6 +58,7 @@ TORCHPAR_PYBIND(reducer) {
              options.static_graph = static_graph;
              options.reduce_grads_in_place = reduce_grads_in_place;
              options.shard_gradients = shard_gradients;
+             options.sparse = std::move(sparse);
              return torchpar::python::make_shared_released_without_gil<Reducer>(
                  std::move(params), std::move(names), std::move(buckets), std::move(group), options);
            }),
@@ -64,7 +66,8 @@ TORCHPAR_PYBIND(reducer) {
            py::arg("gradient_as_bucket_view") = false, py::arg("find_unused_parameters") = false,
            py::arg("reduce_dtype") = py::none(), py::arg("cap_bytes") = -1,
            py::arg("first_cap_bytes") = -1, py::arg("static_graph") = false,
-           py::arg("reduce_grads_in_place") = false, py::arg("shard_gradients") = false)
+           py::arg("reduce_grads_in_place") = false, py::arg("shard_gradients") = false,
+           py::arg("sparse") = std::vector<bool>{})
       .def("prepare_for_backward", &Reducer::prepare_for_backward, py::arg("outputs"),
            py::call_guard<py::gil_scoped_release>())
       .def("reduce_if_unreached", &Reducer::reduce_if_unreached, py::call_guard<py::gil_scoped_release>(),

@@ -105,16 +105,6 @@ class DistributedDataParallel(nn.Module, Joinable):
         self.process_group = process_group if process_group is not None else dist.group.WORLD
         if self.process_group is None:
             raise RuntimeError("torchpar DDP: call torch.distributed.init_process_group first")
-        sparse = [name for name, m in module.named_modules()
-                  if isinstance(m, (torch.nn.Embedding, torch.nn.EmbeddingBag)) and m.sparse]
-        if sparse:
-            # The reducer reduces flat dense buckets; torch's DDP gives sparse gradients buckets
-            # of their own, and over a torchpar group it reduces them with torchpar's sparse
-            # all_reduce (issue 23). Refused here, on every rank, before any collective.
-            raise ValueError(f"torchpar DDP: {', '.join(repr(n) for n in sparse)} produce sparse gradients "
-                             "(sparse=True), which torchpar's DDP does not reduce; use sparse=False, or "
-                             "torch.nn.parallel.DistributedDataParallel, which reduces sparse gradients "
-                             "over a torchpar group")
         self.mixed_precision = mixed_precision
         if mixed_precision is not None:
             grad_reduce_dtype = _apply_mixed_precision(module, mixed_precision, grad_reduce_dtype)
@@ -151,7 +141,12 @@ class DistributedDataParallel(nn.Module, Joinable):
         # Sharded buckets are split among the ranks by whole parameters: a small first bucket
         # (often one parameter) would leave most ranks only padding to send.
         first_cap = cap if shard_gradients else min(cap, FIRST_BUCKET_BYTES)
-        buckets = _C.ddp_assign_buckets(params, cap, first_cap, grad_reduce_dtype)
+        # As torch's DDP decides it: an embedding made with sparse=True gives its weight sparse
+        # gradients, which get a bucket of their own and are reduced sparse (the reducer).
+        sparse_weights = {id(m.weight) for m in module.modules()
+                          if isinstance(m, (nn.Embedding, nn.EmbeddingBag)) and m.sparse}
+        sparse = [id(p) in sparse_weights for p in params]
+        buckets = _C.ddp_assign_buckets(params, cap, first_cap, grad_reduce_dtype, sparse=sparse)
         # Not a Module or Parameter, so nn.Module stores it as a plain attribute: the
         # state_dict keys stay exactly torch DDP's ("module." + the module's keys).
         # The caps let the reducer rebuild the buckets in the order of the first backward.
@@ -159,7 +154,8 @@ class DistributedDataParallel(nn.Module, Joinable):
                                   gradient_as_bucket_view, find_unused_parameters, grad_reduce_dtype,
                                   cap, first_cap, static_graph,
                                   # torchpar's all_reduce_coalesced reduces tensors where they lie.
-                                  dist.get_backend(self.process_group) == "torchpar", shard_gradients)
+                                  dist.get_backend(self.process_group) == "torchpar", shard_gradients,
+                                  sparse)
         self._params = params
         shard_layout.register_ddp(self, params)
         self._shard_layout = None

@@ -379,6 +379,10 @@ def _average_gradients(module):
     would; a bfloat16 sum of three or more ranks rounds at every step of the ring)."""
     group = module.process_group
     grads = [p.grad for p in module.parameters() if p.grad is not None]
+    for g in (g for g in grads if g.is_sparse):  # an nn.Embedding(sparse=True)'s, reduced alone
+        dist.all_reduce(g, group=group)
+        g.div_(dist.get_world_size(group))
+    grads = [g for g in grads if not g.is_sparse]
     if not grads:
         return
     dtype = getattr(module, "grad_reduce_dtype", None)
