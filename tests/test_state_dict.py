@@ -6,11 +6,14 @@ Every rank trains on the same batch, so the sharded training equals one process'
 size: a run saved after 3 AdamW steps and resumed (at 1, 2, 3 or 4 ranks) must take its 4th step
 to the uninterrupted single-process run's weights. fully_shard's unit sizes are odd, so runs cut
 through rows and some ranks hold none of a parameter."""
+import copy
+
 import pytest
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed._shard.sharded_tensor import ShardedTensor
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, get_optimizer_state_dict
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.nn import functional as F
 
@@ -169,9 +172,14 @@ def _refusals(ctx):
     plain = {k: torch.zeros(1) for k in model_sd}
     with pytest.raises(TypeError, match="not the ShardedTensor get_state_dict gave"):
         set_state_dict(model, opt, model_state_dict=plain, optim_state_dict=optim_sd)
-    from torch.distributed.checkpoint.state_dict import StateDictOptions
-    with pytest.raises(NotImplementedError, match="full_state_dict"):
-        get_state_dict(model, opt, options=StateDictOptions(full_state_dict=True))
+    with pytest.raises(NotImplementedError, match="broadcast_from_rank0"):
+        set_state_dict(model, opt, model_state_dict=model_sd, optim_state_dict=optim_sd,
+                       options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
+    # Whole tensors where the options promise them: a part is refused by name.
+    with pytest.raises(ValueError, match="not a whole tensor of shape"):
+        set_state_dict(model, opt, model_state_dict={k: v.local_shards()[0].tensor if isinstance(v, ShardedTensor) else v
+                                                     for k, v in model_sd.items()},
+                       optim_state_dict=optim_sd, options=StateDictOptions(full_state_dict=True))
 
 
 def test_a_state_dict_of_another_layout_or_not_sharded_is_refused():
@@ -266,3 +274,116 @@ def test_a_checkpoint_saved_under_ddp_resumes_with_or_without_it(tmp_path):
     get_pool(2).run(_ddp_save, path)
     for sd in get_pool(1).run(_plain_resume, path) + get_pool(2).run(_ddp_resume, path):
         _assert_same(sd, ref)
+
+
+# ---- full_state_dict=True: the whole tensors, gathered; and loaded back from them ----
+
+FULL = StateDictOptions(full_state_dict=True)
+
+
+def _one_process_state_dicts(steps):
+    model = Net()
+    opt = _adamw(model)
+    _train(model, opt, range(steps))
+    return get_model_state_dict(model), get_optimizer_state_dict(model, opt)
+
+
+def _assert_same_state_dicts(got, want):
+    """Model and optimizer state dicts (torch's layout) equal, key by key."""
+    (model_sd, optim_sd), (ref_model, ref_optim) = got, want
+    assert list(model_sd) == list(ref_model)
+    for key, value in model_sd.items():
+        torch.testing.assert_close(value, ref_model[key], rtol=1e-5, atol=1e-6, msg=lambda m: f"{key}: {m}")
+    assert optim_sd["param_groups"] == ref_optim["param_groups"]
+    assert list(optim_sd["state"]) == list(ref_optim["state"])
+    for key, state in optim_sd["state"].items():
+        for name, value in state.items():
+            torch.testing.assert_close(value, ref_optim["state"][key][name], rtol=1e-5, atol=1e-6,
+                                       msg=lambda m: f"{key}.{name}: {m}")
+
+
+def _full_get(ctx, offload):
+    _setup(ctx)
+    model = _shard_model(Net(), ctx.pg)
+    opt = _adamw(model)
+    _train(model, opt, range(STEPS))
+    options = StateDictOptions(full_state_dict=True, cpu_offload=offload)
+    return get_state_dict(model, opt, options=options)
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_full_state_dict_gives_the_whole_model_and_optimizer_state(world_size):
+    """Units whose runs cut rows, and ranks that hold none of a parameter: every rank gets the
+    one-process run's parameters and AdamW moments whole; with cpu_offload=True rank 0 only."""
+    want = _one_process_state_dicts(STEPS)
+    for got in get_pool(world_size).run(_full_get, False):
+        _assert_same_state_dicts(got, want)
+    got = get_pool(world_size).run(_full_get, True)
+    _assert_same_state_dicts(got[0], want)
+    assert all(g == ({}, {}) for g in got[1:])
+
+
+def _full_set(ctx, sds):
+    _setup(ctx)
+    # The harness hands every rank the same arguments in shared memory: the optimizer would
+    # adopt tensors (each parameter's step count) that the other ranks step too.
+    sds = copy.deepcopy(sds)
+    model = _shard_model(Net(seed=1), ctx.pg)
+    opt = _adamw(model)
+    _train(model, opt, range(1))  # state to be replaced
+    set_state_dict(model, opt, model_state_dict=sds[0], optim_state_dict=sds[1], options=FULL)
+    _train(model, opt, [STEPS])
+    return model.state_dict()
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_a_full_state_dict_loads_into_a_sharded_model(world_size):
+    """One process's state after 3 steps, loaded whole: each rank keeps its part, and the 4th
+    step equals the uninterrupted run's."""
+    ref = _reference()
+    for sd in get_pool(world_size).run(_full_set, _one_process_state_dicts(STEPS)):
+        _assert_same(sd, ref)
+
+
+def _tp_full(ctx, sds):
+    _setup(ctx)
+    model = _tp_model(ctx)
+    opt = _adamw(model)
+    _tp_train(model, opt, range(STEPS))
+    got = get_state_dict(model, opt, options=FULL)
+    resumed = _tp_model(ctx, seed=1)
+    resumed_opt = _adamw(resumed)
+    set_state_dict(resumed, resumed_opt, model_state_dict=copy.deepcopy(sds[0]),  # (see _full_set)
+                   optim_state_dict=copy.deepcopy(sds[1]), options=FULL)
+    _tp_train(resumed, resumed_opt, [STEPS])
+    return got, resumed(_tp_batch(99)[0]).detach()
+
+
+def test_full_state_dict_of_tensor_parallel_layers():
+    """Gathered at tp 2: one process's state after 3 steps; that state loaded whole at tp 2:
+    the 4th step's logits are one process's."""
+    ref = _Net()
+    opt = _adamw(ref)
+    _tp_train(ref, opt, range(STEPS))
+    want = get_model_state_dict(ref), get_optimizer_state_dict(ref, opt)
+    sds = copy.deepcopy(want)
+    _tp_train(ref, opt, [STEPS])
+    expected = ref(_tp_batch(99)[0]).detach()
+    for got, logits in get_pool(2).run(_tp_full, sds):
+        _assert_same_state_dicts(got, sds)
+        torch.testing.assert_close(logits, expected, rtol=1e-5, atol=1e-5)
+
+
+def _mismatch(ctx):
+    """Rank 1's optimizer is another (no moments): every rank raises, none waits in a gather."""
+    _setup(ctx)
+    model = _shard_model(Net(), ctx.pg)
+    opt = _adamw(model) if ctx.rank == 0 else torch.optim.SGD(model.parameters(), lr=0.1)
+    _train(model, opt, range(1))
+    with pytest.raises(ValueError, match="hold different parts to gather"):
+        get_state_dict(model, opt, options=FULL)
+    dist.barrier(group=ctx.pg)
+
+
+def test_full_state_dict_with_different_optimizers_fails_on_every_rank():
+    get_pool(2).run(_mismatch)

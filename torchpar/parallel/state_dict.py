@@ -33,7 +33,14 @@ A tensor-parallel layer inside a ``fully_shard`` unit (a run of a shard) is not 
 (``torchpar.models.checkpoint`` does it for ParallelGPT). Names leave out torchpar DDP's
 ``module.`` level, as torch's functions leave out their own DDP's: a checkpoint loads with or
 without the wrapper.
+
+``StateDictOptions(full_state_dict=True)`` gives the whole tensors instead (every part
+all-gathered over its group), the consolidated form for one-process use or export: on every rank,
+or with ``cpu_offload=True`` on rank 0 only, in host memory (the others get empty dicts), as
+torch's functions give them; ``set_state_dict`` takes that form back, each rank keeping its part.
+Every rank of the default group calls it (the ranks first agree on what they gather).
 """
+import dataclasses
 import math
 
 import torch
@@ -142,6 +149,31 @@ class _Run:
         md = ShardedTensorMetadata(shards_metadata=every, size=torch.Size(self.shape), tensor_properties=props)
         return ShardedTensor._init_from_local_shards_and_global_metadata(shards, md, process_group=self.group)
 
+    def all_gather(self, local):
+        """Starts gathering every rank's run of the parameter (``local``, this rank's: its value
+        or an optimizer state of its size); returns a function that waits and gives the whole
+        tensor of the parameter's shape."""
+        width = max(n for _, n in self.runs)
+        mine = local.detach().reshape(-1).new_zeros(width)
+        mine[:self.numel] = local.detach().reshape(-1)
+        every = mine.new_empty(width * len(self.runs))
+        work = dist.all_gather_single(every, mine, group=self.group, async_op=True)
+
+        def whole():
+            work.wait()
+            out = every.new_empty(math.prod(self.shape))
+            for r, (start, numel) in enumerate(self.runs):  # the runs tile the parameter
+                out[start:start + numel] = every[r * width:r * width + numel]
+            return out.view(self.shape)
+        return whole
+
+    def holds_whole(self, value):
+        return torch.is_tensor(value) and tuple(value.shape) == self.shape
+
+    def from_whole(self, value):
+        """This rank's run of a whole tensor of the parameter's shape."""
+        return value.detach().reshape(-1)[self.start:self.start + self.numel].clone()
+
     def from_dcp(self, value, what):
         """This run's elements of ``value``: a ShardedTensor made by ``to_dcp`` at this layout."""
         if not isinstance(value, ShardedTensor):
@@ -164,6 +196,7 @@ class _TensorParallel:
 
     def __init__(self, module, dim, param):
         self.mesh = _mesh(module.group, param.device.type)
+        self.group, self.tp = module.group, module.tp
         local_shape = param.shape
         self.dim, self.local_shape = dim, tuple(local_shape)
         self.shape = tuple(n * module.tp if d == dim else n for d, n in enumerate(local_shape))
@@ -175,6 +208,22 @@ class _TensorParallel:
         stride = tuple(math.prod(self.shape[d + 1:]) for d in range(len(self.shape)))
         return DTensor.from_local(local.detach(), self.mesh, [ShardPlacement(self.dim)], run_check=False,
                                   shape=torch.Size(self.shape), stride=stride)
+
+    def all_gather(self, local):
+        every = local.detach().new_empty((self.tp, *self.local_shape))
+        work = dist.all_gather_single(every, local.detach().contiguous(), group=self.group, async_op=True)
+
+        def whole():
+            work.wait()
+            return torch.cat(every.unbind(0), dim=self.dim)
+        return whole
+
+    def holds_whole(self, value):
+        return torch.is_tensor(value) and tuple(value.shape) == self.shape
+
+    def from_whole(self, value):
+        size = self.local_shape[self.dim]
+        return value.detach().narrow(self.dim, dist.get_rank(self.group) * size, size).clone()
 
     def from_dcp(self, value, what):
         if not isinstance(value, DTensor):
@@ -270,11 +319,57 @@ def _renamed(model_sd, optim_sd, rename):
 
 
 def _check(options):
+    """(the caller's options, the options torch's functions get): torch's never see
+    full_state_dict or cpu_offload, which would gather or drop our plain parts as they are."""
     options = options or StateDictOptions()
-    if options.full_state_dict or options.broadcast_from_rank0:
-        raise NotImplementedError("torchpar get_state_dict/set_state_dict: full_state_dict and broadcast_from_rank0 "
-                                  "are not built; model.state_dict() gives the full parameters on every rank")
-    return options
+    if options.broadcast_from_rank0:
+        raise NotImplementedError("torchpar set_state_dict: broadcast_from_rank0 is not built; give every rank the "
+                                  "full state dict (full_state_dict=True), or load a sharded checkpoint with DCP")
+    local = options if not options.full_state_dict else dataclasses.replace(options, full_state_dict=False,
+                                                                            cpu_offload=False)
+    return options, local
+
+
+def _gathered(model_sd, optim_sd, held, cpu_offload):
+    """Both state dicts with every part whole (see the module's docstring); None on a rank other
+    than 0 with ``cpu_offload``. The ranks first
+    compare, in one all_gather_object over the default group, the parts each group's members will
+    gather, in order, so that a mismatch is an error on every rank rather than collectives that
+    do not match; the gathers then run asynchronously (a rank in several groups cannot wait on one
+    while a peer waits on another)."""
+    parts = [(key, None, value.local if isinstance(value, Shard) else value)
+             for key, value in model_sd.items() if key in held]
+    parts += [(key, name, v) for key, state in optim_sd["state"].items() if key in held
+              for name, v in state.items() if held[key].holds(v)]
+    plan = [(tuple(dist.get_process_group_ranks(held[key].group)), key, name, str(v.dtype)) for key, name, v in parts]
+    everyone = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, plan)
+    for rank, theirs in enumerate(everyone):
+        for group in {entry[0] for entry in theirs}:
+            mine = [e for e in theirs if e[0] == group]
+            for other in group:
+                other_plan = [e for e in everyone[other] if e[0] == group]
+                if other_plan != mine:
+                    diff = next((a, b) for a, b in zip(mine + [None] * len(other_plan), other_plan + [None] * len(mine))
+                                if a != b)
+                    raise ValueError(f"torchpar get_state_dict(full_state_dict=True): ranks {rank} and {other} of "
+                                     f"group {list(group)} hold different parts to gather (first difference: rank "
+                                     f"{rank} {diff[0] and diff[0][1:]}, rank {other} {diff[1] and diff[1][1:]}): "
+                                     "every rank must give the same model and optimizers")
+    whole = [(key, name, held[key].all_gather(v)) for key, name, v in parts]
+    for key, name, wait in whole:
+        if name is None:
+            model_sd[key] = wait()
+        else:
+            optim_sd["state"][key] = {**optim_sd["state"][key], name: wait()}
+    if cpu_offload:  # torch's: the whole state dicts on rank 0 only, in host memory
+        if dist.get_rank() != 0:
+            return None
+        to_cpu = lambda v: v.cpu() if torch.is_tensor(v) else v  # noqa: E731
+        model_sd = {k: to_cpu(v) for k, v in model_sd.items()}
+        optim_sd = {**optim_sd, "state": {k: {n: to_cpu(v) for n, v in state.items()}
+                                          for k, state in optim_sd["state"].items()}}
+    return model_sd, optim_sd
 
 
 def get_state_dict(model, optimizers, *, options=None):
@@ -282,20 +377,27 @@ def get_state_dict(model, optimizers, *, options=None):
     tensor-parallel layers, for DCP: each sharded parameter and its optimizer state of the same
     size as a ShardedTensor or DTensor of the full shape (no communication); keys and the rest
     as torch's ``get_model_state_dict`` / ``get_optimizer_state_dict`` give them.
-    ``optimizers``: one optimizer or several, as torch's."""
-    options = _check(options)
+    ``optimizers``: one optimizer or several, as torch's. With ``options.full_state_dict`` the
+    parts are gathered into whole tensors instead (module docstring)."""
+    options, local = _check(options)
     held = _holdings(model)
     with sharded_form(model):
-        model_sd = get_model_state_dict(model, options=options)
-    for key, value in model_sd.items():
-        if key in held:
-            model_sd[key] = held[key].to_dcp(value.local if isinstance(value, Shard) else value)
-    optim_sd = get_optimizer_state_dict(model, optimizers, options=options)
-    # (Its per-parameter dicts are the optimizer's own state dicts: replaced, not changed.)
-    optim_sd["state"] = {
-        key: state if key not in held else {name: held[key].to_dcp(v) if held[key].holds(v) else v
-                                            for name, v in state.items()}
-        for key, state in optim_sd["state"].items()}
+        model_sd = get_model_state_dict(model, options=local)
+    optim_sd = get_optimizer_state_dict(model, optimizers, options=local)
+    if options.full_state_dict:
+        gathered = _gathered(model_sd, optim_sd, held, options.cpu_offload)
+        if gathered is None:  # cpu_offload: not rank 0
+            return {}, {}
+        model_sd, optim_sd = gathered
+    else:
+        for key, value in model_sd.items():
+            if key in held:
+                model_sd[key] = held[key].to_dcp(value.local if isinstance(value, Shard) else value)
+        # (Its per-parameter dicts are the optimizer's own state dicts: replaced, not changed.)
+        optim_sd["state"] = {
+            key: state if key not in held else {name: held[key].to_dcp(v) if held[key].holds(v) else v
+                                                for name, v in state.items()}
+            for key, state in optim_sd["state"].items()}
     levels = _ddp_levels(model)
     return _renamed(model_sd, optim_sd, lambda k: _without_ddp(k, levels))
 
@@ -304,22 +406,34 @@ def set_state_dict(model, optimizers, *, model_state_dict, optim_state_dict, opt
     """Loads what ``get_state_dict`` gave (after ``dcp.load`` into it) into the model and the
     optimizers, converting the ShardedTensors and DTensors back into this rank's parts. Returns
     the model's ``load_state_dict`` result (missing and unexpected keys)."""
-    options = _check(options)
+    options, local = _check(options)
     held = _holdings(model)
     levels = _ddp_levels(model)
     model_sd, optim_state_dict = _renamed(model_state_dict, optim_state_dict, lambda k: _with_ddp(k, levels))
+
+    def part(h, value, what):
+        """This rank's part of ``value``: a whole tensor (full_state_dict) or what get_state_dict gave."""
+        if not options.full_state_dict:
+            return h.from_dcp(value, what)
+        if not h.holds_whole(value):
+            raise ValueError(f"torchpar set_state_dict(full_state_dict=True): '{what}' is "
+                             f"{list(value.shape) if torch.is_tensor(value) else type(value).__name__}, not a whole "
+                             f"tensor of shape {list(h.shape)}")
+        return h.from_whole(value)
+
     for key, value in model_sd.items():
         h = held.get(key)
         if isinstance(h, _Run):
-            model_sd[key] = Shard(h.from_dcp(value, key), h.shape, h.start, len(h.runs), h.rank)
+            model_sd[key] = Shard(part(h, value, key), h.shape, h.start, len(h.runs), h.rank)
         elif h is not None:
-            model_sd[key] = h.from_dcp(value, key)
-    result = set_model_state_dict(model, model_sd, options=options)
+            model_sd[key] = part(h, value, key)
+    result = set_model_state_dict(model, model_sd, options=local)
     optim_sd = {**optim_state_dict, "state": {}}
     for key, state in optim_state_dict["state"].items():
         h = held.get(key)
+        sharded = (lambda v: h.holds_whole(v)) if options.full_state_dict else (  # noqa: E731
+            lambda v: isinstance(v, (ShardedTensor, DTensor)))
         optim_sd["state"][key] = state if h is None else {
-            name: h.from_dcp(v, f"{key}.{name}") if isinstance(v, (ShardedTensor, DTensor)) else v
-            for name, v in state.items()}
-    set_optimizer_state_dict(model, optimizers, optim_sd, options=options)
+            name: part(h, v, f"{key}.{name}") if sharded(v) else v for name, v in state.items()}
+    set_optimizer_state_dict(model, optimizers, optim_sd, options=local)
     return result
