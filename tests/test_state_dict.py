@@ -172,9 +172,9 @@ def _refusals(ctx):
     plain = {k: torch.zeros(1) for k in model_sd}
     with pytest.raises(TypeError, match="not the ShardedTensor get_state_dict gave"):
         set_state_dict(model, opt, model_state_dict=plain, optim_state_dict=optim_sd)
-    with pytest.raises(NotImplementedError, match="broadcast_from_rank0"):
+    with pytest.raises(ValueError, match="broadcast_from_rank0 needs full_state_dict=True"):
         set_state_dict(model, opt, model_state_dict=model_sd, optim_state_dict=optim_sd,
-                       options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
+                       options=StateDictOptions(broadcast_from_rank0=True))
     # Whole tensors where the options promise them: a part is refused by name.
     with pytest.raises(ValueError, match="not a whole tensor of shape"):
         set_state_dict(model, opt, model_state_dict={k: v.local_shards()[0].tensor if isinstance(v, ShardedTensor) else v
@@ -323,25 +323,27 @@ def test_full_state_dict_gives_the_whole_model_and_optimizer_state(world_size):
     assert all(g == ({}, {}) for g in got[1:])
 
 
-def _full_set(ctx, sds):
+def _full_set(ctx, sds, from_rank0):
     _setup(ctx)
     # The harness hands every rank the same arguments in shared memory: the optimizer would
     # adopt tensors (each parameter's step count) that the other ranks step too.
-    sds = copy.deepcopy(sds)
+    sds = copy.deepcopy(sds) if not from_rank0 or ctx.rank == 0 else ({}, {})
     model = _shard_model(Net(seed=1), ctx.pg)
     opt = _adamw(model)
     _train(model, opt, range(1))  # state to be replaced
-    set_state_dict(model, opt, model_state_dict=sds[0], optim_state_dict=sds[1], options=FULL)
+    options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=from_rank0)
+    set_state_dict(model, opt, model_state_dict=sds[0], optim_state_dict=sds[1], options=options)
     _train(model, opt, [STEPS])
     return model.state_dict()
 
 
-@pytest.mark.parametrize("world_size", [2, 4])
-def test_a_full_state_dict_loads_into_a_sharded_model(world_size):
-    """One process's state after 3 steps, loaded whole: each rank keeps its part, and the 4th
+@pytest.mark.parametrize("world_size,from_rank0", [(2, False), (4, False), (3, True)])
+def test_a_full_state_dict_loads_into_a_sharded_model(world_size, from_rank0):
+    """One process's state after 3 steps, loaded whole (on every rank, or on rank 0 only with
+    broadcast_from_rank0, the others passing empty dicts): each rank keeps its part, and the 4th
     step equals the uninterrupted run's."""
     ref = _reference()
-    for sd in get_pool(world_size).run(_full_set, _one_process_state_dicts(STEPS)):
+    for sd in get_pool(world_size).run(_full_set, _one_process_state_dicts(STEPS), from_rank0):
         _assert_same(sd, ref)
 
 
@@ -353,15 +355,16 @@ def _tp_full(ctx, sds):
     got = get_state_dict(model, opt, options=FULL)
     resumed = _tp_model(ctx, seed=1)
     resumed_opt = _adamw(resumed)
-    set_state_dict(resumed, resumed_opt, model_state_dict=copy.deepcopy(sds[0]),  # (see _full_set)
-                   optim_state_dict=copy.deepcopy(sds[1]), options=FULL)
+    sds = copy.deepcopy(sds) if ctx.rank == 0 else ({}, {})  # (see _full_set)
+    set_state_dict(resumed, resumed_opt, model_state_dict=sds[0], optim_state_dict=sds[1],
+                   options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
     _tp_train(resumed, resumed_opt, [STEPS])
     return got, resumed(_tp_batch(99)[0]).detach()
 
 
 def test_full_state_dict_of_tensor_parallel_layers():
-    """Gathered at tp 2: one process's state after 3 steps; that state loaded whole at tp 2:
-    the 4th step's logits are one process's."""
+    """Gathered at tp 2: one process's state after 3 steps; that state loaded from rank 0 at tp 2
+    (broadcast_from_rank0): the 4th step's logits are one process's."""
     ref = _Net()
     opt = _adamw(ref)
     _tp_train(ref, opt, range(STEPS))

@@ -322,12 +322,51 @@ def _check(options):
     """(the caller's options, the options torch's functions get): torch's never see
     full_state_dict or cpu_offload, which would gather or drop our plain parts as they are."""
     options = options or StateDictOptions()
-    if options.broadcast_from_rank0:
-        raise NotImplementedError("torchpar set_state_dict: broadcast_from_rank0 is not built; give every rank the "
-                                  "full state dict (full_state_dict=True), or load a sharded checkpoint with DCP")
+    if options.broadcast_from_rank0 and not options.full_state_dict:
+        raise ValueError("torchpar get_state_dict/set_state_dict: broadcast_from_rank0 needs full_state_dict=True "
+                         "(rank 0's whole state dicts), as torch's")
     local = options if not options.full_state_dict else dataclasses.replace(options, full_state_dict=False,
-                                                                            cpu_offload=False)
+                                                                            cpu_offload=False,
+                                                                            broadcast_from_rank0=False)
     return options, local
+
+
+class _Part:
+    """This rank's part of a whole tensor, cut as the tensor arrived from rank 0."""
+    __slots__ = ("tensor",)
+
+    def __init__(self, tensor):
+        self.tensor = tensor
+
+
+def _from_rank0(model_sd, optim_sd, device, keep):
+    """Rank 0's whole state dicts on every rank (``broadcast_from_rank0``; the other ranks' are
+    ignored): the layout in one ``broadcast_object_list``, then each tensor in one broadcast from
+    rank 0 of the default group, of which ``keep(key, value)`` returns what this rank keeps (its
+    part: no rank holds more than one whole sharded tensor at a time)."""
+    def spec(value):
+        return ("tensor", tuple(value.shape), value.dtype) if torch.is_tensor(value) else ("value", value)
+
+    rank0 = dist.get_rank() == 0
+    layout = [None]
+    if rank0:
+        layout = [([(k, spec(v)) for k, v in model_sd.items()],
+                   [(k, [(n, spec(v)) for n, v in state.items()]) for k, state in optim_sd["state"].items()],
+                   {k: v for k, v in optim_sd.items() if k != "state"})]
+    dist.broadcast_object_list(layout, src=0)
+    model_layout, state_layout, rest = layout[0]
+
+    def receive(key, kind, mine):
+        if kind[0] == "value":
+            return kind[1]
+        value = mine.detach().to(device).contiguous() if rank0 else torch.empty(kind[1], dtype=kind[2], device=device)
+        dist.broadcast(value, src=0)
+        return keep(key, value)
+
+    model = {k: receive(k, kind, model_sd[k] if rank0 else None) for k, kind in model_layout}
+    state = {k: {n: receive(k, kind, optim_sd["state"][k][n] if rank0 else None) for n, kind in entries}
+             for k, entries in state_layout}
+    return model, {**rest, "state": state}
 
 
 def _gathered(model_sd, optim_sd, held, cpu_offload):
@@ -405,14 +444,24 @@ def get_state_dict(model, optimizers, *, options=None):
 def set_state_dict(model, optimizers, *, model_state_dict, optim_state_dict, options=None):
     """Loads what ``get_state_dict`` gave (after ``dcp.load`` into it) into the model and the
     optimizers, converting the ShardedTensors and DTensors back into this rank's parts. Returns
-    the model's ``load_state_dict`` result (missing and unexpected keys)."""
+    the model's ``load_state_dict`` result (missing and unexpected keys). With
+    ``full_state_dict`` it takes whole tensors, and with ``broadcast_from_rank0`` too rank 0's
+    (the other ranks may pass empty dicts), as torch's: every rank keeps its parts."""
     options, local = _check(options)
     held = _holdings(model)
     levels = _ddp_levels(model)
+    if options.broadcast_from_rank0:
+        def keep(key, value):
+            h = held.get(_with_ddp(key, levels))
+            return _Part(h.from_whole(value)) if h is not None and h.holds_whole(value) else value
+        device = next(iter(model.parameters()), torch.empty(0)).device
+        model_state_dict, optim_state_dict = _from_rank0(model_state_dict, optim_state_dict, device, keep)
     model_sd, optim_state_dict = _renamed(model_state_dict, optim_state_dict, lambda k: _with_ddp(k, levels))
 
     def part(h, value, what):
         """This rank's part of ``value``: a whole tensor (full_state_dict) or what get_state_dict gave."""
+        if isinstance(value, _Part):
+            return value.tensor
         if not options.full_state_dict:
             return h.from_dcp(value, what)
         if not h.holds_whole(value):
@@ -431,7 +480,7 @@ def set_state_dict(model, optimizers, *, model_state_dict, optim_state_dict, opt
     optim_sd = {**optim_state_dict, "state": {}}
     for key, state in optim_state_dict["state"].items():
         h = held.get(key)
-        sharded = (lambda v: h.holds_whole(v)) if options.full_state_dict else (  # noqa: E731
+        sharded = (lambda v: isinstance(v, _Part) or h.holds_whole(v)) if options.full_state_dict else (  # noqa: E731
             lambda v: isinstance(v, (ShardedTensor, DTensor)))
         optim_sd["state"][key] = state if h is None else {
             name: part(h, v, f"{key}.{name}") if sharded(v) else v for name, v in state.items()}
