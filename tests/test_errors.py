@@ -93,6 +93,16 @@ def _split_mismatch(ctx):
     return True
 
 
+def _sparse_index_out_of_range(ctx):
+    # Rank 1's gradient rows lie outside the tensor (torch checks no sparse indices by default): a
+    # sum holding them would be written out of bounds where it is used. Every rank refuses it.
+    rows = torch.tensor([[1, 9 if ctx.rank == 1 else 2]])
+    t = torch.sparse_coo_tensor(rows, torch.ones(2, 3), (5, 3), check_invariants=False)
+    expect_error(lambda: dist.all_reduce(t, group=ctx.pg), "rank 1 sent indices [1, 9]", "sizes [5, 3]")
+    still_usable(ctx)
+    return True
+
+
 def _recv_size_mismatch(ctx):
     if ctx.rank == 0:
         dist.send(torch.ones(10), dst=1, group=ctx.pg)
@@ -145,6 +155,11 @@ def test_different_collectives_raise_on_every_rank(transport):
 @pytest.mark.parametrize("world_size", [2, 3])
 def test_all_to_all_split_disagreement_raises_on_every_rank(world_size, transport):
     pool(world_size, transport).run(_split_mismatch)
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_a_sparse_index_outside_the_tensor_raises_on_every_rank(world_size, transport):
+    pool(world_size, transport).run(_sparse_index_out_of_range)
 
 
 def test_recv_of_the_wrong_size_raises(transport):

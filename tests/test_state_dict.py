@@ -175,6 +175,16 @@ def _refusals(ctx):
     with pytest.raises(ValueError, match="broadcast_from_rank0 needs full_state_dict=True"):
         set_state_dict(model, opt, model_state_dict=model_sd, optim_state_dict=optim_sd,
                        options=StateDictOptions(broadcast_from_rank0=True))
+    # A whole dict whose moment is flattened: refused on every rank before anything is loaded
+    # (review: it loaded, and opt.step() failed on the rank holding none of that parameter).
+    full_model, full_optim = get_state_dict(model, opt, options=FULL)
+    key = "blocks.0.fc1.weight"
+    flat = {**full_optim["state"][key], "exp_avg": full_optim["state"][key]["exp_avg"].reshape(-1)}
+    before = [p.detach().clone() for p in model.parameters()]
+    with pytest.raises(ValueError, match=rf"'{key}.exp_avg' is \[98\], not a whole tensor of shape \[14, 7\]"):
+        set_state_dict(model, opt, model_state_dict=full_model, options=FULL,
+                       optim_state_dict={**full_optim, "state": {**full_optim["state"], key: flat}})
+    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
     # Whole tensors where the options promise them: a part is refused by name.
     with pytest.raises(ValueError, match="not a whole tensor of shape"):
         set_state_dict(model, opt, model_state_dict={k: v.local_shards()[0].tensor if isinstance(v, ShardedTensor) else v

@@ -37,6 +37,7 @@ void sparse_allreduce_sum(collectives::Comm& c, const at::Tensor& t) {
     TP_CHECK_USAGE(std::equal(all.begin() + r * rec + 1, all.begin() + (r + 1) * rec, mine.begin() + 1),
                    "sparse all_reduce: rank ", r, " has a tensor of another shape or sparse_dim than rank ",
                    c.rank(), " (sizes ", in.sizes(), ", sparse_dim ", in.sparse_dim(), ")");
+    TP_CHECK_USAGE(all[r * rec] >= 0, "sparse all_reduce: rank ", r, " announced ", all[r * rec], " nonzeros");
     max_nnz = std::max(max_nnz, all[r * rec]);
   }
 
@@ -66,6 +67,15 @@ void sparse_allreduce_sum(collectives::Comm& c, const at::Tensor& t) {
   for (int r = 0; r < size; ++r) {
     idxs.push_back(idx_all[r].narrow(1, 0, all[r * rec]));
     vals.push_back(val_all[r].narrow(0, 0, all[r * rec]));
+    // The indices come from the peers, and torch does not check a sparse tensor's indices by
+    // default: one outside the tensor would be written out of bounds wherever the sum is used
+    // (an optimizer adding the gradient into its parameter). Every rank sees every part: all raise.
+    for (int64_t d = 0; d < sd && all[r * rec] > 0; ++d) {
+      auto [lo, hi] = at::aminmax(idxs.back()[d]);
+      TP_CHECK_USAGE(lo.item<int64_t>() >= 0 && hi.item<int64_t>() < in.size(d), "sparse all_reduce: rank ", r,
+                     " sent indices [", lo.item<int64_t>(), ", ", hi.item<int64_t>(), "] in dimension ", d,
+                     " of a tensor of sizes ", in.sizes());
+    }
   }
   at::Tensor sum = at::sparse_coo_tensor(at::cat(idxs, 1), at::cat(vals, 0), in.sizes()).coalesce();
   write_back(t, sum);

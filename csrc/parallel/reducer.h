@@ -156,7 +156,7 @@ class Reducer {
   std::vector<TraceEvent> trace() const;
   // Bucket -> parameter indices, and each bucket's flat tensor (for tests and tools).
   std::vector<std::vector<int64_t>> bucket_indices() const;
-  std::vector<at::Tensor> bucket_tensors();  // allocates any not made yet
+  std::vector<at::Tensor> bucket_tensors();  // allocates any not made yet; undefined for a sparse bucket
   // Bytes of bucket tensors allocated so far (flat buckets and gradient shards).
   int64_t bucket_bytes() const;
   // The highest bucket_bytes() plus the bytes of the parameter gradient being copied in, seen at

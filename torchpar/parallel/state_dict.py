@@ -371,11 +371,13 @@ def _from_rank0(model_sd, optim_sd, device, keep):
 
 def _gathered(model_sd, optim_sd, held, cpu_offload):
     """Both state dicts with every part whole (see the module's docstring); None on a rank other
-    than 0 with ``cpu_offload``. The ranks first
-    compare, in one all_gather_object over the default group, the parts each group's members will
-    gather, in order, so that a mismatch is an error on every rank rather than collectives that
-    do not match; the gathers then run asynchronously (a rank in several groups cannot wait on one
-    while a peer waits on another)."""
+    than 0 with ``cpu_offload``. The ranks first compare, in one all_gather_object over the
+    default group, the parts each group's members will gather, in order, so that a mismatch is an
+    error on every rank rather than collectives that do not match. Then one tensor at a time, as
+    torch gathers: with ``cpu_offload`` rank 0 moves each to host memory and the others drop it
+    at once, so no rank holds more than one whole tensor on the device. The groups go in one
+    order agreed by all (sorted by their ranks), so a rank in several groups never waits in one
+    while a peer waits in another for it."""
     parts = [(key, None, value.local if isinstance(value, Shard) else value)
              for key, value in model_sd.items() if key in held]
     parts += [(key, name, v) for key, state in optim_sd["state"].items() if key in held
@@ -395,15 +397,19 @@ def _gathered(model_sd, optim_sd, held, cpu_offload):
                                      f"group {list(group)} hold different parts to gather (first difference: rank "
                                      f"{rank} {diff[0] and diff[0][1:]}, rank {other} {diff[1] and diff[1][1:]}): "
                                      "every rank must give the same model and optimizers")
-    whole = [(key, name, held[key].all_gather(v)) for key, name, v in parts]
-    for key, name, wait in whole:
+    group_order = {g: i for i, g in enumerate(sorted({e[0] for theirs in everyone for e in theirs}))}
+    keep = dist.get_rank() == 0 or not cpu_offload
+    for i in sorted(range(len(parts)), key=lambda i: (group_order[plan[i][0]], i)):
+        key, name, v = parts[i]
+        value = held[key].all_gather(v)()
+        value = (value.cpu() if cpu_offload else value) if keep else None
         if name is None:
-            model_sd[key] = wait()
+            model_sd[key] = value
         else:
-            optim_sd["state"][key] = {**optim_sd["state"][key], name: wait()}
-    if cpu_offload:  # torch's: the whole state dicts on rank 0 only, in host memory
-        if dist.get_rank() != 0:
-            return None
+            optim_sd["state"][key] = {**optim_sd["state"][key], name: value}
+    if not keep:  # torch's cpu_offload: the whole state dicts on rank 0 only, in host memory
+        return None
+    if cpu_offload:
         to_cpu = lambda v: v.cpu() if torch.is_tensor(v) else v  # noqa: E731
         model_sd = {k: to_cpu(v) for k, v in model_sd.items()}
         optim_sd = {**optim_sd, "state": {k: {n: to_cpu(v) for n, v in state.items()}
@@ -470,19 +476,27 @@ def set_state_dict(model, optimizers, *, model_state_dict, optim_state_dict, opt
                              f"tensor of shape {list(h.shape)}")
         return h.from_whole(value)
 
+    def sharded(v):
+        """Whether an optimizer state value of a sharded parameter is to be cut into this rank's
+        part. Whole form: every tensor but a scalar (a step count), so that part() refuses one of
+        another shape, on every rank given the same dict (review: a flattened moment loaded, then
+        failed in opt.step() on one rank only)."""
+        if options.full_state_dict:
+            return isinstance(v, _Part) or (torch.is_tensor(v) and v.dim() > 0)
+        return isinstance(v, (ShardedTensor, DTensor))
+
+    # Both converted before either is loaded: a refused value leaves the model as it was.
     for key, value in model_sd.items():
         h = held.get(key)
         if isinstance(h, _Run):
             model_sd[key] = Shard(part(h, value, key), h.shape, h.start, len(h.runs), h.rank)
         elif h is not None:
             model_sd[key] = part(h, value, key)
-    result = set_model_state_dict(model, model_sd, options=local)
     optim_sd = {**optim_state_dict, "state": {}}
     for key, state in optim_state_dict["state"].items():
         h = held.get(key)
-        sharded = (lambda v: isinstance(v, _Part) or h.holds_whole(v)) if options.full_state_dict else (  # noqa: E731
-            lambda v: isinstance(v, (ShardedTensor, DTensor)))
         optim_sd["state"][key] = state if h is None else {
             name: part(h, v, f"{key}.{name}") if sharded(v) else v for name, v in state.items()}
+    result = set_model_state_dict(model, model_sd, options=local)
     set_optimizer_state_dict(model, optimizers, optim_sd, options=local)
     return result
