@@ -98,7 +98,11 @@ def _sparse_index_out_of_range(ctx):
     # sum holding them would be written out of bounds where it is used. Every rank refuses it.
     rows = torch.tensor([[1, 9 if ctx.rank == 1 else 2]])
     t = torch.sparse_coo_tensor(rows, torch.ones(2, 3), (5, 3), check_invariants=False)
-    expect_error(lambda: dist.all_reduce(t, group=ctx.pg), "rank 1 sent indices [1, 9]", "sizes [5, 3]")
+    expect_error(lambda: dist.all_reduce(t, group=ctx.pg), "rank 1's tensor has indices outside its sizes [5, 3]")
+    # Two sparse dimensions: coalescing would fold (0, 7) of a 4 x 5 tensor into (1, 2).
+    two = torch.tensor([[1, 0], [0, 7 if ctx.rank == 1 else 2]])
+    t = torch.sparse_coo_tensor(two, torch.ones(2), (4, 5), check_invariants=False)
+    expect_error(lambda: dist.all_reduce(t, group=ctx.pg), "rank 1's tensor has indices outside its sizes [4, 5]")
     still_usable(ctx)
     return True
 

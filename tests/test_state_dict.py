@@ -20,7 +20,8 @@ from torch.nn import functional as F
 from harness import get_pool
 from test_fsdp import Net, _loss, _setup, _shard_model
 from test_tensor_parallel_torch_plan import _Net, _plan
-from torchpar.parallel import DistributedDataParallel, get_state_dict, parallelize_module, set_state_dict
+from torchpar.parallel import (DistributedDataParallel, fully_shard, get_state_dict, parallelize_module,
+                               set_state_dict)
 
 pytestmark = pytest.mark.timeout(180)
 # In make test-slow (make test's time budget): the same round trips at other sizes run in make test.
@@ -185,6 +186,11 @@ def _refusals(ctx):
         set_state_dict(model, opt, model_state_dict=full_model, options=FULL,
                        optim_state_dict={**full_optim, "state": {**full_optim["state"], key: flat}})
     assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
+    # From rank 0, what it cannot send (here the sharded form): every rank raises, none waits.
+    mine = (model_sd, optim_sd) if ctx.rank == 0 else ({}, {})
+    with pytest.raises(ValueError, match="rank 0's state dicts cannot be sent .*ShardedTensor"):
+        set_state_dict(model, opt, model_state_dict=mine[0], optim_state_dict=mine[1],
+                       options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
     # Whole tensors where the options promise them: a part is refused by name.
     with pytest.raises(ValueError, match="not a whole tensor of shape"):
         set_state_dict(model, opt, model_state_dict={k: v.local_shards()[0].tensor if isinstance(v, ShardedTensor) else v
@@ -385,6 +391,28 @@ def test_full_state_dict_of_tensor_parallel_layers():
     for got, logits in get_pool(2).run(_tp_full, sds):
         _assert_same_state_dicts(got, sds)
         torch.testing.assert_close(logits, expected, rtol=1e-5, atol=1e-5)
+
+
+def _crossed_groups(ctx):
+    """4 ranks, units over crossing groups: blocks 0 and 2 over {0,1} / {2,3}, block 1 over
+    {0,2} / {1,3}, the root over all four. Each rank's parts go to three groups, interleaved in
+    its state dict's order; the gathers still line up, and the result is one process's."""
+    _setup(ctx)
+    pairs = [dist.new_group([0, 1]), dist.new_group([2, 3])]
+    crossed = [dist.new_group([0, 2]), dist.new_group([1, 3])]
+    model = Net()
+    for i, block in enumerate(model.blocks):
+        fully_shard(block, crossed[ctx.rank % 2] if i == 1 else pairs[ctx.rank // 2])
+    fully_shard(model, ctx.pg)
+    opt = _adamw(model)
+    _train(model, opt, range(STEPS))
+    return get_state_dict(model, opt, options=FULL)
+
+
+def test_full_state_dict_over_crossing_groups():
+    want = _one_process_state_dicts(STEPS)
+    for got in get_pool(4).run(_crossed_groups):
+        _assert_same_state_dicts(got, want)
 
 
 def _mismatch(ctx):

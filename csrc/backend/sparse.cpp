@@ -20,12 +20,33 @@ void check_sparse_allreduce(const at::Tensor& t, const c10d::ReduceOp& op) {
   check_tensor(t._values(), "all_reduce", "sparse tensor's values");
 }
 
+namespace {
+
+// Whether every index lies inside the tensor's sizes. torch checks no sparse indices by default,
+// and one outside would be written out of bounds wherever the sum is used (an optimizer adding a
+// gradient into its parameter).
+bool indices_in_range(const at::Tensor& indices, at::IntArrayRef sizes) {
+  for (int64_t d = 0; d < indices.size(0) && indices.size(1) > 0; ++d) {
+    auto [lo, hi] = at::aminmax(indices[d]);
+    if (lo.item<int64_t>() < 0 || hi.item<int64_t>() >= sizes[d]) {
+      return false;
+    }
+  }
+  return true;
+}
+
+}  // namespace
+
 void sparse_allreduce_sum(collectives::Comm& c, const at::Tensor& t) {
-  const at::Tensor in = t.coalesce();
+  // Checked before coalescing, which folds the indices of several sparse dimensions into one
+  // linear index and can take one past a size into range. A bad tensor announces -1 nonzeros:
+  // every rank then raises, before the indices are exchanged.
+  const bool valid = indices_in_range(t._indices(), t.sizes());
+  const at::Tensor in = valid ? t.coalesce() : t;
   const int size = c.size();
   // Every rank's shape record: nnz, sparse_dim, then the sizes. A rank with a different
   // number of dimensions publishes a record of another length: the all-gather refuses it.
-  std::vector<int64_t> mine{in._nnz(), in.sparse_dim()};
+  std::vector<int64_t> mine{valid ? in._nnz() : -1, in.sparse_dim()};
   for (auto s : in.sizes()) mine.push_back(s);
   const size_t rec = mine.size();
   std::vector<int64_t> all(rec * size);
@@ -37,7 +58,8 @@ void sparse_allreduce_sum(collectives::Comm& c, const at::Tensor& t) {
     TP_CHECK_USAGE(std::equal(all.begin() + r * rec + 1, all.begin() + (r + 1) * rec, mine.begin() + 1),
                    "sparse all_reduce: rank ", r, " has a tensor of another shape or sparse_dim than rank ",
                    c.rank(), " (sizes ", in.sizes(), ", sparse_dim ", in.sparse_dim(), ")");
-    TP_CHECK_USAGE(all[r * rec] >= 0, "sparse all_reduce: rank ", r, " announced ", all[r * rec], " nonzeros");
+    TP_CHECK_USAGE(all[r * rec] >= 0, "sparse all_reduce: rank ", r, "'s tensor has indices outside its sizes ",
+                   in.sizes());
     max_nnz = std::max(max_nnz, all[r * rec]);
   }
 
@@ -67,15 +89,9 @@ void sparse_allreduce_sum(collectives::Comm& c, const at::Tensor& t) {
   for (int r = 0; r < size; ++r) {
     idxs.push_back(idx_all[r].narrow(1, 0, all[r * rec]));
     vals.push_back(val_all[r].narrow(0, 0, all[r * rec]));
-    // The indices come from the peers, and torch does not check a sparse tensor's indices by
-    // default: one outside the tensor would be written out of bounds wherever the sum is used
-    // (an optimizer adding the gradient into its parameter). Every rank sees every part: all raise.
-    for (int64_t d = 0; d < sd && all[r * rec] > 0; ++d) {
-      auto [lo, hi] = at::aminmax(idxs.back()[d]);
-      TP_CHECK_USAGE(lo.item<int64_t>() >= 0 && hi.item<int64_t>() < in.size(d), "sparse all_reduce: rank ", r,
-                     " sent indices [", lo.item<int64_t>(), ", ", hi.item<int64_t>(), "] in dimension ", d,
-                     " of a tensor of sizes ", in.sizes());
-    }
+    // The bytes came from the peers: checked again (every rank sees every part: all raise).
+    TP_CHECK_USAGE(indices_in_range(idxs.back(), in.sizes()), "sparse all_reduce: rank ", r,
+                   " sent indices outside the tensor's sizes ", in.sizes());
   }
   at::Tensor sum = at::sparse_coo_tensor(at::cat(idxs, 1), at::cat(vals, 0), in.sizes()).coalesce();
   write_back(t, sum);

@@ -147,10 +147,11 @@ class DistributedDataParallel(nn.Module, Joinable):
                           if isinstance(m, (nn.Embedding, nn.EmbeddingBag)) and m.sparse}
         sparse = [id(p) in sparse_weights for p in params]
         if dist.get_backend(self.process_group) == "torchpar" and any(s and p.is_cuda for p, s in zip(params, sparse)):
-            # (review) The backend reduces sparse tensors on the CPU; its CUDA path is NCCL's dense one.
+            # The backend reduces sparse tensors on the CPU; its CUDA path is NCCL's, dense only (as
+            # torch's NCCL group, which refuses sparse all_reduce).
             raise ValueError("torchpar DDP: sparse gradients (nn.Embedding(sparse=True)) of CUDA parameters are not "
-                             "reduced by the torchpar backend (sparse all_reduce is CPU only); use sparse=False, or "
-                             "a gloo or nccl process group")
+                             "reduced by the torchpar backend (sparse all_reduce is CPU only); use sparse=False, "
+                             "or keep the table on the CPU")
         buckets = _C.ddp_assign_buckets(params, cap, first_cap, grad_reduce_dtype, sparse=sparse)
         # Not a Module or Parameter, so nn.Module stores it as a plain attribute: the
         # state_dict keys stay exactly torch DDP's ("module." + the module's keys).

@@ -42,6 +42,7 @@ Every rank of the default group calls it (the ranks first agree on what they gat
 """
 import dataclasses
 import math
+import pickle
 
 import torch
 import torch.distributed as dist
@@ -339,22 +340,40 @@ class _Part:
         self.tensor = tensor
 
 
-def _from_rank0(model_sd, optim_sd, device, keep):
+def _from_rank0(model_sd, optim_sd, keep):
     """Rank 0's whole state dicts on every rank (``broadcast_from_rank0``; the other ranks' are
     ignored): the layout in one ``broadcast_object_list``, then each tensor in one broadcast from
-    rank 0 of the default group, of which ``keep(key, value)`` returns what this rank keeps (its
-    part: no rank holds more than one whole sharded tensor at a time)."""
+    rank 0 of the default group, on the device type of rank 0's tensors, of which
+    ``keep(key, value)`` returns what this rank keeps (its part: no rank holds more than one
+    whole sharded tensor at a time). What rank 0 cannot send is found before anything is sent and
+    raised on every rank, which would otherwise wait in a broadcast rank 0 never enters."""
     def spec(value):
-        return ("tensor", tuple(value.shape), value.dtype) if torch.is_tensor(value) else ("value", value)
+        if not torch.is_tensor(value):
+            return ("value", value)
+        if isinstance(value, (DTensor, ShardedTensor)) or value.layout != torch.strided or value.is_meta:
+            raise ValueError(f"a {type(value).__name__} ({value.layout}, on {value.device}), not a plain tensor")
+        return ("tensor", tuple(value.shape), value.dtype)
 
     rank0 = dist.get_rank() == 0
     layout = [None]
     if rank0:
-        layout = [([(k, spec(v)) for k, v in model_sd.items()],
-                   [(k, [(n, spec(v)) for n, v in state.items()]) for k, state in optim_sd["state"].items()],
-                   {k: v for k, v in optim_sd.items() if k != "state"})]
+        try:
+            tensors = [v for v in [*model_sd.values(), *(x for st in optim_sd["state"].values() for x in st.values())]
+                       if torch.is_tensor(v)]
+            layout = [(tensors[0].device.type if tensors else "cpu",
+                       [(k, spec(v)) for k, v in model_sd.items()],
+                       [(k, [(n, spec(v)) for n, v in state.items()]) for k, state in optim_sd["state"].items()],
+                       {k: v for k, v in optim_sd.items() if k != "state"})]
+            pickle.dumps(layout)
+        except Exception as e:  # noqa: BLE001 (any: it is raised on every rank below)
+            layout = [("error", f"{type(e).__name__}: {e}")]
     dist.broadcast_object_list(layout, src=0)
-    model_layout, state_layout, rest = layout[0]
+    if layout[0][0] == "error":
+        raise ValueError(f"torchpar set_state_dict(broadcast_from_rank0=True): rank 0's state dicts cannot be sent "
+                         f"({layout[0][1]}); rank 0 must pass whole plain tensors, model and optimizer")
+    device_type, model_layout, state_layout, rest = layout[0]
+    device = torch.device(device_type) if device_type == "cpu" else torch.device(
+        device_type, torch.accelerator.current_device_index())
 
     def receive(key, kind, mine):
         if kind[0] == "value":
@@ -369,15 +388,37 @@ def _from_rank0(model_sd, optim_sd, device, keep):
     return model, {**rest, "state": state}
 
 
+def _agree(plans):
+    """Raises, on every rank alike (all see every plan), where two members of a group would
+    gather different parts or in another order. ``plans[r]``: rank r's (group ranks, key, name,
+    dtype) per part, in its order."""
+    by_group = [{} for _ in plans]
+    for rank, plan in enumerate(plans):
+        for entry in plan:
+            by_group[rank].setdefault(entry[0], []).append(entry[1:])
+    for rank, groups in enumerate(by_group):
+        for group, mine in groups.items():
+            first = group[0]  # each member is compared with the group's first
+            theirs = by_group[first].get(group, [])
+            if theirs != mine:
+                diff = next((a, b) for a, b in zip(theirs + [None] * len(mine), mine + [None] * len(theirs))
+                            if a != b)
+                raise ValueError(f"torchpar get_state_dict(full_state_dict=True): ranks {first} and {rank} of group "
+                                 f"{list(group)} hold different parts to gather (first difference: rank {first} "
+                                 f"{diff[0]}, rank {rank} {diff[1]}): every rank must give the same model and "
+                                 "optimizers")
+
+
 def _gathered(model_sd, optim_sd, held, cpu_offload):
     """Both state dicts with every part whole (see the module's docstring); None on a rank other
     than 0 with ``cpu_offload``. The ranks first compare, in one all_gather_object over the
-    default group, the parts each group's members will gather, in order, so that a mismatch is an
-    error on every rank rather than collectives that do not match. Then one tensor at a time, as
-    torch gathers: with ``cpu_offload`` rank 0 moves each to host memory and the others drop it
-    at once, so no rank holds more than one whole tensor on the device. The groups go in one
-    order agreed by all (sorted by their ranks), so a rank in several groups never waits in one
-    while a peer waits in another for it."""
+    default group, the parts each group's members will gather, in order (``_agree``), so that a
+    mismatch is an error on every rank rather than collectives that do not match. Then one
+    tensor at a time, as torch gathers: with ``cpu_offload`` rank 0 moves each to host memory and
+    the others drop it at once, so the device holds one gather's buffers at a time. The groups
+    go in one order all ranks share (sorted by their ranks), so the lowest group with a gather
+    left always has every member at it: a rank in several groups never waits in one while a peer
+    waits in another for it."""
     parts = [(key, None, value.local if isinstance(value, Shard) else value)
              for key, value in model_sd.items() if key in held]
     parts += [(key, name, v) for key, state in optim_sd["state"].items() if key in held
@@ -385,31 +426,22 @@ def _gathered(model_sd, optim_sd, held, cpu_offload):
     plan = [(tuple(dist.get_process_group_ranks(held[key].group)), key, name, str(v.dtype)) for key, name, v in parts]
     everyone = [None] * dist.get_world_size()
     dist.all_gather_object(everyone, plan)
-    for rank, theirs in enumerate(everyone):
-        for group in {entry[0] for entry in theirs}:
-            mine = [e for e in theirs if e[0] == group]
-            for other in group:
-                other_plan = [e for e in everyone[other] if e[0] == group]
-                if other_plan != mine:
-                    diff = next((a, b) for a, b in zip(mine + [None] * len(other_plan), other_plan + [None] * len(mine))
-                                if a != b)
-                    raise ValueError(f"torchpar get_state_dict(full_state_dict=True): ranks {rank} and {other} of "
-                                     f"group {list(group)} hold different parts to gather (first difference: rank "
-                                     f"{rank} {diff[0] and diff[0][1:]}, rank {other} {diff[1] and diff[1][1:]}): "
-                                     "every rank must give the same model and optimizers")
+    _agree(everyone)
     group_order = {g: i for i, g in enumerate(sorted({e[0] for theirs in everyone for e in theirs}))}
-    keep = dist.get_rank() == 0 or not cpu_offload
+    returns = dist.get_rank() == 0 or not cpu_offload  # torch's cpu_offload: on rank 0 only
     for i in sorted(range(len(parts)), key=lambda i: (group_order[plan[i][0]], i)):
         key, name, v = parts[i]
         value = held[key].all_gather(v)()
-        value = (value.cpu() if cpu_offload else value) if keep else None
+        if not returns:
+            continue
+        value = value.cpu() if cpu_offload else value
         if name is None:
             model_sd[key] = value
         else:
             optim_sd["state"][key] = {**optim_sd["state"][key], name: value}
-    if not keep:  # torch's cpu_offload: the whole state dicts on rank 0 only, in host memory
+    if not returns:
         return None
-    if cpu_offload:
+    if cpu_offload:  # the tensors every rank holds whole (not gathered) to host memory too
         to_cpu = lambda v: v.cpu() if torch.is_tensor(v) else v  # noqa: E731
         model_sd = {k: to_cpu(v) for k, v in model_sd.items()}
         optim_sd = {**optim_sd, "state": {k: {n: to_cpu(v) for n, v in state.items()}
@@ -460,8 +492,7 @@ def set_state_dict(model, optimizers, *, model_state_dict, optim_state_dict, opt
         def keep(key, value):
             h = held.get(_with_ddp(key, levels))
             return _Part(h.from_whole(value)) if h is not None and h.holds_whole(value) else value
-        device = next(iter(model.parameters()), torch.empty(0)).device
-        model_state_dict, optim_state_dict = _from_rank0(model_state_dict, optim_state_dict, device, keep)
+        model_state_dict, optim_state_dict = _from_rank0(model_state_dict, optim_state_dict, keep)
     model_sd, optim_state_dict = _renamed(model_state_dict, optim_state_dict, lambda k: _with_ddp(k, levels))
 
     def part(h, value, what):
@@ -470,19 +501,23 @@ def set_state_dict(model, optimizers, *, model_state_dict, optim_state_dict, opt
             return value.tensor
         if not options.full_state_dict:
             return h.from_dcp(value, what)
+        if isinstance(value, (DTensor, ShardedTensor)):
+            raise TypeError(f"torchpar set_state_dict(full_state_dict=True): '{what}' is a {type(value).__name__}; "
+                            "the whole form takes plain whole tensors")
         if not h.holds_whole(value):
             raise ValueError(f"torchpar set_state_dict(full_state_dict=True): '{what}' is "
                              f"{list(value.shape) if torch.is_tensor(value) else type(value).__name__}, not a whole "
                              f"tensor of shape {list(h.shape)}")
         return h.from_whole(value)
 
-    def sharded(v):
-        """Whether an optimizer state value of a sharded parameter is to be cut into this rank's
-        part. Whole form: every tensor but a scalar (a step count), so that part() refuses one of
-        another shape, on every rank given the same dict (review: a flattened moment loaded, then
-        failed in opt.step() on one rank only)."""
+    def sharded(h, v):
+        """Whether an optimizer state value of a sharded parameter ``h`` is to be cut into this rank's
+        part. Whole form: one per element of the parameter (as many elements), so that part()
+        refuses one of another shape, on every rank given the same dict (a flattened moment loaded
+        and then failed in opt.step() on the one rank holding none of the parameter); state not
+        per element (a step count, Adafactor's row and column statistics) stays as it is."""
         if options.full_state_dict:
-            return isinstance(v, _Part) or (torch.is_tensor(v) and v.dim() > 0)
+            return isinstance(v, _Part) or (torch.is_tensor(v) and v.dim() > 0 and v.numel() == math.prod(h.shape))
         return isinstance(v, (ShardedTensor, DTensor))
 
     # Both converted before either is loaded: a refused value leaves the model as it was.
@@ -496,7 +531,7 @@ def set_state_dict(model, optimizers, *, model_state_dict, optim_state_dict, opt
     for key, state in optim_state_dict["state"].items():
         h = held.get(key)
         optim_sd["state"][key] = state if h is None else {
-            name: part(h, v, f"{key}.{name}") if sharded(v) else v for name, v in state.items()}
+            name: part(h, v, f"{key}.{name}") if sharded(h, v) else v for name, v in state.items()}
     result = set_model_state_dict(model, model_sd, options=local)
     set_optimizer_state_dict(model, optimizers, optim_sd, options=local)
     return result
