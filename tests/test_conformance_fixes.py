@@ -180,18 +180,22 @@ def test_ddp_sparse_gradients(transport):
     pool(2, transport).run(_ddp_sparse_embedding)
 
 
-def _torchpar_ddp_refuses_sparse(ctx):
-    model = nn.Sequential(nn.Embedding(10, 4, sparse=True), nn.Linear(4, 2))
-    with pytest.raises(ValueError, match="'0' produce sparse gradients"):
-        torchpar.parallel.DistributedDataParallel(model, process_group=ctx.pg)
-    dist.all_reduce(torch.ones(1), group=ctx.pg)  # nothing was left half-done
+def _torchpar_ddp_sparse(ctx):
+    # torchpar's own DDP too (it refused sparse gradients until 2026-11-29; tests/test_ddp_sparse.py).
+    torch.manual_seed(0)
+    model = nn.Embedding(10, 4, sparse=True)
+    ddp = torchpar.parallel.DistributedDataParallel(model, process_group=ctx.pg)
+    ddp(torch.tensor([ctx.rank, 3, 7 - ctx.rank])).sum().backward()
+    ref = nn.Embedding(10, 4, sparse=True)
+    ref.load_state_dict(model.state_dict())
+    ref(torch.cat([torch.tensor([r, 3, 7 - r]) for r in range(ctx.world_size)])).sum().backward()
+    assert model.weight.grad.is_sparse
+    torch.testing.assert_close(model.weight.grad.to_dense(), ref.weight.grad.to_dense() / ctx.world_size)
     return True
 
 
-def test_torchpar_ddp_refuses_sparse_gradients_clearly(transport):
-    # torchpar's own DDP reduces dense buckets only; it says so before any collective
-    # (it used to fail inside backward with an internal assertion of ATen's).
-    assert all(pool(2, transport).run(_torchpar_ddp_refuses_sparse))
+def test_torchpar_ddp_sparse_gradients(transport):
+    assert all(pool(2, transport).run(_torchpar_ddp_sparse))
 
 
 # ------------------------------------------------------------ barrier timeout message
