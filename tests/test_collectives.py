@@ -15,7 +15,8 @@ from harness import SMALL_BUFFERS, TRANSPORTS, get_pool, transport_env
 
 # In make test-slow (make test's time budget): variants whose shared-memory twins run in make test.
 SLOW_VARIANTS = {"test_all_reduce_matches_reference_for_every_op_and_size[float32-4-tcp]",
-                 "test_all_reduce_matches_reference_for_every_op_and_size[float32-3-tcp]"}
+                 "test_all_reduce_matches_reference_for_every_op_and_size[float32-3-tcp]",
+                 "test_all_reduce_matches_reference_for_every_op_and_size[float64-4-tcp]"}
 
 pytestmark = [pytest.mark.timeout(300), pytest.mark.parametrize("transport", TRANSPORTS)]
 
