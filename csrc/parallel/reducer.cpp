@@ -123,17 +123,14 @@ void Reducer::build_buckets(const std::vector<std::vector<int64_t>>& buckets) {
     TORCH_CHECK(!indices.empty(), "torchpar DDP: empty bucket");
     Bucket b;
     const at::Tensor& first = params_.at(indices.front());
-    for (int64_t i : indices) {
-      const bool sparse = !options_.sparse.empty() && i >= 0 && static_cast<size_t>(i) < n && options_.sparse[i];
-      TORCH_CHECK(!sparse || indices.size() == 1, "torchpar DDP: parameter '", names_[i],
-                  "' gets sparse gradients and needs a bucket of its own");
-      b.sparse = sparse;
-    }
     const at::ScalarType dtype = options_.reduce_dtype.value_or(first.scalar_type());
     int64_t numel = 0;
     for (int64_t i : indices) {
       TORCH_CHECK(i >= 0 && static_cast<size_t>(i) < n, "torchpar DDP: bucket index ", i, " out of range");
       TORCH_CHECK(slots_[i].bucket == SIZE_MAX, "torchpar DDP: parameter '", names_[i], "' is in two buckets");
+      b.sparse = !options_.sparse.empty() && options_.sparse[i];
+      TORCH_CHECK(!b.sparse || indices.size() == 1, "torchpar DDP: parameter '", names_[i],
+                  "' gets sparse gradients and needs a bucket of its own");
       TORCH_CHECK(params_[i].scalar_type() == first.scalar_type() && params_[i].device() == first.device(),
                   "torchpar DDP: bucket mixes dtypes or devices ('", names_[i], "' vs '",
                   names_[indices.front()], "')");
@@ -506,7 +503,7 @@ void Reducer::mark_ready(int64_t index, bool has_gradient) {
   // lies, else fused with the copy into the bucket where the dtypes allow, to read and write
   // the gradient once.
   // With a comm hook the hook averages, as with torch's DDP (its allreduce_hook divides).
-  const double scale = comm_hook_ ? 1.0 : 1.0 / group_->getSize();
+  const double scale = average_factor();
   const bool in_place = reduces_in_place(b);
   if (in_place && has_gradient && grad.defined() && grad.is_contiguous()) {
     grad.mul_(scale);
@@ -573,7 +570,7 @@ void Reducer::mark_sparse_ready(Bucket& b, int64_t index) {
   // average, the same everywhere: given back). What is reduced is always a new tensor: the
   // reduction replaces its rows, and .grad keeps its own until write_back_sparse.
   const at::Tensor& grad = params_[index].grad();
-  const double scale = comm_hook_ ? 1.0 : 1.0 / group_->getSize();
+  const double scale = average_factor();
   at::Tensor input;
   if (!grad.defined()) {
     input = empty_sparse_gradient(b);
@@ -621,6 +618,10 @@ void Reducer::launch_ready_buckets() {
     ++next_launch_;
     if (round_.open) round_.launched = next_launch_;
   }
+}
+
+double Reducer::average_factor() const {
+  return comm_hook_ ? 1.0 : 1.0 / group_->getSize();
 }
 
 bool Reducer::reduces_in_place(const Bucket& b) const {

@@ -231,6 +231,9 @@ class Reducer {
   void check_kept_locked(int64_t index);
   void mark_ready(int64_t index, bool has_gradient);
   void launch_ready_buckets();
+  // What each rank's gradient is multiplied by before the sum: 1 / group size (the sum is the
+  // average), or 1 with a comm hook, which averages itself as with torch's DDP.
+  double average_factor() const;
   bool reduces_in_place(const Bucket& b) const;
   // Reduces `buffer` as bucket `index` (the bucket's own flat tensor, or zeros for a rank
   // that has joined): starts the all-reduce or the comm hook; finish waits, rethrows a

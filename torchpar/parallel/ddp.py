@@ -146,7 +146,8 @@ class DistributedDataParallel(nn.Module, Joinable):
         sparse_weights = {id(m.weight) for m in module.modules()
                           if isinstance(m, (nn.Embedding, nn.EmbeddingBag)) and m.sparse}
         sparse = [id(p) in sparse_weights for p in params]
-        if dist.get_backend(self.process_group) == "torchpar" and any(s and p.is_cuda for p, s in zip(params, sparse)):
+        on_torchpar = dist.get_backend(self.process_group) == "torchpar"
+        if on_torchpar and any(s and p.is_cuda for p, s in zip(params, sparse)):
             # The backend reduces sparse tensors on the CPU; its CUDA path is NCCL's, dense only (as
             # torch's NCCL group, which refuses sparse all_reduce).
             raise ValueError("torchpar DDP: sparse gradients (nn.Embedding(sparse=True)) of CUDA parameters are not "
@@ -160,7 +161,7 @@ class DistributedDataParallel(nn.Module, Joinable):
                                   gradient_as_bucket_view, find_unused_parameters, grad_reduce_dtype,
                                   cap, first_cap, static_graph,
                                   # torchpar's all_reduce_coalesced reduces tensors where they lie.
-                                  dist.get_backend(self.process_group) == "torchpar", shard_gradients,
+                                  on_torchpar, shard_gradients,
                                   sparse)
         self._params = params
         shard_layout.register_ddp(self, params)

@@ -150,26 +150,18 @@ class _Run:
         md = ShardedTensorMetadata(shards_metadata=every, size=torch.Size(self.shape), tensor_properties=props)
         return ShardedTensor._init_from_local_shards_and_global_metadata(shards, md, process_group=self.group)
 
-    def all_gather(self, local):
-        """Starts gathering every rank's run of the parameter (``local``, this rank's: its value
-        or an optimizer state of its size); returns a function that waits and gives the whole
-        tensor of the parameter's shape."""
+    def gather_whole(self, local):
+        """The whole tensor of the parameter's shape, every rank's run of it gathered (``local``,
+        this rank's: its value or an optimizer state of its size)."""
         width = max(n for _, n in self.runs)
         mine = local.detach().reshape(-1).new_zeros(width)
         mine[:self.numel] = local.detach().reshape(-1)
         every = mine.new_empty(width * len(self.runs))
-        work = dist.all_gather_single(every, mine, group=self.group, async_op=True)
-
-        def whole():
-            work.wait()
-            out = every.new_empty(math.prod(self.shape))
-            for r, (start, numel) in enumerate(self.runs):  # the runs tile the parameter
-                out[start:start + numel] = every[r * width:r * width + numel]
-            return out.view(self.shape)
-        return whole
-
-    def holds_whole(self, value):
-        return torch.is_tensor(value) and tuple(value.shape) == self.shape
+        dist.all_gather_single(every, mine, group=self.group)
+        out = every.new_empty(math.prod(self.shape))
+        for r, (start, numel) in enumerate(self.runs):  # the runs tile the parameter
+            out[start:start + numel] = every[r * width:r * width + numel]
+        return out.view(self.shape)
 
     def from_whole(self, value):
         """This rank's run of a whole tensor of the parameter's shape."""
@@ -210,17 +202,10 @@ class _TensorParallel:
         return DTensor.from_local(local.detach(), self.mesh, [ShardPlacement(self.dim)], run_check=False,
                                   shape=torch.Size(self.shape), stride=stride)
 
-    def all_gather(self, local):
+    def gather_whole(self, local):
         every = local.detach().new_empty((self.tp, *self.local_shape))
-        work = dist.all_gather_single(every, local.detach().contiguous(), group=self.group, async_op=True)
-
-        def whole():
-            work.wait()
-            return torch.cat(every.unbind(0), dim=self.dim)
-        return whole
-
-    def holds_whole(self, value):
-        return torch.is_tensor(value) and tuple(value.shape) == self.shape
+        dist.all_gather_single(every, local.detach().contiguous(), group=self.group)
+        return torch.cat(every.unbind(0), dim=self.dim)
 
     def from_whole(self, value):
         size = self.local_shape[self.dim]
@@ -332,6 +317,12 @@ def _check(options):
     return options, local
 
 
+def _is_whole(h, value):
+    """Whether ``value`` is a whole tensor of the parameter a _Run or _TensorParallel ``h`` holds
+    a part of."""
+    return torch.is_tensor(value) and tuple(value.shape) == h.shape
+
+
 class _Part:
     """This rank's part of a whole tensor, cut as the tensor arrived from rank 0."""
     __slots__ = ("tensor",)
@@ -358,9 +349,8 @@ def _from_rank0(model_sd, optim_sd, keep):
     layout = [None]
     if rank0:
         try:
-            tensors = [v for v in [*model_sd.values(), *(x for st in optim_sd["state"].values() for x in st.values())]
-                       if torch.is_tensor(v)]
-            layout = [(tensors[0].device.type if tensors else "cpu",
+            values = [*model_sd.values(), *(v for state in optim_sd["state"].values() for v in state.values())]
+            layout = [(next((v.device.type for v in values if torch.is_tensor(v)), "cpu"),
                        [(k, spec(v)) for k, v in model_sd.items()],
                        [(k, [(n, spec(v)) for n, v in state.items()]) for k, state in optim_sd["state"].items()],
                        {k: v for k, v in optim_sd.items() if k != "state"})]
@@ -431,7 +421,7 @@ def _gathered(model_sd, optim_sd, held, cpu_offload):
     returns = dist.get_rank() == 0 or not cpu_offload  # torch's cpu_offload: on rank 0 only
     for i in sorted(range(len(parts)), key=lambda i: (group_order[plan[i][0]], i)):
         key, name, v = parts[i]
-        value = held[key].all_gather(v)()
+        value = held[key].gather_whole(v)
         if not returns:
             continue
         value = value.cpu() if cpu_offload else value
@@ -491,7 +481,7 @@ def set_state_dict(model, optimizers, *, model_state_dict, optim_state_dict, opt
     if options.broadcast_from_rank0:
         def keep(key, value):
             h = held.get(_with_ddp(key, levels))
-            return _Part(h.from_whole(value)) if h is not None and h.holds_whole(value) else value
+            return _Part(h.from_whole(value)) if h is not None and _is_whole(h, value) else value
         model_state_dict, optim_state_dict = _from_rank0(model_state_dict, optim_state_dict, keep)
     model_sd, optim_state_dict = _renamed(model_state_dict, optim_state_dict, lambda k: _with_ddp(k, levels))
 
@@ -504,7 +494,7 @@ def set_state_dict(model, optimizers, *, model_state_dict, optim_state_dict, opt
         if isinstance(value, (DTensor, ShardedTensor)):
             raise TypeError(f"torchpar set_state_dict(full_state_dict=True): '{what}' is a {type(value).__name__}; "
                             "the whole form takes plain whole tensors")
-        if not h.holds_whole(value):
+        if not _is_whole(h, value):
             raise ValueError(f"torchpar set_state_dict(full_state_dict=True): '{what}' is "
                              f"{list(value.shape) if torch.is_tensor(value) else type(value).__name__}, not a whole "
                              f"tensor of shape {list(h.shape)}")
