@@ -14,7 +14,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
-from test_ddp import _pool, _setup, multi_rank
+from test_ddp import _assert_same_params, _pool, _setup, multi_rank
 from test_pipeline import SCHEDULES, _mse, _pp_by_dp
 from torchpar.parallel import DistributedDataParallel as DDP
 from torchpar.parallel.pipeline import PipelineStage
@@ -56,11 +56,9 @@ def _loss(model, step, rank, use_items=True):
     return ((model(users, items, use_items) - y) ** 2).mean()
 
 
-def _assert_same(model, ref, step):
-    # A row's sum over 4 ranks rounds differently when it is added up in another order (seen:
-    # 8e-6 after 4 steps); a wrong average is off by the row's size.
-    for (name, p), q in zip(model.named_parameters(), ref.parameters()):
-        torch.testing.assert_close(p, q, rtol=1e-4, atol=1e-5, msg=lambda m: f"step {step}, {name}: {m}")
+# A row's sum over 4 ranks rounds differently when it is added up in another order (seen:
+# 8e-6 after 4 steps); a wrong average is off by the row's size.
+TOL = dict(rtol=1e-4, atol=1e-5)
 
 
 def _vs_torch_ddp(ctx, options, hook):
@@ -79,7 +77,7 @@ def _vs_torch_ddp(ctx, options, hook):
         assert ours_model.users.weight.grad.is_sparse and ours_model.items.weight.grad.is_sparse
         for opt in opts:
             opt.step()
-        _assert_same(ours_model, torch_model, step)
+        _assert_same_params(ours_model, torch_model, step, **TOL)
 
 
 @multi_rank
@@ -124,12 +122,12 @@ def _vs_one_process(ctx, case):
         else:
             grad = model.items.weight.grad
             assert grad.is_sparse and grad.is_coalesced()
-            torch.testing.assert_close(grad.to_dense(), ref.items.weight.grad.to_dense(), rtol=1e-4, atol=1e-5)
+            torch.testing.assert_close(grad.to_dense(), ref.items.weight.grad.to_dense(), **TOL)
         # Tied: autograd summed the sparse and the dense gradient into a dense one; it stays dense.
         assert model.users.weight.grad.is_sparse == (case != "tied")
         opt.step()
         ref_opt.step()
-        _assert_same(model, ref, step)
+        _assert_same_params(model, ref, step, **TOL)
 
 
 @multi_rank
@@ -157,7 +155,7 @@ def _uneven_inputs(ctx):
             if step < steps(r):
                 (_loss(ref, step, r) / ctx.world_size).backward()
         ref_opt.step()
-    _assert_same(model, ref, "end")
+    _assert_same_params(model, ref, "end", **TOL)
 
 
 def test_uneven_inputs_under_join_reduce_empty_sparse_shares():
