@@ -20,6 +20,7 @@ from torch.nn import functional as F
 from harness import get_pool
 from test_fsdp import Net, _loss, _setup, _shard_model
 from test_tensor_parallel_torch_plan import _Net, _plan
+import torchpar.parallel as tp_sd
 from torchpar.parallel import (DistributedDataParallel, fully_shard, get_state_dict, parallelize_module,
                                set_state_dict)
 
@@ -360,6 +361,57 @@ def test_a_full_state_dict_loads_into_a_sharded_model(world_size, from_rank0):
     step equals the uninterrupted run's."""
     ref = _reference()
     for sd in get_pool(world_size).run(_full_set, _one_process_state_dicts(STEPS), from_rank0):
+        _assert_same(sd, ref)
+
+
+def _split_save(ctx, path):
+    """The model and the optimizer saved apart, through the split functions, and the model
+    exported whole on rank 0."""
+    _setup(ctx)
+    model = _shard_model(Net(), ctx.pg)
+    opt = _adamw(model)
+    _train(model, opt, range(STEPS))
+    model_sd = tp_sd.get_model_state_dict(model)
+    assert isinstance(model_sd["blocks.0.fc1.weight"], ShardedTensor)
+    dcp.save(model_sd, checkpoint_id=f"{path}/model")
+    dcp.save(tp_sd.get_optimizer_state_dict(model, opt), checkpoint_id=f"{path}/optim")
+    return tp_sd.get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+
+
+def _split_resume(ctx, path, full):
+    _setup(ctx)
+    model = _shard_model(Net(seed=1), ctx.pg)
+    opt = _adamw(model)
+    if full:  # one process's whole state, as from an export: from rank 0
+        sds = copy.deepcopy(full) if ctx.rank == 0 else ({}, {})
+        options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
+        result = tp_sd.set_model_state_dict(model, sds[0], options=options)
+        tp_sd.set_optimizer_state_dict(model, opt, sds[1], options=options)
+    else:
+        model_sd, optim_sd = tp_sd.get_model_state_dict(model), tp_sd.get_optimizer_state_dict(model, opt)
+        dcp.load(model_sd, checkpoint_id=f"{path}/model")
+        dcp.load(optim_sd, checkpoint_id=f"{path}/optim")
+        result = tp_sd.set_model_state_dict(model, model_sd)
+        tp_sd.set_optimizer_state_dict(model, opt, optim_sd)
+    assert not result.missing_keys and not result.unexpected_keys, result
+    _train(model, opt, [STEPS])
+    return model.state_dict()
+
+
+def test_the_split_functions_save_and_load_each_half(tmp_path):
+    """torch's split functions (get/set_model_state_dict, get/set_optimizer_state_dict): the two
+    halves saved apart at 2 ranks resume at 3; the model gathered whole on rank 0 only
+    (cpu_offload) is the one-process run's; whole state dicts from rank 0 load at 3."""
+    path, ref = str(tmp_path), _reference()
+    want = _one_process_state_dicts(STEPS)
+    got = get_pool(2).run(_split_save, path)
+    assert list(got[0]) == list(want[0]) and got[1] == {}
+    for key, value in got[0].items():
+        assert value.device.type == "cpu"
+        torch.testing.assert_close(value, want[0][key], rtol=1e-5, atol=1e-6, msg=lambda m: f"{key}: {m}")
+    for sd in get_pool(3).run(_split_resume, path, None):
+        _assert_same(sd, ref)
+    for sd in get_pool(3).run(_split_resume, path, want):
         _assert_same(sd, ref)
 
 

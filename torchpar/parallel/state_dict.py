@@ -39,6 +39,11 @@ all-gathered over its group), the consolidated form for one-process use or expor
 or with ``cpu_offload=True`` on rank 0 only, in host memory (the others get empty dicts), as
 torch's functions give them; ``set_state_dict`` takes that form back, each rank keeping its part.
 Every rank of the default group calls it (the ranks first agree on what they gather).
+
+``get_model_state_dict`` / ``get_optimizer_state_dict`` / ``set_model_state_dict`` /
+``set_optimizer_state_dict`` are the two halves alone, torch's split functions (a model exported
+whole on rank 0 without its optimizer: ``get_model_state_dict(model, options=StateDictOptions(
+full_state_dict=True, cpu_offload=True))``).
 """
 import dataclasses
 import math
@@ -50,9 +55,8 @@ from torch.distributed._shard.metadata import ShardMetadata
 from torch.distributed._shard.sharded_tensor import Shard as LocalShard
 from torch.distributed._shard.sharded_tensor import ShardedTensor
 from torch.distributed._shard.sharded_tensor.metadata import ShardedTensorMetadata, TensorProperties
-from torch.distributed.checkpoint.state_dict import (StateDictOptions, _get_fqns, get_model_state_dict,
-                                                     get_optimizer_state_dict, set_model_state_dict,
-                                                     set_optimizer_state_dict)
+from torch.distributed.checkpoint import state_dict as torch_state_dict
+from torch.distributed.checkpoint.state_dict import StateDictOptions, _get_fqns
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor import Shard as ShardPlacement
@@ -439,18 +443,16 @@ def _gathered(model_sd, optim_sd, held, cpu_offload):
     return model_sd, optim_sd
 
 
-def get_state_dict(model, optimizers, *, options=None):
-    """(model state_dict, optimizer state_dict) of a model with ``fully_shard`` units or
-    tensor-parallel layers, for DCP: each sharded parameter and its optimizer state of the same
-    size as a ShardedTensor or DTensor of the full shape (no communication); keys and the rest
-    as torch's ``get_model_state_dict`` / ``get_optimizer_state_dict`` give them.
-    ``optimizers``: one optimizer or several, as torch's. With ``options.full_state_dict`` the
-    parts are gathered into whole tensors instead (module docstring)."""
+def _get(model, optimizers, options, *, with_model=True, with_optim=True):
+    """get_state_dict's work, either half left out (as empty dicts) by the split functions."""
     options, local = _check(options)
     held = _holdings(model)
-    with sharded_form(model):
-        model_sd = get_model_state_dict(model, options=local)
-    optim_sd = get_optimizer_state_dict(model, optimizers, options=local)
+    model_sd, optim_sd = {}, {"state": {}, "param_groups": []}
+    if with_model:
+        with sharded_form(model):
+            model_sd = torch_state_dict.get_model_state_dict(model, options=local)
+    if with_optim:
+        optim_sd = torch_state_dict.get_optimizer_state_dict(model, optimizers, options=local)
     if options.full_state_dict:
         gathered = _gathered(model_sd, optim_sd, held, options.cpu_offload)
         if gathered is None:  # cpu_offload: not rank 0
@@ -469,15 +471,36 @@ def get_state_dict(model, optimizers, *, options=None):
     return _renamed(model_sd, optim_sd, lambda k: _without_ddp(k, levels))
 
 
-def set_state_dict(model, optimizers, *, model_state_dict, optim_state_dict, options=None):
-    """Loads what ``get_state_dict`` gave (after ``dcp.load`` into it) into the model and the
-    optimizers, converting the ShardedTensors and DTensors back into this rank's parts. Returns
-    the model's ``load_state_dict`` result (missing and unexpected keys). With
-    ``full_state_dict`` it takes whole tensors, and with ``broadcast_from_rank0`` too rank 0's
-    (the other ranks may pass empty dicts), as torch's: every rank keeps its parts."""
+def get_state_dict(model, optimizers, *, options=None):
+    """(model state_dict, optimizer state_dict) of a model with ``fully_shard`` units or
+    tensor-parallel layers, for DCP: each sharded parameter and its optimizer state of the same
+    size as a ShardedTensor or DTensor of the full shape (no communication); keys and the rest
+    as torch's ``get_model_state_dict`` / ``get_optimizer_state_dict`` give them.
+    ``optimizers``: one optimizer or several, as torch's. With ``options.full_state_dict`` the
+    parts are gathered into whole tensors instead (module docstring)."""
+    return _get(model, optimizers, options)
+
+
+def get_model_state_dict(model, *, options=None):
+    """The model half of ``get_state_dict``, as torch's ``get_model_state_dict`` (e.g. the whole
+    model on rank 0 for export: ``StateDictOptions(full_state_dict=True, cpu_offload=True)``)."""
+    return _get(model, (), options, with_optim=False)[0]
+
+
+def get_optimizer_state_dict(model, optimizers, *, options=None):
+    """The optimizer half of ``get_state_dict``, as torch's ``get_optimizer_state_dict``."""
+    return _get(model, optimizers, options, with_model=False)[1]
+
+
+def _set(model, optimizers, model_state_dict, optim_state_dict, options):
+    """set_state_dict's work; ``model_state_dict`` or ``optim_state_dict`` None: that half is not
+    loaded (the split functions)."""
     options, local = _check(options)
     held = _holdings(model)
     levels = _ddp_levels(model)
+    with_model, with_optim = model_state_dict is not None, optim_state_dict is not None
+    model_state_dict = model_state_dict if with_model else {}
+    optim_state_dict = optim_state_dict if with_optim else {"state": {}, "param_groups": []}
     if options.broadcast_from_rank0:
         def keep(key, value):
             h = held.get(_with_ddp(key, levels))
@@ -522,6 +545,27 @@ def set_state_dict(model, optimizers, *, model_state_dict, optim_state_dict, opt
         h = held.get(key)
         optim_sd["state"][key] = state if h is None else {
             name: part(h, v, f"{key}.{name}") if sharded(h, v) else v for name, v in state.items()}
-    result = set_model_state_dict(model, model_sd, options=local)
-    set_optimizer_state_dict(model, optimizers, optim_sd, options=local)
+    result = torch_state_dict.set_model_state_dict(model, model_sd, options=local) if with_model else None
+    if with_optim:
+        torch_state_dict.set_optimizer_state_dict(model, optimizers, optim_sd, options=local)
     return result
+
+
+def set_state_dict(model, optimizers, *, model_state_dict, optim_state_dict, options=None):
+    """Loads what ``get_state_dict`` gave (after ``dcp.load`` into it) into the model and the
+    optimizers, converting the ShardedTensors and DTensors back into this rank's parts. Returns
+    the model's ``load_state_dict`` result (missing and unexpected keys). With
+    ``full_state_dict`` it takes whole tensors, and with ``broadcast_from_rank0`` too rank 0's
+    (the other ranks may pass empty dicts), as torch's: every rank keeps its parts."""
+    return _set(model, optimizers, model_state_dict, optim_state_dict, options)
+
+
+def set_model_state_dict(model, model_state_dict, *, options=None):
+    """The model half of ``set_state_dict``, as torch's ``set_model_state_dict``: returns the
+    missing and unexpected keys."""
+    return _set(model, (), model_state_dict, None, options)
+
+
+def set_optimizer_state_dict(model, optimizers, optim_state_dict, *, options=None):
+    """The optimizer half of ``set_state_dict``, as torch's ``set_optimizer_state_dict``."""
+    _set(model, optimizers, None, optim_state_dict, options)
