@@ -480,3 +480,64 @@ def _mismatch(ctx):
 
 def test_full_state_dict_with_different_optimizers_fails_on_every_rank():
     get_pool(2).run(_mismatch)
+
+
+# ---- FSDP + TP (torchtitan's 2-D layout): a unit holding tensor-parallel shards ----
+
+def _two_d_model(ctx, seed=0):
+    """dp 2 x tp 2: torch's plan on the tp dim, then fully_shard over the dp dim (fc1 a unit of its
+    own, the rest the root's)."""
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    model = _Net()
+    if seed:
+        with torch.no_grad():
+            for p in model.parameters():
+                p.add_(seed)
+    model = parallelize_module(model, mesh["tp"], _plan(None, gathered_head=True))
+    fully_shard(model.fc1, mesh=mesh["dp"])
+    return fully_shard(model, mesh=mesh["dp"])
+
+
+def _two_d_save(ctx, path):
+    _setup(ctx)
+    model = _two_d_model(ctx)
+    opt = _adamw(model)
+    _tp_train(model, opt, range(STEPS))
+    model_sd, optim_sd = get_state_dict(model, opt)
+    assert isinstance(model_sd["fc1.weight"], ShardedTensor) and model_sd["fc1.weight"].shape == (32, 8)
+    dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=path)
+    return get_state_dict(model, opt, options=FULL)
+
+
+def _two_d_resume(ctx, path, sds):
+    _setup(ctx)
+    model = _two_d_model(ctx, seed=1)
+    if sds is None:
+        _load_and_step(model, path, _tp_train)
+    else:  # whole, from rank 0
+        opt = _adamw(model)
+        sds = copy.deepcopy(sds) if ctx.rank == 0 else ({}, {})
+        set_state_dict(model, opt, model_state_dict=sds[0], optim_state_dict=sds[1],
+                       options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
+        _tp_train(model, opt, [STEPS])
+    return model(_tp_batch(99)[0]).detach()
+
+
+def test_fsdp_over_tensor_parallel_layers_checkpoints_at_any_layout(tmp_path):
+    """dp 2 x tp 2 (fully_shard over tensor-parallel layers, fc1's runs cutting its rows): gathered
+    whole it is one process's state; saved through DCP it resumes in one process, at tp 4, and at
+    dp 2 x tp 2, and one process's whole state loads into it from rank 0: each next step equals
+    the uninterrupted run's."""
+    path = str(tmp_path / "ckpt")
+    ref = _Net()
+    opt = _adamw(ref)
+    _tp_train(ref, opt, range(STEPS))
+    want = copy.deepcopy((get_model_state_dict(ref), get_optimizer_state_dict(ref, opt)))
+    _tp_train(ref, opt, [STEPS])
+    expected = ref(_tp_batch(99)[0]).detach()
+    for got in get_pool(4).run(_two_d_save, path):
+        _assert_same_state_dicts(got, want)
+    logits = get_pool(1).run(_tp_resume, path) + get_pool(4).run(_tp_resume, path)
+    logits += get_pool(4).run(_two_d_resume, path, None) + get_pool(4).run(_two_d_resume, path, want)
+    for got in logits:
+        torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)

@@ -29,8 +29,10 @@ overlapping parts of the saved ones into the parts the loading layout holds, at 
 
 The optimizer half goes through torch's ``get_optimizer_state_dict`` / ``set_optimizer_state_dict``
 (parameter names as keys, the same layout as for an unsharded model); only the parts are converted.
-A tensor-parallel layer inside a ``fully_shard`` unit (a run of a shard) is not built here
-(``torchpar.models.checkpoint`` does it for ParallelGPT). Names leave out torchpar DDP's
+A tensor-parallel layer inside a ``fully_shard`` unit (FSDP + TP, torchtitan's 2-D layout) holds a
+run of its shard: the run's boxes, shifted to where the shard lies in the whole tensor, make the
+ShardedTensor (the ranks of each position's unit group are learnt once, from the layer's group).
+Names leave out torchpar DDP's
 ``module.`` level, as torch's functions leave out their own DDP's: a checkpoint loads with or
 without the wrapper.
 
@@ -95,25 +97,32 @@ def runs_to_boxes(shape, start, end):
 
 class _Run:
     """Where each rank's piece of one parameter of a unit sits: for rank r of ``group``, elements
-    ``runs[r] = (start, numel)`` of the flattened parameter of ``shape``."""
-    __slots__ = ("shape", "runs", "boxes", "group", "rank", "global_ranks")
+    ``runs[r] = (start, numel)`` of the flattened parameter of ``local_shape``. Under tensor
+    parallelism (``tp``, a _Positions: the unit holds a tensor-parallel shard, torchtitan's
+    FSDP + TP) that parameter is the shard of position t of the layer's group, which lies at
+    ``t * local_shape[dim]`` along ``dim`` of the whole tensor of ``shape``: each box shifts by it."""
+    __slots__ = ("local_shape", "shape", "runs", "boxes", "group", "rank", "grid", "tp", "pg")
 
-    def __init__(self, flat, i, group, name):
-        self.shape, self.group, self.rank = tuple(flat.shape(i)), group, flat.rank
-        # ShardedTensor placements name global ranks (review: the group's own failed on a subgroup).
-        self.global_ranks = [dist.get_global_rank(group, r) for r in range(flat.world_size)]
-        if not self.shape:
+    def __init__(self, flat, i, group, name, tp=None):
+        self.local_shape, self.group, self.rank, self.tp = tuple(flat.shape(i)), group, flat.rank, tp
+        if not self.local_shape:
             raise NotImplementedError(f"torchpar get_state_dict: '{name}' is a 0-dim parameter, which one rank holds "
                                       "and a ShardedTensor cannot leave empty on the others")
+        self.shape = self.local_shape if tp is None else tp.whole_shape(self.local_shape)
+        # ShardedTensor placements name global ranks (review: the group's own failed on a subgroup):
+        # grid[t][r], rank r of the unit's group at tensor-parallel position t.
+        self.grid = [[dist.get_global_rank(group, r) for r in range(flat.world_size)]] if tp is None else tp.grid
+        self.pg = group if tp is None else None  # a ShardedTensor's group holds every placement: the world
         # The unit's parameters lie back to back in one flat vector, rank r holding elements
         # [r * shard_numel, (r + 1) * shard_numel) of it (fsdp_flat_param.h).
-        begin, end = flat.offset(i), flat.offset(i) + math.prod(self.shape)
+        begin, end = flat.offset(i), flat.offset(i) + math.prod(self.local_shape)
         self.runs = []
         for r in range(flat.world_size):
             lo, hi = max(begin, r * flat.shard_numel), min(end, (r + 1) * flat.shard_numel)
             self.runs.append((lo - begin, hi - lo) if hi > lo else (0, 0))
         assert self.runs[self.rank] == tuple(flat.shard_range(i)), (self.runs[self.rank], flat.shard_range(i))
-        self.boxes = [self._boxes(start, numel) for start, numel in self.runs]  # each rank's, once
+        # Each (position, rank)'s boxes, once: the same runs at every position, shifted.
+        self.boxes = [[self._boxes(t, start, numel) for start, numel in self.runs] for t in range(len(self.grid))]
 
     @property
     def start(self):
@@ -123,14 +132,28 @@ class _Run:
     def numel(self):
         return self.runs[self.rank][1]
 
-    def _boxes(self, start, numel):
+    @property
+    def position(self):
+        return 0 if self.tp is None else self.tp.rank
+
+    @property
+    def gather_ranks(self):
+        """The global ranks a gather of the whole tensor involves (under tensor parallelism every
+        position's unit group: the same set on all of them)."""
+        return tuple(sorted(r for ranks in self.grid for r in ranks))
+
+    def _boxes(self, t, start, numel):
         if numel == 0:
             # A rank holding none of the parameter still gives DCP a local shard, of no elements
             # (a ShardedTensor with none asks CUDA for its device on backends other than gloo),
-            # placed past the last row: DCP keeps one write per offset, and one at a real box's
-            # offset could stand in for that box.
+            # placed past the whole tensor's last row: DCP keeps one write per offset, and one at a
+            # real box's offset could stand in for that box.
             return [((self.shape[0], *[0] * (len(self.shape) - 1)), (0, *self.shape[1:]))]
-        return runs_to_boxes(self.shape, start, start + numel)
+        boxes = runs_to_boxes(self.local_shape, start, start + numel)
+        if self.tp is None:
+            return boxes
+        shift = self.tp.offsets(t, self.local_shape)
+        return [(tuple(o + d for o, d in zip(offsets, shift)), sizes) for offsets, sizes in boxes]
 
     def holds(self, value):
         """Whether an optimizer state value is per element of the piece (Adam's moments; not its
@@ -142,34 +165,38 @@ class _Run:
         local shards views of ``flat``; the metadata lists every rank's boxes."""
         def meta(r, offsets, sizes):
             return ShardMetadata(shard_offsets=list(offsets), shard_sizes=list(sizes),
-                                 placement=f"rank:{self.global_ranks[r]}/{flat.device}")
-        shards, at = [], 0
-        for offsets, sizes in self.boxes[self.rank]:
+                                 placement=f"rank:{r}/{flat.device}")
+        shards, at, me = [], 0, dist.get_rank()
+        for offsets, sizes in self.boxes[self.position][self.rank]:
             n = math.prod(sizes)
-            shards.append(LocalShard(flat.detach()[at:at + n].view(sizes), meta(self.rank, offsets, sizes)))
+            shards.append(LocalShard(flat.detach()[at:at + n].view(sizes), meta(me, offsets, sizes)))
             at += n
         props = TensorProperties(dtype=flat.dtype, layout=flat.layout, requires_grad=False,
                                  memory_format=torch.contiguous_format, pin_memory=False)
-        every = [meta(r, o, s) for r, boxes in enumerate(self.boxes) for o, s in boxes]
+        every = [meta(self.grid[t][r], o, s) for t, ranks in enumerate(self.boxes)
+                 for r, boxes in enumerate(ranks) for o, s in boxes]
         md = ShardedTensorMetadata(shards_metadata=every, size=torch.Size(self.shape), tensor_properties=props)
-        return ShardedTensor._init_from_local_shards_and_global_metadata(shards, md, process_group=self.group)
+        return ShardedTensor._init_from_local_shards_and_global_metadata(shards, md, process_group=self.pg)
 
     def gather_whole(self, local):
         """The whole tensor of the parameter's shape, every rank's run of it gathered (``local``,
-        this rank's: its value or an optimizer state of its size)."""
+        this rank's: its value or an optimizer state of its size), then under tensor parallelism
+        every position's shard."""
         width = max(n for _, n in self.runs)
         mine = local.detach().reshape(-1).new_zeros(width)
         mine[:self.numel] = local.detach().reshape(-1)
         every = mine.new_empty(width * len(self.runs))
         dist.all_gather_single(every, mine, group=self.group)
-        out = every.new_empty(math.prod(self.shape))
+        out = every.new_empty(math.prod(self.local_shape))
         for r, (start, numel) in enumerate(self.runs):  # the runs tile the parameter
             out[start:start + numel] = every[r * width:r * width + numel]
-        return out.view(self.shape)
+        out = out.view(self.local_shape)
+        return out if self.tp is None else self.tp.gather(out)
 
     def from_whole(self, value):
         """This rank's run of a whole tensor of the parameter's shape."""
-        return value.detach().reshape(-1)[self.start:self.start + self.numel].clone()
+        local = value if self.tp is None else self.tp.mine(value, self.local_shape)
+        return local.detach().reshape(-1)[self.start:self.start + self.numel].clone()
 
     def from_dcp(self, value, what):
         """This run's elements of ``value``: a ShardedTensor made by ``to_dcp`` at this layout."""
@@ -177,26 +204,57 @@ class _Run:
             raise TypeError(f"torchpar set_state_dict: '{what}' is a {type(value).__name__}, not the "
                             "ShardedTensor get_state_dict gave (load the checkpoint into what get_state_dict returned)")
         local = sorted(value.local_shards(), key=lambda s: s.metadata.shard_offsets)
-        want = self.boxes[self.rank]
+        want = self.boxes[self.position][self.rank]
         got = [(tuple(s.metadata.shard_offsets), tuple(s.metadata.shard_sizes)) for s in local]
         size = tuple(value.metadata().size)
         if size != self.shape or got != [(tuple(o), tuple(s)) for o, s in want]:
             raise ValueError(f"torchpar set_state_dict: '{what}' holds boxes {got} of shape {list(size)}, "
                              f"but this rank holds elements [{self.start}, {self.start + self.numel}) of shape "
-                             f"{list(self.shape)}: get its state_dict from this model, as wrapped now")
+                             f"{list(self.local_shape)}: get its state_dict from this model, as wrapped now")
         return torch.cat([s.tensor.reshape(-1) for s in local])  # boxes in offset order are in flat order
+
+
+class _Positions:
+    """A tensor-parallel layer's split of one parameter: position ``rank`` of ``tp`` holds the
+    equal slice ``rank`` along ``dim``."""
+    __slots__ = ("group", "tp", "rank", "dim", "grid")
+
+    def __init__(self, module, dim):
+        self.group, self.tp, self.dim = module.group, module.tp, dim
+        self.rank = dist.get_rank(module.group)
+        self.grid = None  # (in a fully_shard unit) the unit's group's global ranks at each position
+
+    def whole_shape(self, local_shape):
+        return tuple(n * self.tp if d == self.dim else n for d, n in enumerate(local_shape))
+
+    def offsets(self, t, local_shape):
+        return tuple(t * n if d == self.dim else 0 for d, n in enumerate(local_shape))
+
+    def gather(self, local):
+        """The whole tensor, every position's slice gathered over the layer's group."""
+        every = local.detach().new_empty((self.tp, *local.shape))
+        dist.all_gather_single(every, local.detach().contiguous(), group=self.group)
+        return torch.cat(every.unbind(0), dim=self.dim)
+
+    def mine(self, whole, local_shape):
+        """This position's slice of a whole tensor."""
+        size = local_shape[self.dim]
+        return whole.detach().narrow(self.dim, self.rank * size, size)
 
 
 class _TensorParallel:
     """A tensor-parallel layer's shard of a parameter: this rank's slice ``rank`` of ``tp`` equal
     slices along ``dim``, as a DTensor ``Shard(dim)`` over the layer's group."""
 
-    def __init__(self, module, dim, param):
-        self.mesh = _mesh(module.group, param.device.type)
-        self.group, self.tp = module.group, module.tp
-        local_shape = param.shape
-        self.dim, self.local_shape = dim, tuple(local_shape)
-        self.shape = tuple(n * module.tp if d == dim else n for d, n in enumerate(local_shape))
+    def __init__(self, positions, param):
+        self.mesh = _mesh(positions.group, param.device.type)
+        self.positions, self.group, self.dim = positions, positions.group, positions.dim
+        self.local_shape = tuple(param.shape)
+        self.shape = positions.whole_shape(self.local_shape)
+
+    @property
+    def gather_ranks(self):
+        return tuple(dist.get_process_group_ranks(self.group))
 
     def holds(self, value):
         return torch.is_tensor(value) and tuple(value.shape) == self.local_shape
@@ -207,13 +265,10 @@ class _TensorParallel:
                                   shape=torch.Size(self.shape), stride=stride)
 
     def gather_whole(self, local):
-        every = local.detach().new_empty((self.tp, *self.local_shape))
-        dist.all_gather_single(every, local.detach().contiguous(), group=self.group)
-        return torch.cat(every.unbind(0), dim=self.dim)
+        return self.positions.gather(local)
 
     def from_whole(self, value):
-        size = self.local_shape[self.dim]
-        return value.detach().narrow(self.dim, dist.get_rank(self.group) * size, size).clone()
+        return self.positions.mine(value, self.local_shape).clone()
 
     def from_dcp(self, value, what):
         if not isinstance(value, DTensor):
@@ -254,27 +309,46 @@ def _holdings(model):
         assert len(names) == 1, names
         return next(iter(names))
 
+    split, units = {}, []
     for prefix, module in model.named_modules():
-        dims = _SPLIT.get(type(module), {})
+        # (fully_shard swaps a unit's class for a subclass of it)
+        dims = next((d for cls, d in _SPLIT.items() if isinstance(module, cls)), {})
         if dims and module.tp > 1:
             if getattr(module, "stride", 1) > 1:
                 raise NotImplementedError(f"torchpar get_state_dict: '{prefix}' is a ColumnParallelLinear with "
                                           f"stride={module.stride} (fused blocks), which no single DTensor describes")
             for name, dim in dims.items():
-                p = getattr(module, name, None)
-                if p is not None:
-                    held[fqn(prefix, name)] = _TensorParallel(module, dim, p)
-        if not isinstance(module, FSDPModule):
-            continue
-        unit = module._fsdp
+                if getattr(module, name, None) is not None:
+                    split[fqn(prefix, name)] = (_Positions(module, dim), getattr(module, name))
+        if isinstance(module, FSDPModule):
+            units.append((prefix, module._fsdp))
+    grids = {}  # (unit group, layer group): the grid, asked for once
+    for prefix, unit in units:
         for _, _, i, name in unit.sites:
             key = fqn(prefix, name)
-            if key in held:
-                raise NotImplementedError(f"torchpar get_state_dict: '{key}' is a tensor-parallel shard inside a "
-                                          "fully_shard unit, which this does not build (torchpar.models.checkpoint "
-                                          "does, for ParallelGPT)")
-            held[key] = _Run(unit.flat, i, unit.group, key)
+            positions = split.pop(key, (None,))[0]
+            if positions is not None:  # a tensor-parallel shard in a unit (FSDP + TP)
+                pair = (unit.group, positions.group)
+                if pair not in grids:
+                    grids[pair] = _grid(unit.group, unit.flat.world_size, positions.group)
+                positions.grid = grids[pair]
+            held[key] = _Run(unit.flat, i, unit.group, key, positions)
+    for key, (positions, p) in split.items():
+        held[key] = _TensorParallel(positions, p)
     return held
+
+
+def _grid(group, size, layer_group):
+    """[t][r]: the global rank of rank r of the fully_shard group at position t of the
+    tensor-parallel layer's group (each position has its own unit group, whose ranks this rank
+    learns from its peers in the layer's group: one small all_gather_object)."""
+    mine = [dist.get_global_rank(group, r) for r in range(size)]
+    grid = [None] * dist.get_world_size(layer_group)
+    dist.all_gather_object(grid, mine, group=layer_group)
+    if any(len(ranks) != size for ranks in grid):
+        raise ValueError(f"torchpar get_state_dict: the fully_shard groups at the tensor-parallel positions differ "
+                         f"in size ({[len(r) for r in grid]}); each position's unit must shard alike")
+    return grid
 
 
 def _ddp_levels(model):
@@ -412,12 +486,14 @@ def _gathered(model_sd, optim_sd, held, cpu_offload):
     the others drop it at once, so the device holds one gather's buffers at a time. The groups
     go in one order all ranks share (sorted by their ranks), so the lowest group with a gather
     left always has every member at it: a rank in several groups never waits in one while a peer
-    waits in another for it."""
+    waits in another for it. (A tensor-parallel shard in a unit is gathered over the unit's group,
+    then over the layer's: its "group" is every rank either gather involves, the same set on all
+    of them.)"""
     parts = [(key, None, value.local if isinstance(value, Shard) else value)
              for key, value in model_sd.items() if key in held]
     parts += [(key, name, v) for key, state in optim_sd["state"].items() if key in held
               for name, v in state.items() if held[key].holds(v)]
-    plan = [(tuple(dist.get_process_group_ranks(held[key].group)), key, name, str(v.dtype)) for key, name, v in parts]
+    plan = [(held[key].gather_ranks, key, name, str(v.dtype)) for key, name, v in parts]
     everyone = [None] * dist.get_world_size()
     dist.all_gather_object(everyone, plan)
     _agree(everyone)
@@ -537,7 +613,7 @@ def _set(model, optimizers, model_state_dict, optim_state_dict, options):
     for key, value in model_sd.items():
         h = held.get(key)
         if isinstance(h, _Run):
-            model_sd[key] = Shard(part(h, value, key), h.shape, h.start, len(h.runs), h.rank)
+            model_sd[key] = Shard(part(h, value, key), h.local_shape, h.start, len(h.runs), h.rank)
         elif h is not None:
             model_sd[key] = part(h, value, key)
     optim_sd = {**optim_state_dict, "state": {}}
