@@ -72,9 +72,9 @@ def _save(ctx, path):
     return model.state_dict()
 
 
-def _load_and_step(model, path, train=_train):
-    """Loads the checkpoint into ``model`` and an AdamW over it, and takes the next step."""
-    opt = _adamw(model)
+def _load_and_step(model, path, train=_train, optimizer=_adamw):
+    """Loads the checkpoint into ``model`` and an optimizer over it (AdamW), and takes the next step."""
+    opt = optimizer(model)
     model_sd, optim_sd = get_state_dict(model, opt)
     dcp.load({"model": model_sd, "optim": optim_sd}, checkpoint_id=path)
     set_state_dict(model, opt, model_state_dict=model_sd, optim_state_dict=optim_sd)
@@ -541,3 +541,65 @@ def test_fsdp_over_tensor_parallel_layers_checkpoints_at_any_layout(tmp_path):
     logits += get_pool(4).run(_two_d_resume, path, None) + get_pool(4).run(_two_d_resume, path, want)
     for got in logits:
         torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+
+
+# ---- Megatron's stride: ParallelSelfAttention's fused q/k/v rows, a slice of each block per rank ----
+
+def _attention(ctx, layout, seed=0):
+    """ParallelSelfAttention (its qkv a ColumnParallelLinear with stride 3) over the world
+    ("tp"), or dp 2 x tp 2 with fully_shard over the dp dim ("2d"); the same weights at any tp."""
+    from torchpar.parallel.tensor import ParallelSelfAttention
+    torch.manual_seed(seed)
+    if layout == "2d":
+        mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+        model = ParallelSelfAttention(8, 4, group=mesh["tp"].get_group())
+        return fully_shard(model, mesh=mesh["dp"])
+    return ParallelSelfAttention(8, 4, group=ctx.pg)
+
+
+def _attention_train(model, opt, steps):
+    for step in steps:
+        x = torch.randn(4, 2, 8, generator=torch.Generator().manual_seed(4000 + step))
+        opt.zero_grad()
+        model(x).square().mean().backward()
+        opt.step()
+
+
+def _sgd(model):
+    # Not AdamW: k's bias gets no gradient in attention (softmax ignores a constant per query)
+    # but rounding noise, which Adam's normalisation turns into steps that differ with tp.
+    return torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+
+
+def _attention_run(ctx, layout, path, mode):
+    """"save": 3 steps, then the whole state dicts (and a DCP checkpoint at ``path``); "resume":
+    other weights, the checkpoint loaded, the 4th step; returns its output."""
+    _setup(ctx)
+    model = _attention(ctx, layout, seed=0 if mode == "save" else 1)
+    opt = _sgd(model)
+    if mode == "save":
+        _attention_train(model, opt, range(STEPS))
+        model_sd, optim_sd = get_state_dict(model, opt)
+        if ctx.world_size > 1:
+            assert isinstance(model_sd["qkv.weight"], ShardedTensor), type(model_sd["qkv.weight"])
+        if path:
+            dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=path)
+        return copy.deepcopy(get_state_dict(model, opt, options=FULL))
+    _load_and_step(model, path, _attention_train, _sgd)
+    return model(torch.randn(4, 2, 8, generator=torch.Generator().manual_seed(99))).detach()
+
+
+def test_fused_blocks_of_a_strided_column_parallel_layer_checkpoint_at_any_layout(tmp_path):
+    """qkv's rows are q, k and v blocks, each rank holding a slice of each: gathered whole at tp 2
+    and at dp 2 x tp 2 they are one process's (the blocks in order); saved at tp 2 and at 2 x 2,
+    resumed at tp 4, in one process and at 2 x 2, the next step's output is the uninterrupted
+    run's."""
+    want = get_pool(1).run(_attention_run, "tp", str(tmp_path / "one"), "save")[0]
+    expected = get_pool(1).run(_attention_run, "tp", str(tmp_path / "one"), "resume")[0]
+    for layout, world, resume in (("tp", 2, [("tp", 4), ("tp", 1)]), ("2d", 4, [("2d", 4)])):
+        path = str(tmp_path / layout)
+        for got in get_pool(world).run(_attention_run, layout, path, "save"):
+            _assert_same_state_dicts(got, want)
+        for at, n in resume:
+            for out in get_pool(n).run(_attention_run, at, path, "resume"):
+                torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)

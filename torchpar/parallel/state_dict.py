@@ -14,7 +14,8 @@ Here each local tensor, and the optimizer state of its size, says where it lies 
   ``sharded_state_dict()`` makes them);
 - a tensor-parallel layer's shard (``ColumnParallelLinear`` rows, ``RowParallelLinear`` weight
   columns, ``VocabParallelEmbedding`` rows) is a ``DTensor`` over the layer's group, ``Shard(d)``,
-  as torch's ``parallelize_module`` would leave it.
+  as torch's ``parallelize_module`` would leave it; with Megatron's ``stride`` (a slice of each
+  fused block, e.g. q, k and v) a ShardedTensor of one box per block.
 
 DCP writes every rank's part, checks that the parts tile each tensor, and on load reads the
 overlapping parts of the saved ones into the parts the loading layout holds, at any world size.
@@ -150,10 +151,7 @@ class _Run:
             # real box's offset could stand in for that box.
             return [((self.shape[0], *[0] * (len(self.shape) - 1)), (0, *self.shape[1:]))]
         boxes = runs_to_boxes(self.local_shape, start, start + numel)
-        if self.tp is None:
-            return boxes
-        shift = self.tp.offsets(t, self.local_shape)
-        return [(tuple(o + d for o, d in zip(offsets, shift)), sizes) for offsets, sizes in boxes]
+        return boxes if self.tp is None else self.tp.place(t, boxes, self.local_shape)
 
     def holds(self, value):
         """Whether an optimizer state value is per element of the piece (Adam's moments; not its
@@ -163,20 +161,8 @@ class _Run:
     def to_dcp(self, flat):
         """``flat`` (this rank's elements, any dtype) as a ShardedTensor of the full shape, its
         local shards views of ``flat``; the metadata lists every rank's boxes."""
-        def meta(r, offsets, sizes):
-            return ShardMetadata(shard_offsets=list(offsets), shard_sizes=list(sizes),
-                                 placement=f"rank:{r}/{flat.device}")
-        shards, at, me = [], 0, dist.get_rank()
-        for offsets, sizes in self.boxes[self.position][self.rank]:
-            n = math.prod(sizes)
-            shards.append(LocalShard(flat.detach()[at:at + n].view(sizes), meta(me, offsets, sizes)))
-            at += n
-        props = TensorProperties(dtype=flat.dtype, layout=flat.layout, requires_grad=False,
-                                 memory_format=torch.contiguous_format, pin_memory=False)
-        every = [meta(self.grid[t][r], o, s) for t, ranks in enumerate(self.boxes)
-                 for r, boxes in enumerate(ranks) for o, s in boxes]
-        md = ShardedTensorMetadata(shards_metadata=every, size=torch.Size(self.shape), tensor_properties=props)
-        return ShardedTensor._init_from_local_shards_and_global_metadata(shards, md, process_group=self.pg)
+        every = [(self.grid[t][r], boxes) for t, ranks in enumerate(self.boxes) for r, boxes in enumerate(ranks)]
+        return _sharded_tensor(flat, self.boxes[self.position][self.rank], every, self.shape, self.pg)
 
     def gather_whole(self, local):
         """The whole tensor of the parameter's shape, every rank's run of it gathered (``local``,
@@ -200,57 +186,106 @@ class _Run:
 
     def from_dcp(self, value, what):
         """This run's elements of ``value``: a ShardedTensor made by ``to_dcp`` at this layout."""
-        if not isinstance(value, ShardedTensor):
-            raise TypeError(f"torchpar set_state_dict: '{what}' is a {type(value).__name__}, not the "
-                            "ShardedTensor get_state_dict gave (load the checkpoint into what get_state_dict returned)")
-        local = sorted(value.local_shards(), key=lambda s: s.metadata.shard_offsets)
-        want = self.boxes[self.position][self.rank]
-        got = [(tuple(s.metadata.shard_offsets), tuple(s.metadata.shard_sizes)) for s in local]
-        size = tuple(value.metadata().size)
-        if size != self.shape or got != [(tuple(o), tuple(s)) for o, s in want]:
-            raise ValueError(f"torchpar set_state_dict: '{what}' holds boxes {got} of shape {list(size)}, "
-                             f"but this rank holds elements [{self.start}, {self.start + self.numel}) of shape "
-                             f"{list(self.local_shape)}: get its state_dict from this model, as wrapped now")
-        return torch.cat([s.tensor.reshape(-1) for s in local])  # boxes in offset order are in flat order
+        return _flat_part(value, self.boxes[self.position][self.rank], self.shape, what,
+                          f"elements [{self.start}, {self.start + self.numel}) of shape {list(self.local_shape)}")
+
+
+def _sharded_tensor(flat, mine, every, shape, pg):
+    """A ShardedTensor of ``shape`` whose local shards are views of ``flat`` (this rank's elements,
+    box after box of ``mine``), the metadata every rank's boxes (``every``: [(global rank,
+    boxes)])."""
+    def meta(r, offsets, sizes):
+        return ShardMetadata(shard_offsets=list(offsets), shard_sizes=list(sizes), placement=f"rank:{r}/{flat.device}")
+    shards, at, me = [], 0, dist.get_rank()
+    for offsets, sizes in mine:
+        n = math.prod(sizes)
+        shards.append(LocalShard(flat.detach().reshape(-1)[at:at + n].view(sizes), meta(me, offsets, sizes)))
+        at += n
+    props = TensorProperties(dtype=flat.dtype, layout=flat.layout, requires_grad=False,
+                             memory_format=torch.contiguous_format, pin_memory=False)
+    md = ShardedTensorMetadata(shards_metadata=[meta(r, o, s) for r, boxes in every for o, s in boxes],
+                               size=torch.Size(shape), tensor_properties=props)
+    return ShardedTensor._init_from_local_shards_and_global_metadata(shards, md, process_group=pg)
+
+
+def _flat_part(value, mine, shape, what, holding):
+    """This rank's elements, flat, of a ShardedTensor made by ``_sharded_tensor`` with boxes ``mine``
+    (``holding`` says what they are, for the error)."""
+    if not isinstance(value, ShardedTensor):
+        raise TypeError(f"torchpar set_state_dict: '{what}' is a {type(value).__name__}, not the "
+                        "ShardedTensor get_state_dict gave (load the checkpoint into what get_state_dict returned)")
+    local = sorted(value.local_shards(), key=lambda s: s.metadata.shard_offsets)
+    got = [(tuple(s.metadata.shard_offsets), tuple(s.metadata.shard_sizes)) for s in local]
+    size = tuple(value.metadata().size)
+    if size != shape or got != [(tuple(o), tuple(s)) for o, s in mine]:
+        raise ValueError(f"torchpar set_state_dict: '{what}' holds boxes {got} of shape {list(size)}, but this rank "
+                         f"holds {holding}: get its state_dict from this model, as wrapped now")
+    return torch.cat([s.tensor.reshape(-1) for s in local])  # boxes in offset order are in flat order
 
 
 class _Positions:
     """A tensor-parallel layer's split of one parameter: position ``rank`` of ``tp`` holds the
-    equal slice ``rank`` along ``dim``."""
-    __slots__ = ("group", "tp", "rank", "dim", "grid")
+    equal slice ``rank`` along ``dim``; with Megatron's ``stride`` (ColumnParallelLinear's fused
+    blocks, e.g. q, k and v: dim 0) slice ``rank`` of each of the ``stride`` equal blocks, side by
+    side."""
+    __slots__ = ("group", "tp", "rank", "dim", "stride", "grid")
 
     def __init__(self, module, dim):
         self.group, self.tp, self.dim = module.group, module.tp, dim
         self.rank = dist.get_rank(module.group)
+        self.stride = getattr(module, "stride", 1)
         self.grid = None  # (in a fully_shard unit) the unit's group's global ranks at each position
 
     def whole_shape(self, local_shape):
         return tuple(n * self.tp if d == self.dim else n for d, n in enumerate(local_shape))
 
-    def offsets(self, t, local_shape):
-        return tuple(t * n if d == self.dim else 0 for d, n in enumerate(local_shape))
+    def place(self, t, boxes, local_shape):
+        """``boxes`` of position t's shard (its coordinates) in the whole tensor's: local index i
+        along ``dim`` lies in block j = i // b (b, a block's slice) at j * tp * b + t * b + i % b, so
+        a box is cut where blocks meet."""
+        b = local_shape[self.dim] // self.stride
+        placed = []
+        for offsets, sizes in boxes:
+            lo, hi = offsets[self.dim], offsets[self.dim] + sizes[self.dim]
+            while lo < hi:
+                j = lo // b
+                end = min(hi, (j + 1) * b)
+                at = lo + j * (self.tp - 1) * b + t * b
+                placed.append((tuple(at if d == self.dim else o for d, o in enumerate(offsets)),
+                               tuple(end - lo if d == self.dim else n for d, n in enumerate(sizes))))
+                lo = end
+        return placed
 
     def gather(self, local):
         """The whole tensor, every position's slice gathered over the layer's group."""
         every = local.detach().new_empty((self.tp, *local.shape))
         dist.all_gather_single(every, local.detach().contiguous(), group=self.group)
-        return torch.cat(every.unbind(0), dim=self.dim)
+        if self.stride == 1:
+            return torch.cat(every.unbind(0), dim=self.dim)
+        # [position, block, slice, ...] -> [block, position, slice, ...] (dim 0)
+        return every.unflatten(1, (self.stride, -1)).transpose(0, 1).flatten(0, 2)
 
     def mine(self, whole, local_shape):
         """This position's slice of a whole tensor."""
-        size = local_shape[self.dim]
-        return whole.detach().narrow(self.dim, self.rank * size, size)
+        if self.stride == 1:
+            size = local_shape[self.dim]
+            return whole.detach().narrow(self.dim, self.rank * size, size)
+        return whole.detach().unflatten(0, (self.stride, self.tp, -1))[:, self.rank].flatten(0, 1)
 
 
 class _TensorParallel:
     """A tensor-parallel layer's shard of a parameter: this rank's slice ``rank`` of ``tp`` equal
-    slices along ``dim``, as a DTensor ``Shard(dim)`` over the layer's group."""
+    slices along ``dim``, as a DTensor ``Shard(dim)`` over the layer's group; with ``stride`` > 1
+    (a slice of each fused block, which no DTensor placement describes) a ShardedTensor of one
+    box per block."""
 
     def __init__(self, positions, param):
         self.mesh = _mesh(positions.group, param.device.type)
         self.positions, self.group, self.dim = positions, positions.group, positions.dim
         self.local_shape = tuple(param.shape)
         self.shape = positions.whole_shape(self.local_shape)
+        whole = [((0,) * len(self.local_shape), self.local_shape)]
+        self.boxes = [positions.place(t, whole, self.local_shape) for t in range(positions.tp)]
 
     @property
     def gather_ranks(self):
@@ -260,6 +295,9 @@ class _TensorParallel:
         return torch.is_tensor(value) and tuple(value.shape) == self.local_shape
 
     def to_dcp(self, local):
+        if self.positions.stride > 1:
+            every = list(zip(self.gather_ranks, self.boxes))
+            return _sharded_tensor(local.contiguous(), self.boxes[self.positions.rank], every, self.shape, self.group)
         stride = tuple(math.prod(self.shape[d + 1:]) for d in range(len(self.shape)))
         return DTensor.from_local(local.detach(), self.mesh, [ShardPlacement(self.dim)], run_check=False,
                                   shape=torch.Size(self.shape), stride=stride)
@@ -271,6 +309,10 @@ class _TensorParallel:
         return self.positions.mine(value, self.local_shape).clone()
 
     def from_dcp(self, value, what):
+        if self.positions.stride > 1:
+            return _flat_part(value, self.boxes[self.positions.rank], self.shape, what,
+                              f"a shard {list(self.local_shape)} of {self.positions.stride} fused blocks").view(
+                                  self.local_shape)
         if not isinstance(value, DTensor):
             raise TypeError(f"torchpar set_state_dict: '{what}' is a {type(value).__name__}, not the DTensor "
                             "get_state_dict gave (load the checkpoint into what get_state_dict returned)")
@@ -314,9 +356,6 @@ def _holdings(model):
         # (fully_shard swaps a unit's class for a subclass of it)
         dims = next((d for cls, d in _SPLIT.items() if isinstance(module, cls)), {})
         if dims and module.tp > 1:
-            if getattr(module, "stride", 1) > 1:
-                raise NotImplementedError(f"torchpar get_state_dict: '{prefix}' is a ColumnParallelLinear with "
-                                          f"stride={module.stride} (fused blocks), which no single DTensor describes")
             for name, dim in dims.items():
                 if getattr(module, name, None) is not None:
                     split[fqn(prefix, name)] = (_Positions(module, dim), getattr(module, name))
