@@ -468,13 +468,18 @@ def test_full_state_dict_over_crossing_groups():
 
 
 def _mismatch(ctx):
-    """Rank 1's optimizer is another (no moments): every rank raises, none waits in a gather."""
+    """Rank 1's optimizer is another (no state: SGD without momentum): every rank raises, none
+    waits in a gather."""
     _setup(ctx)
     model = _shard_model(Net(), ctx.pg)
     opt = _adamw(model) if ctx.rank == 0 else torch.optim.SGD(model.parameters(), lr=0.1)
     _train(model, opt, range(1))
     with pytest.raises(ValueError, match="hold different parts to gather"):
         get_state_dict(model, opt, options=FULL)
+    # The optimizer half alone, rank 1's optimizer holding no state: it has nothing to gather
+    # where rank 0 has moments, and must not leave rank 0 waiting.
+    with pytest.raises(ValueError, match="hold different parts to gather"):
+        tp_sd.get_optimizer_state_dict(model, opt, options=FULL)
     dist.barrier(group=ctx.pg)
 
 
@@ -603,3 +608,58 @@ def test_fused_blocks_of_a_strided_column_parallel_layer_checkpoint_at_any_layou
         for at, n in resume:
             for out in get_pool(n).run(_attention_run, at, path, "resume"):
                 torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
+
+
+FLAT = StateDictOptions(flatten_optimizer_state_dict=True)
+
+
+def _flat_save(ctx, path):
+    _setup(ctx)
+    model = _two_d_model(ctx)
+    opt = _adamw(model)
+    _tp_train(model, opt, range(STEPS))
+    optim_sd = tp_sd.get_optimizer_state_dict(model, opt, options=FLAT)
+    assert isinstance(optim_sd["state.fc1.weight.exp_avg"], ShardedTensor), sorted(optim_sd)[:4]
+    dcp.save({"model": tp_sd.get_model_state_dict(model), "optim": optim_sd}, checkpoint_id=path)
+    full = StateDictOptions(full_state_dict=True, flatten_optimizer_state_dict=True)
+    return copy.deepcopy(tp_sd.get_optimizer_state_dict(model, opt, options=full))
+
+
+def _flat_resume(ctx, path, whole):
+    _setup(ctx)
+    model = _two_d_model(ctx, seed=1)
+    opt = _adamw(model)
+    if whole is None:
+        model_sd, optim_sd = tp_sd.get_model_state_dict(model), tp_sd.get_optimizer_state_dict(model, opt, options=FLAT)
+        dcp.load({"model": model_sd, "optim": optim_sd}, checkpoint_id=path)
+        tp_sd.set_model_state_dict(model, model_sd)
+        tp_sd.set_optimizer_state_dict(model, opt, optim_sd, options=FLAT)
+    else:  # one process's whole state, the optimizer's flattened, from rank 0
+        sds = copy.deepcopy(whole) if ctx.rank == 0 else ({}, {})
+        options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True, flatten_optimizer_state_dict=True)
+        set_state_dict(model, opt, model_state_dict=sds[0], optim_state_dict=sds[1], options=options)
+    _tp_train(model, opt, [STEPS])
+    return model(_tp_batch(99)[0]).detach()
+
+
+def test_flattened_optimizer_state_dicts(tmp_path):
+    """flatten_optimizer_state_dict=True (torch's flat keys, torchtitan's choice) at dp 2 x tp 2:
+    the whole flat dict is one process's; saved flat through DCP it resumes, and one process's
+    whole flat dict loads from rank 0: the next step equals the uninterrupted run's."""
+    path = str(tmp_path / "ckpt")
+    ref = _Net()
+    opt = _adamw(ref)
+    _tp_train(ref, opt, range(STEPS))
+    want = copy.deepcopy(get_optimizer_state_dict(ref, opt, options=FLAT))
+    whole = copy.deepcopy((get_model_state_dict(ref), want))
+    _tp_train(ref, opt, [STEPS])
+    expected = ref(_tp_batch(99)[0]).detach()
+    for got in get_pool(4).run(_flat_save, path):
+        assert sorted(got) == sorted(want)
+        for key, value in got.items():
+            if torch.is_tensor(value):
+                torch.testing.assert_close(value, want[key], rtol=1e-5, atol=1e-6, msg=lambda m: f"{key}: {m}")
+            else:
+                assert value == want[key], key
+    for logits in get_pool(4).run(_flat_resume, path, None) + get_pool(4).run(_flat_resume, path, whole):
+        torch.testing.assert_close(logits, expected, rtol=1e-5, atol=1e-5)

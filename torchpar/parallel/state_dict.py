@@ -361,13 +361,16 @@ def _holdings(model):
                     split[fqn(prefix, name)] = (_Positions(module, dim), getattr(module, name))
         if isinstance(module, FSDPModule):
             units.append((prefix, module._fsdp))
-    grids = {}  # (unit group, layer group): the grid, asked for once
+    # (unit group's ranks, layer group's ranks): the grid, asked for once. Keyed by ranks, not
+    # group objects: every rank then asks at the same parameters (review finding).
+    grids = {}
     for prefix, unit in units:
         for _, _, i, name in unit.sites:
             key = fqn(prefix, name)
             positions = split.pop(key, (None,))[0]
             if positions is not None:  # a tensor-parallel shard in a unit (FSDP + TP)
-                pair = (unit.group, positions.group)
+                pair = (tuple(dist.get_process_group_ranks(unit.group)),
+                        tuple(dist.get_process_group_ranks(positions.group)))
                 if pair not in grids:
                     grids[pair] = _grid(unit.group, unit.flat.world_size, positions.group)
                 positions.grid = grids[pair]
@@ -387,6 +390,10 @@ def _grid(group, size, layer_group):
     if any(len(ranks) != size for ranks in grid):
         raise ValueError(f"torchpar get_state_dict: the fully_shard groups at the tensor-parallel positions differ "
                          f"in size ({[len(r) for r in grid]}); each position's unit must shard alike")
+    if len({r for ranks in grid for r in ranks}) != size * len(grid):
+        raise ValueError(f"torchpar get_state_dict: a fully_shard unit's group shares ranks with the tensor-parallel "
+                         f"group of its layers (unit groups by position: {grid}): fully_shard must shard over the "
+                         "data-parallel ranks, each position apart")
     return grid
 
 
@@ -428,9 +435,9 @@ def _check(options):
     if options.broadcast_from_rank0 and not options.full_state_dict:
         raise ValueError("torchpar get_state_dict/set_state_dict: broadcast_from_rank0 needs full_state_dict=True "
                          "(rank 0's whole state dicts), as torch's")
-    local = options if not options.full_state_dict else dataclasses.replace(options, full_state_dict=False,
-                                                                            cpu_offload=False,
-                                                                            broadcast_from_rank0=False)
+    # Nor flatten_optimizer_state_dict: the parts are found in the nested form, flattened after.
+    local = dataclasses.replace(options, full_state_dict=False, cpu_offload=False, broadcast_from_rank0=False,
+                                flatten_optimizer_state_dict=False)
     return options, local
 
 
@@ -503,17 +510,20 @@ def _agree(plans):
     for rank, plan in enumerate(plans):
         for entry in plan:
             by_group[rank].setdefault(entry[0], []).append(entry[1:])
-    for rank, groups in enumerate(by_group):
-        for group, mine in groups.items():
-            first = group[0]  # each member is compared with the group's first
-            theirs = by_group[first].get(group, [])
+    # Every member of every group any rank names, against the group's first member: a member
+    # with nothing to gather there must not leave the others waiting (review finding).
+    for group in sorted({g for groups in by_group for g in groups}):
+        first = group[0]
+        theirs = by_group[first].get(group, [])
+        for rank in group:
+            mine = by_group[rank].get(group, [])
             if theirs != mine:
                 diff = next((a, b) for a, b in zip(theirs + [None] * len(mine), mine + [None] * len(theirs))
                             if a != b)
                 raise ValueError(f"torchpar get_state_dict(full_state_dict=True): ranks {first} and {rank} of group "
                                  f"{list(group)} hold different parts to gather (first difference: rank {first} "
                                  f"{diff[0]}, rank {rank} {diff[1]}): every rank must give the same model and "
-                                 "optimizers")
+                                 "optimizers, with state (a step taken) on all or none")
 
 
 def _gathered(model_sd, optim_sd, held, cpu_offload):
@@ -583,14 +593,52 @@ def _get(model, optimizers, options, *, with_model=True, with_optim=True):
                                                 for name, v in state.items()}
             for key, state in optim_sd["state"].items()}
     levels = _ddp_levels(model)
-    return _renamed(model_sd, optim_sd, lambda k: _without_ddp(k, levels))
+    model_sd, optim_sd = _renamed(model_sd, optim_sd, lambda k: _without_ddp(k, levels))
+    if options.flatten_optimizer_state_dict and with_optim:
+        optim_sd = torch_state_dict._flatten_optim_state_dict(optim_sd)
+    return model_sd, optim_sd
+
+
+def _unflattened(model, optimizers, flat):
+    """torch's flattened optimizer state dict (``flatten_optimizer_state_dict``) in the nested form:
+    ``state.<name>.<state name>`` under state[name], and each of the optimizers' param groups from
+    the ``param_groups.<name>.<key>`` entries of its first parameter, as torch nests it."""
+    levels = _ddp_levels(model)
+    names = {id(p): _without_ddp(next(iter(_get_fqns(model, n))), levels) for n, p in model.named_parameters()}
+    longest_first = sorted(set(names.values()), key=len, reverse=True)
+    state = {}
+    for key, value in flat.items():
+        if not key.startswith("state."):
+            continue
+        rest = key[len("state."):]
+        name = next((n for n in longest_first if rest.startswith(n + ".")), None)
+        if name is None:
+            raise ValueError(f"torchpar set_state_dict: flattened optimizer state '{key}' names no parameter of the model")
+        *path, last = rest[len(name) + 1:].split(".")  # nested state (Shampoo's) as torch nests it
+        at = state.setdefault(name, {})
+        for part in path:
+            at = at.setdefault(part, {})
+        at[last] = value
+    groups = []
+    for optimizer in [optimizers] if isinstance(optimizers, torch.optim.Optimizer) else optimizers:
+        for group in optimizer.param_groups:
+            params = [names[id(p)] for p in group["params"]]
+            first = params[0]
+            missing = [k for k in group if k != "params" and f"param_groups.{first}.{k}" not in flat]
+            if missing:
+                raise ValueError(f"torchpar set_state_dict: the flattened optimizer state dict has no "
+                                 f"'param_groups.{first}.{missing[0]}'")
+            groups.append({**{k: flat[f"param_groups.{first}.{k}"] for k in group if k != "params"},
+                           "params": params})
+    return {"state": state, "param_groups": groups}
 
 
 def get_state_dict(model, optimizers, *, options=None):
     """(model state_dict, optimizer state_dict) of a model with ``fully_shard`` units or
     tensor-parallel layers, for DCP: each sharded parameter and its optimizer state of the same
-    size as a ShardedTensor or DTensor of the full shape (no communication); keys and the rest
-    as torch's ``get_model_state_dict`` / ``get_optimizer_state_dict`` give them.
+    size as a ShardedTensor or DTensor of the full shape (no communication, but for fully_shard
+    over tensor-parallel layers one exchange of the unit groups' ranks); keys and the rest as
+    torch's ``get_model_state_dict`` / ``get_optimizer_state_dict`` give them.
     ``optimizers``: one optimizer or several, as torch's. With ``options.full_state_dict`` the
     parts are gathered into whole tensors instead (module docstring)."""
     return _get(model, optimizers, options)
@@ -616,6 +664,9 @@ def _set(model, optimizers, model_state_dict, optim_state_dict, options):
     with_model, with_optim = model_state_dict is not None, optim_state_dict is not None
     model_state_dict = model_state_dict if with_model else {}
     optim_state_dict = optim_state_dict if with_optim else {"state": {}, "param_groups": []}
+    if with_optim and options.flatten_optimizer_state_dict and (dist.get_rank() == 0
+                                                                 or not options.broadcast_from_rank0):
+        optim_state_dict = _unflattened(model, optimizers, optim_state_dict)
     if options.broadcast_from_rank0:
         def keep(key, value):
             h = held.get(_with_ddp(key, levels))
