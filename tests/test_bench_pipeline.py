@@ -27,7 +27,8 @@ def test_bench_pipeline_runs_every_schedule(tmp_path, capsys):
     # all m (the peak is the heaviest rank's; the last stage's are larger, it keeps the loss's
     # inputs too), and torch's schedules hold what ours do.
     assert results["1f1b"]["peak_activation_bytes"] * m <= results["gpipe"]["peak_activation_bytes"] * p
-    for ours, theirs in (("gpipe", "torch_gpipe"), ("1f1b", "torch_1f1b"), ("interleaved", "torch_interleaved")):
+    for ours, theirs in (("gpipe", "torch_gpipe"), ("1f1b", "torch_1f1b"), ("interleaved", "torch_interleaved"),
+                         ("looped_bfs", "torch_looped_bfs")):
         assert results[ours]["peak_activation_bytes"] == results[theirs]["peak_activation_bytes"]
     paired = report["paired_1f1b_vs_torch_1f1b"]
     assert paired["rounds"] == rounds and 0 < paired["q1"] <= paired["median"] <= paired["q3"]

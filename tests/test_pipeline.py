@@ -18,13 +18,18 @@ from torch import nn
 import torchpar
 from harness import get_pool, spawn
 from torchpar.parallel.pipeline import (PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B,
-                                        ScheduleZeroBubble, split)
+                                        ScheduleInterleavedZeroBubble, ScheduleLoopedBFS, ScheduleZeroBubble, split)
 
 BACKENDS = ["torchpar", "gloo"]
 # Run in make test-slow (tests/conftest.py), for make test's time; their torchpar twins stay.
 SLOW_VARIANTS = {"test_a_ddp_stage_averaged_after_the_step_reduces_in_its_reduce_dtype[gloo]"}
+SLOW_VARIANTS |= {f"test_loss_and_gradients_equal_the_whole_model[{n}-{d}-{w}-gloo]"
+                  for n in ("interleaved_zb", "looped_bfs") for d in ("float32", "bfloat16") for w in (2, 4)}
+SLOW_VARIANTS |= {f"{t}[{n}-gloo]" for n in ("interleaved_zb", "looped_bfs")
+                  for t in ("test_ten_optimizer_steps_stay_equal", "test_pipeline_times_ddp_equals_one_process")}
 SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B, "interleaved": ScheduleInterleaved1F1B,
-             "zb_h1": ScheduleZeroBubble}
+             "zb_h1": ScheduleZeroBubble, "interleaved_zb": ScheduleInterleavedZeroBubble, "looped_bfs": ScheduleLoopedBFS}
+MULTI_STAGE = ("interleaved", "interleaved_zb", "looped_bfs")  # two stages per rank here
 
 
 def _pool(backend, world_size):
@@ -59,7 +64,7 @@ def _build(ctx, name, model, m, group=None, stages_per_rank=1):
     pipe = copy.deepcopy(model)
     stages = [PipelineStage(split(pipe, n, s), s, n, group=group) for s in range(r, n, p)]
     cls = SCHEDULES[name]
-    sched = cls(stages, m, loss_fn=_mse) if name == "interleaved" else cls(stages[0], m, loss_fn=_mse)
+    sched = cls(stages, m, loss_fn=_mse) if name in MULTI_STAGE else cls(stages[0], m, loss_fn=_mse)
     return stages, sched
 
 
@@ -81,7 +86,7 @@ def _check_grads(stages, ref, n_stages, rtol, atol):
 def _one_step(ctx, name, dtype, m):
     torch.set_num_threads(1)
     dtype = getattr(torch, dtype)
-    v = 2 if name == "interleaved" else 1
+    v = 2 if name in MULTI_STAGE else 1
     n_stages = ctx.world_size * v
     model = _model(2 * n_stages, dtype)
     x, y = _data(0, 4 * m, dtype)
@@ -111,7 +116,7 @@ def test_loss_and_gradients_equal_the_whole_model(backend, world_size, dtype, na
 
 def _ten_steps(ctx, name):
     torch.set_num_threads(1)
-    v = 2 if name == "interleaved" else 1
+    v = 2 if name in MULTI_STAGE else 1
     n_stages = ctx.world_size * v
     model = _model(2 * n_stages)
     ref = copy.deepcopy(model)
@@ -168,7 +173,7 @@ def _with_ddp(ctx, backend, name):
     from torchpar.parallel import DistributedDataParallel as DDP
     pp, dp = _pp_by_dp(ctx, backend)
     dp_rank = ctx.rank // 2
-    v = 2 if name == "interleaved" else 1
+    v = 2 if name in MULTI_STAGE else 1
     n_stages = 2 * v
     model = _model(2 * n_stages)
     pipe = copy.deepcopy(model)
@@ -176,7 +181,7 @@ def _with_ddp(ctx, backend, name):
                             s, n_stages, group=pp)
               for s in range(ctx.rank % 2, n_stages, 2)]
     cls = SCHEDULES[name]
-    sched = cls(stages, 4, loss_fn=_mse) if name == "interleaved" else cls(stages[0], 4, loss_fn=_mse)
+    sched = cls(stages, 4, loss_fn=_mse) if name in MULTI_STAGE else cls(stages[0], 4, loss_fn=_mse)
     for step in range(2):
         x, y = _data(step, 16)
         ref, _ = _reference_grads(model, x, y)
@@ -969,7 +974,7 @@ def _with_fsdp(ctx, name, reshard_after_forward=True):
     from torchpar.parallel import fully_shard
     pp, dp = _pp_by_dp(ctx, "torchpar")
     dp_rank = ctx.rank // 2
-    v = 2 if name == "interleaved" else 1
+    v = 2 if name in MULTI_STAGE else 1
     n_stages = 2 * v
     model = _model(2 * n_stages)
     ref = copy.deepcopy(model)
@@ -984,7 +989,7 @@ def _with_fsdp(ctx, name, reshard_after_forward=True):
         stages.append(PipelineStage(module, s, n_stages, group=pp))
         opts.append(torch.optim.SGD(module.parameters(), lr=0.1))
     cls = SCHEDULES[name]
-    sched = cls(stages, 4, loss_fn=_mse) if name == "interleaved" else cls(stages[0], 4, loss_fn=_mse)
+    sched = cls(stages, 4, loss_fn=_mse) if name in MULTI_STAGE else cls(stages[0], 4, loss_fn=_mse)
     units = sum(len(list(st.submod)) for st in stages)  # the layers; the roots hold no parameter
     for step in range(2):
         x, y = _data(step, 16)

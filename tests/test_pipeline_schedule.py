@@ -9,15 +9,16 @@ import pytest
 
 from torchpar import _C
 
-KINDS = ["gpipe", "1f1b", "interleaved_1f1b", "zb_h1"]
+KINDS = ["gpipe", "1f1b", "interleaved_1f1b", "zb_h1", "interleaved_zb", "looped_bfs"]
+INTERLEAVED = ("interleaved_1f1b", "interleaved_zb")
 
 
 def _cases():
     for kind in KINDS:
         for p in range(1, 7):
             for m in range(1, 13):
-                for v in ([1, 2, 3] if kind == "interleaved_1f1b" else [1]):
-                    if kind == "interleaved_1f1b" and (p < 2 or m % p):
+                for v in ([1, 2, 3] if kind in INTERLEAVED + ("looped_bfs",) else [1]):
+                    if kind in INTERLEAVED and (p < 2 or m % p):
                         continue
                     yield kind, p, m, v
 
@@ -37,6 +38,11 @@ def test_every_schedule_simulates_with_the_papers_bubble(kind):
         if kind == "zb_h1" and m < p:
             # The (p-1)(tF+tB-tW) bound needs m >= p W's to fill the tail; below it, no worse than 1F1B.
             assert max(r["bubble"]) <= _C.pipeline_theoretical_bubble("1f1b", p, m) * 1.0000001 + 1e-12
+            continue
+        if kind == "looped_bfs" and m < p:
+            # Fewer micro-batches than ranks leave each chunk's rounds p - m apart: between
+            # interleaving's bubble and GPipe's over all v p stages.
+            assert all(theory - 1e-12 <= b <= (v * p - 1) / (v * m + v * p - 1) + 1e-12 for b in r["bubble"])
             continue
         for rank, b in enumerate(r["bubble"]):
             assert b == pytest.approx(theory, abs=1e-12), (kind, p, m, v, rank)
@@ -69,15 +75,19 @@ def test_simulation_costs_are_checked():
         s.simulate([(1.0, 2.0, 0.0), (float("nan"), 1.0, 0.0)])
 
 
-@pytest.mark.parametrize("kind", ["1f1b", "zb_h1", "gpipe"])
+@pytest.mark.parametrize("kind", ["1f1b", "zb_h1", "gpipe", "interleaved_zb", "looped_bfs"])
 def test_micro_batches_in_flight(kind):
     for k, p, m, v in CASES:
         if k != kind:
             continue
         peak = _C.pipeline_schedule(kind, p, m, v).simulate()["peak_in_flight"]
+        if kind == "interleaved_zb":  # the held-back W's: no rank above interleaved 1F1B's busiest
+            unsplit = _C.pipeline_schedule("interleaved_1f1b", p, m, v).simulate()["peak_in_flight"]
+            assert max(peak) == max(unsplit) == unsplit[0], (p, m, v, peak, unsplit)
+            continue
         for rank, n in enumerate(peak):
-            if kind == "gpipe":
-                assert n == m
+            if kind in ("gpipe", "looped_bfs"):
+                assert n == m * v
             elif kind == "1f1b":
                 assert n == min(p - rank, m), (p, m, rank)  # 1F1B: p - rank on rank `rank`
             else:
@@ -109,9 +119,10 @@ def test_receives_are_posted_before_the_compute_that_precedes_their_use():
                 assert computes_between or i < first_compute, (kind, p, m, v, rank, name, mb, stage)
 
 
-def test_interleaved_needs_m_a_multiple_of_p():
+@pytest.mark.parametrize("kind", INTERLEAVED)
+def test_interleaved_needs_m_a_multiple_of_p(kind):
     with pytest.raises(ValueError, match=r"micro-batches \(6\) to be a multiple of the number of pipeline ranks \(4\)"):
-        _C.pipeline_schedule("interleaved_1f1b", 4, 6, 2)
+        _C.pipeline_schedule(kind, 4, 6, 2)
 
 
 def test_bad_sizes_and_kinds_are_value_errors():
@@ -119,7 +130,7 @@ def test_bad_sizes_and_kinds_are_value_errors():
         _C.pipeline_schedule("1f1b", 2, 0)
     with pytest.raises(ValueError, match="unknown schedule kind 'pipedream'"):
         _C.pipeline_schedule("pipedream", 2, 4)
-    with pytest.raises(ValueError, match="only interleaved 1F1B places several stages"):
+    with pytest.raises(ValueError, match="only the interleaved schedules and looped BFS place several stages"):
         _C.pipeline_schedule("1f1b", 2, 4, 2)
 
 

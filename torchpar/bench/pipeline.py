@@ -4,8 +4,10 @@ Spawns p ranks (``--world-size``, default 2; one thread each) and, in the same r
 one training step of the same MLP cut into p stages (2p for the interleaved schedules) with
 the same micro-batches and backend:
 
-- ours:  gpipe, 1f1b, interleaved (v=2), zb_h1   (torchpar.parallel.pipeline)
-- torch: torch_gpipe, torch_1f1b, torch_interleaved   (torch.distributed.pipelining)
+- ours:  gpipe, 1f1b, interleaved (v=2), zb_h1, interleaved_zb (v=2), looped_bfs (v=2)
+  (torchpar.parallel.pipeline)
+- torch: torch_gpipe, torch_1f1b, torch_interleaved, torch_interleaved_zb, torch_looped_bfs
+  (torch.distributed.pipelining)
 
 Per schedule: median step time and throughput (samples/s), the measured bubble (idle time
 over step time per rank, the mean over ranks; torch's from timing its stage's
@@ -33,8 +35,8 @@ from torch import nn
 from torchpar.bench._report import paired_ratios, print_table, pyplot, write_json
 from torchpar.bench._spawn import run_ranks
 
-OURS = ["gpipe", "1f1b", "interleaved", "zb_h1"]
-THEIRS = ["torch_gpipe", "torch_1f1b", "torch_interleaved"]
+OURS = ["gpipe", "1f1b", "interleaved", "zb_h1", "interleaved_zb", "looped_bfs"]
+THEIRS = ["torch_gpipe", "torch_1f1b", "torch_interleaved", "torch_interleaved_zb", "torch_looped_bfs"]
 
 
 def _mlp(width, depth):
@@ -111,7 +113,8 @@ def _steps(args, rank, p):
     import torch.distributed.pipelining as tp
 
     from torchpar.parallel.pipeline import (PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B,
-                                            ScheduleZeroBubble, split)
+                                            ScheduleInterleavedZeroBubble, ScheduleLoopedBFS, ScheduleZeroBubble,
+                                            split)
 
     torch.manual_seed(0)
     model = _mlp(args.width, args.depth)
@@ -147,6 +150,8 @@ def _steps(args, rank, p):
     ours("1f1b", Schedule1F1B, 1)
     ours("interleaved", ScheduleInterleaved1F1B, 2)
     ours("zb_h1", ScheduleZeroBubble, 1)
+    ours("interleaved_zb", ScheduleInterleavedZeroBubble, 2)
+    ours("looped_bfs", ScheduleLoopedBFS, 2)
 
     def theirs(name, cls, v):
         n = p * v
@@ -175,6 +180,8 @@ def _steps(args, rank, p):
     theirs("torch_gpipe", tp.ScheduleGPipe, 1)
     theirs("torch_1f1b", tp.Schedule1F1B, 1)
     theirs("torch_interleaved", tp.ScheduleInterleaved1F1B, 2)
+    theirs("torch_interleaved_zb", tp.ScheduleInterleavedZeroBubble, 2)
+    theirs("torch_looped_bfs", tp.ScheduleLoopedBFS, 2)
     return out
 
 
@@ -220,11 +227,13 @@ def _run(backend, args):
 
 
 _KINDS = {"gpipe": "gpipe", "1f1b": "1f1b", "interleaved": "interleaved_1f1b", "zb_h1": "zb_h1",
-          "torch_gpipe": "gpipe", "torch_1f1b": "1f1b", "torch_interleaved": "interleaved_1f1b"}
+          "interleaved_zb": "interleaved_zb", "looped_bfs": "looped_bfs",
+          "torch_gpipe": "gpipe", "torch_1f1b": "1f1b", "torch_interleaved": "interleaved_1f1b",
+          "torch_interleaved_zb": "interleaved_zb", "torch_looped_bfs": "looped_bfs"}
 
 
 def _stages_per_rank(mode):
-    return 2 if "interleaved" in mode else 1
+    return 2 if "interleaved" in mode or "looped" in mode else 1
 
 
 def _theory(mode, p, m):

@@ -60,27 +60,42 @@ Order interleaved(int rank, int p, int m, int v) {
   return o;
 }
 
-// ZB-H1 (Qi et al. 2023, arXiv:2401.10241 section 3.1): 1F1B's order with each backward
-// split into B (input gradient, on the critical path between ranks) and W (weight gradient,
-// local). B goes out at once; rank r holds back its first r W's, which then fill the gaps at
-// the end where 1F1B idles. Rank r keeps at most (p - r) + r = p micro-batches, 1F1B's peak,
-// and the bubble shrinks from (p-1)(tF+tB+tW) to (p-1)(tF+tB-tW).
-Order zero_bubble_h1(int rank, int p, int m) {
-  const int warmup = std::min(p - rank - 1, m);
-  const int delay = rank;  // W's held back
+// Zero bubble (Qi et al. 2023, arXiv:2401.10241 section 3.1): `order` with each backward split
+// into B (input gradient, on the critical path between ranks) and W (weight gradient, local).
+// B goes out at once; rank r holds back its r oldest W's, which then fill the gaps at the end
+// where the unsplit order idles. A held-back W keeps its micro-batch live, so rank r's peak grows
+// by r; in 1F1B and interleaved 1F1B rank r warms up with at least r fewer forwards than rank 0,
+// so no rank's peak passes rank 0's: the busiest rank's memory is the unsplit order's.
+// From 1F1B this is ZB-H1: the bubble shrinks from (p-1)(tF+tB+tW) to (p-1)(tF+tB-tW); from
+// interleaved 1F1B, torch's ScheduleInterleavedZeroBubble's kind of schedule, likewise over v.
+Order split_backward(const Order& order, int rank) {
   Order o;
-  int next_w = 0;
-  auto backward = [&](int i) {
-    o.push_back(B(i, rank));
-    if (i - next_w >= delay) o.push_back(W(next_w++, rank));
-  };
-  for (int i = 0; i < warmup; ++i) o.push_back(F(i, rank));
-  for (int i = 0; i < m - warmup; ++i) {
-    o.push_back(F(warmup + i, rank));
-    backward(i);
+  std::vector<Action> held;  // W's not yet placed, oldest first
+  size_t next = 0;
+  for (const Action& a : order) {
+    o.push_back(a);
+    if (a.type != ActionType::B) continue;
+    held.push_back(W(a.microbatch, a.stage));
+    if (held.size() - next > static_cast<size_t>(rank)) o.push_back(held[next++]);
   }
-  for (int i = m - warmup; i < m; ++i) backward(i);
-  while (next_w < m) o.push_back(W(next_w++, rank));
+  o.insert(o.end(), held.begin() + static_cast<std::ptrdiff_t>(next), held.end());
+  return o;
+}
+
+// Breadth-first (Lamy-Poirier 2023, arXiv:2211.05953), looped placement: every micro-batch
+// through this rank's first stage, then through its second, ...; then the backwards from the
+// last stage, micro-batches in reverse (the last forwarded is the first whose gradient is
+// ready). GPipe's memory (v m micro-batch-stages live); each stage's backwards run back to
+// back, so its gradients are complete early and their data-parallel reduction overlaps the
+// other stages' backwards (the paper's point). As torch's ScheduleLoopedBFS.
+Order looped_bfs(int rank, int p, int m, int v) {
+  Order o;
+  for (int c = 0; c < v; ++c) {
+    for (int i = 0; i < m; ++i) o.push_back(F(i, c * p + rank));
+  }
+  for (int c = v - 1; c >= 0; --c) {
+    for (int i = m - 1; i >= 0; --i) o.push_back(B(i, c * p + rank));
+  }
   return o;
 }
 
@@ -115,10 +130,11 @@ ScheduleKind parse_kind(const std::string& name) {
   static const std::map<std::string, ScheduleKind> kinds = {
       {"gpipe", ScheduleKind::GPipe}, {"1f1b", ScheduleKind::OneFOneB},
       {"interleaved_1f1b", ScheduleKind::Interleaved1F1B}, {"zb_h1", ScheduleKind::ZeroBubbleH1},
+      {"interleaved_zb", ScheduleKind::InterleavedZeroBubble}, {"looped_bfs", ScheduleKind::LoopedBFS},
       {"custom", ScheduleKind::Custom}};
   auto it = kinds.find(name);
   TP_CHECK_USAGE(it != kinds.end(), "unknown schedule kind '", name,
-                 "' (expected gpipe, 1f1b, interleaved_1f1b, zb_h1 or custom)");
+                 "' (expected gpipe, 1f1b, interleaved_1f1b, zb_h1, interleaved_zb, looped_bfs or custom)");
   return it->second;
 }
 
@@ -127,26 +143,29 @@ Schedule make_schedule(ScheduleKind kind, int p, int m, int v) {
   TP_CHECK_USAGE(m >= 1, "pipeline schedule: number of micro-batches must be >= 1, got ", m);
   TP_CHECK_USAGE(v >= 1, "pipeline schedule: stages per rank must be >= 1, got ", v);
   TP_CHECK_USAGE(kind != ScheduleKind::Custom, "make_schedule: a custom schedule comes from schedule_from_csv");
-  if (kind == ScheduleKind::Interleaved1F1B) {
-    TP_CHECK_USAGE(p >= 2, "interleaved 1F1B needs at least 2 pipeline ranks, got ", p);
-    TP_CHECK_USAGE(m % p == 0, "interleaved 1F1B needs the number of micro-batches (", m,
+  if (kind == ScheduleKind::Interleaved1F1B || kind == ScheduleKind::InterleavedZeroBubble) {
+    const char* name = kind == ScheduleKind::Interleaved1F1B ? "interleaved 1F1B" : "interleaved zero bubble";
+    TP_CHECK_USAGE(p >= 2, name, " needs at least 2 pipeline ranks, got ", p);
+    TP_CHECK_USAGE(m % p == 0, name, " needs the number of micro-batches (", m,
                    ") to be a multiple of the number of pipeline ranks (", p, ")");
-  } else {
-    TP_CHECK_USAGE(v == 1, "only interleaved 1F1B places several stages on a rank; got ", v,
-                   " stages per rank");
+  } else if (kind != ScheduleKind::LoopedBFS) {
+    TP_CHECK_USAGE(v == 1, "only the interleaved schedules and looped BFS place several stages on a rank; got ",
+                   v, " stages per rank");
   }
   Schedule s;
   s.kind = kind;
   s.num_ranks = p;
   s.num_microbatches = m;
   s.stages_per_rank = v;
-  s.split_backward = kind == ScheduleKind::ZeroBubbleH1;
+  s.split_backward = kind == ScheduleKind::ZeroBubbleH1 || kind == ScheduleKind::InterleavedZeroBubble;
   for (int r = 0; r < p; ++r) {
     switch (kind) {
       case ScheduleKind::GPipe: s.actions.push_back(gpipe(r, m)); break;
       case ScheduleKind::OneFOneB: s.actions.push_back(one_f_one_b(r, p, m)); break;
       case ScheduleKind::Interleaved1F1B: s.actions.push_back(interleaved(r, p, m, v)); break;
-      case ScheduleKind::ZeroBubbleH1: s.actions.push_back(zero_bubble_h1(r, p, m)); break;
+      case ScheduleKind::ZeroBubbleH1: s.actions.push_back(split_backward(one_f_one_b(r, p, m), r)); break;
+      case ScheduleKind::InterleavedZeroBubble: s.actions.push_back(split_backward(interleaved(r, p, m, v), r)); break;
+      case ScheduleKind::LoopedBFS: s.actions.push_back(looped_bfs(r, p, m, v)); break;
       case ScheduleKind::Custom: break;
     }
   }
@@ -220,8 +239,10 @@ Schedule forward_only(const Schedule& s) {
 
 double theoretical_bubble(ScheduleKind kind, int p, int m, int v) {
   switch (kind) {
-    case ScheduleKind::Interleaved1F1B: return double(p - 1) / (double(v) * m + p - 1);
+    case ScheduleKind::Interleaved1F1B:
+    case ScheduleKind::LoopedBFS: return double(p - 1) / (double(v) * m + p - 1);
     case ScheduleKind::ZeroBubbleH1: return double(p - 1) / (3.0 * m + p - 1);
+    case ScheduleKind::InterleavedZeroBubble: return double(p - 1) / (3.0 * v * m + p - 1);
     default: return double(p - 1) / (m + p - 1);
   }
 }

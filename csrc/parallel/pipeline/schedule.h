@@ -28,7 +28,7 @@ struct Action {
   bool operator==(const Action&) const = default;
 };
 
-enum class ScheduleKind { GPipe, OneFOneB, Interleaved1F1B, ZeroBubbleH1, Custom };
+enum class ScheduleKind { GPipe, OneFOneB, Interleaved1F1B, ZeroBubbleH1, InterleavedZeroBubble, LoopedBFS, Custom };
 
 struct Schedule {
   ScheduleKind kind = ScheduleKind::Custom;
@@ -47,7 +47,8 @@ ActionType parse_action(const std::string& name);
 ScheduleKind parse_kind(const std::string& name);
 
 // The schedule of `kind` for p ranks, m micro-batches and v stages per rank (v > 1 only for
-// Interleaved1F1B). Throws torchpar::UsageError naming the sizes when m cannot be used.
+// the interleaved kinds and LoopedBFS). Throws torchpar::UsageError naming the sizes when m
+// cannot be used.
 Schedule make_schedule(ScheduleKind kind, int p, int m, int v = 1);
 
 // Per-rank compute orders (F/B/W only) plus the sends and receives they imply, placed by
@@ -88,7 +89,8 @@ SimulationResult simulate(const Schedule& s, const StageCosts* costs = nullptr);
 // The idle fraction the papers give for this kind with the simulator's unit costs:
 // (p-1)/(m+p-1) for GPipe and 1F1B, (p-1)/(v*m+p-1) for interleaved (the bubble over the
 // ideal time divided by v), (p-1)/(3m+p-1) for ZB-H1 ((p-1)(tF+tB-tW) with tF=tB=tW; it holds
-// for m >= p, where there are enough held-back W's to fill the cool-down).
+// for m >= p, where there are enough held-back W's to fill the cool-down), (p-1)/(3vm+p-1)
+// for interleaved zero bubble; looped BFS has interleaving's when m >= p.
 double theoretical_bubble(ScheduleKind kind, int p, int m, int v);
 
 }  // namespace torchpar::pipeline

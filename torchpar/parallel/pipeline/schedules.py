@@ -40,7 +40,8 @@ from torchpar.parallel.pipeline.executor import Executor, armed_stages
 from torchpar.parallel.pipeline.failure import ShardedPeers, StepFailure, agree_on_outcome
 from torchpar.parallel.pipeline.stage import PipelineStage
 
-_KIND_IDS = {"gpipe": 0, "1f1b": 1, "interleaved_1f1b": 2, "zb_h1": 3, "custom": 4}
+_KIND_IDS = {"gpipe": 0, "1f1b": 1, "interleaved_1f1b": 2, "zb_h1": 3, "custom": 4, "interleaved_zb": 5,
+             "looped_bfs": 6}
 
 
 def _split_batch(tensors, m, what, names=None):
@@ -432,14 +433,35 @@ class ScheduleZeroBubble(_PipelineSchedule):
     kind = "zb_h1"
 
 
-class ScheduleInterleaved1F1B(_PipelineSchedule):
-    """Interleaved 1F1B (arXiv:2104.04473 section 2.2): ``stages`` are this rank's v stages
-    (stage indices r, r + p, ...); the bubble shrinks by v. n_microbatches must be a multiple of p."""
-    kind = "interleaved_1f1b"
+class _LoopedSchedule(_PipelineSchedule):
+    """Several stages per rank, looped placement: ``stages`` are this rank's v stages (stage
+    indices r, r + p, ...)."""
 
     def __init__(self, stages, n_microbatches, loss_fn=None, scale_grads=True):
         stages = sorted(stages, key=lambda s: s.stage_index)
         super().__init__(stages, n_microbatches, loss_fn, scale_grads, stages_per_rank=len(stages))
+
+
+class ScheduleInterleaved1F1B(_LoopedSchedule):
+    """Interleaved 1F1B (arXiv:2104.04473 section 2.2): the bubble shrinks by v. n_microbatches
+    must be a multiple of p."""
+    kind = "interleaved_1f1b"
+
+
+class ScheduleInterleavedZeroBubble(_LoopedSchedule):
+    """Interleaved 1F1B with each backward split into B and W (arXiv:2401.10241), rank r holding
+    back r W's to fill the cool-down, as ZB-H1 does for 1F1B: interleaved 1F1B's peak memory, a
+    third of its bubble when tF = tB = tW. torch's ScheduleInterleavedZeroBubble's place (its
+    ZB1P). n_microbatches must be a multiple of p."""
+    kind = "interleaved_zb"
+
+
+class ScheduleLoopedBFS(_LoopedSchedule):
+    """Breadth-first (arXiv:2211.05953), looped placement as interleaved: every micro-batch
+    through this rank's first stage, then its next, ...; backwards from its last stage, the
+    micro-batches in reverse. GPipe's memory (v m micro-batch-stages), interleaved 1F1B's bubble
+    when n_microbatches >= p, each stage's backwards together. As torch's ScheduleLoopedBFS."""
+    kind = "looped_bfs"
 
 
 class ScheduleFromCSV(_PipelineSchedule):
@@ -457,15 +479,17 @@ class ScheduleFromCSV(_PipelineSchedule):
 
 
 _BY_NAME = {"GPipe": ScheduleGPipe, "1F1B": Schedule1F1B, "Interleaved1F1B": ScheduleInterleaved1F1B,
-            "ZeroBubble": ScheduleZeroBubble}
-# torch's names of schedules torchpar does not generate (ZeroBubble is ZB-H1 without interleaving).
-_TORCH_ONLY = ("LoopedBFS", "InterleavedZeroBubble", "ZBVZeroBubble", "DualPipeV", "PipelineScheduleSingle",
-               "PipelineScheduleMulti")
+            "ZeroBubble": ScheduleZeroBubble, "InterleavedZeroBubble": ScheduleInterleavedZeroBubble,
+            "LoopedBFS": ScheduleLoopedBFS}
+# torch's names of schedules torchpar does not generate (ZeroBubble is ZB-H1 without interleaving;
+# the V-shaped ones place a rank's two stages at both ends of the pipeline).
+_TORCH_ONLY = ("ZBVZeroBubble", "DualPipeV", "PipelineScheduleSingle", "PipelineScheduleMulti")
 
 
 def get_schedule_class(schedule_name):
     """The schedule class of ``schedule_name``, case insensitive, as torch's function of that name
-    (torchtitan picks its schedule so): GPipe, 1F1B, Interleaved1F1B, and ZeroBubble (ZB-H1)."""
+    (torchtitan picks its schedule so): GPipe, 1F1B, Interleaved1F1B, ZeroBubble (ZB-H1),
+    InterleavedZeroBubble and LoopedBFS."""
     names = {k.lower(): k for k in _BY_NAME}
     key = str(schedule_name).lower()
     if key in names:
