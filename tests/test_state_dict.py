@@ -228,14 +228,18 @@ def _tp_model(ctx, seed=0):
     return parallelize_module(model, DeviceMesh.from_group(ctx.pg, "cpu"), _plan(None, gathered_head=True))
 
 
-def _tp_save(ctx, path):
+def _tp_save(ctx, path, two_d=False):
+    """3 steps of the tensor-parallel model (or of _two_d_model's), saved through DCP; returns the
+    whole state dicts."""
     _setup(ctx)
-    model = _tp_model(ctx)
+    model = _two_d_model(ctx) if two_d else _tp_model(ctx)
     opt = _adamw(model)
     _tp_train(model, opt, range(STEPS))
     model_sd, optim_sd = get_state_dict(model, opt)
+    if two_d:
+        assert isinstance(model_sd["fc1.weight"], ShardedTensor) and model_sd["fc1.weight"].shape == (32, 8)
     dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=path)
-    return True
+    return get_state_dict(model, opt, options=StateDictOptions(full_state_dict=True))
 
 
 def _tp_resume(ctx, path):
@@ -503,17 +507,6 @@ def _two_d_model(ctx, seed=0):
     return fully_shard(model, mesh=mesh["dp"])
 
 
-def _two_d_save(ctx, path):
-    _setup(ctx)
-    model = _two_d_model(ctx)
-    opt = _adamw(model)
-    _tp_train(model, opt, range(STEPS))
-    model_sd, optim_sd = get_state_dict(model, opt)
-    assert isinstance(model_sd["fc1.weight"], ShardedTensor) and model_sd["fc1.weight"].shape == (32, 8)
-    dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=path)
-    return get_state_dict(model, opt, options=FULL)
-
-
 def _two_d_resume(ctx, path, sds):
     _setup(ctx)
     model = _two_d_model(ctx, seed=1)
@@ -540,7 +533,7 @@ def test_fsdp_over_tensor_parallel_layers_checkpoints_at_any_layout(tmp_path):
     want = copy.deepcopy((get_model_state_dict(ref), get_optimizer_state_dict(ref, opt)))
     _tp_train(ref, opt, [STEPS])
     expected = ref(_tp_batch(99)[0]).detach()
-    for got in get_pool(4).run(_two_d_save, path):
+    for got in get_pool(4).run(_tp_save, path, True):
         _assert_same_state_dicts(got, want)
     logits = get_pool(1).run(_tp_resume, path) + get_pool(4).run(_tp_resume, path)
     logits += get_pool(4).run(_two_d_resume, path, None) + get_pool(4).run(_two_d_resume, path, want)
