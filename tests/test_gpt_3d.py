@@ -91,6 +91,8 @@ LAYOUTS = {
     "interleaved-2x1x2": Layout(dp=2, pp=2, schedule="interleaved", microbatches=2),
     "interleaved-1x1x4": Layout(pp=4, schedule="interleaved", virtual_stages=1, microbatches=4),
     "zb-2x1x2": Layout(dp=2, pp=2, schedule="zero-bubble", microbatches=4),
+    "izb-2x1x2": Layout(dp=2, pp=2, schedule="interleaved-zero-bubble", microbatches=2),
+    "bfs-1x2x2": Layout(tp=2, pp=2, schedule="looped-bfs", microbatches=2),
     "fsdp-zb-2x1x2": Layout(dp=2, pp=2, fsdp=True, schedule="zero-bubble", microbatches=2),
     # Hybrid sharding, named replicate x shard x tp x pp: 2 replicas of 2 shards; 2 pipelines
     # whose stages are replicas of one shard each (the replicas' all-reduce alone).

@@ -8,7 +8,7 @@ et al. 2021, arXiv:2104.04473, "3D parallelism"), assembled from the project's p
 2. the pipeline cut: ``num_stages = pp * virtual_stages`` stages of consecutive blocks
    (``split_boundaries``, the cut ``pipeline.split`` makes); the first stage also holds the
    embeddings, the last ``ln_f`` and ``lm_head``; a rank holds stages r, r + pp, ... (looped
-   placement, for the interleaved schedule);
+   placement, for the schedules in ``LOOPED``);
 3. tensor parallelism with ``parallelize`` and ``tensor_parallel_plan`` on each stage;
 4. data parallelism: each stage in torchpar's ``DistributedDataParallel`` or, with ``fsdp``,
    ``fully_shard`` per block and per stage, over the dp group; with ``dp_replicate`` > 1 hybrid
@@ -59,7 +59,7 @@ from torchpar.models.gpt import GPT, RECOMPUTE, GPTConfig, GPTParts
 from torchpar.optim import MixedPrecisionOptimizer, ZeroRedundancyOptimizer
 from torchpar.parallel import DistributedDataParallel, MixedPrecision, clip_grad_norm_, fully_shard, parallelize
 from torchpar.parallel.pipeline import (PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B,
-                                        ScheduleZeroBubble)
+                                        ScheduleInterleavedZeroBubble, ScheduleLoopedBFS, ScheduleZeroBubble)
 from torchpar.parallel.fsdp import FSDPModule
 from torchpar.parallel.pipeline.failure import abort_with_reason, clip_reason, fully_shard_groups
 from torchpar.parallel.pipeline.schedules import reduce_in_last_backward, syncing_fsdp_modules
@@ -68,14 +68,17 @@ from torchpar.parallel.tensor import (ColumnParallelLinear, RowParallelLinear, V
                                       model_parallel_seed, vocab_parallel_cross_entropy)
 
 SCHEDULES = {"1f1b": Schedule1F1B, "interleaved": ScheduleInterleaved1F1B, "zero-bubble": ScheduleZeroBubble,
-             "gpipe": ScheduleGPipe}
+             "gpipe": ScheduleGPipe, "interleaved-zero-bubble": ScheduleInterleavedZeroBubble,
+             "looped-bfs": ScheduleLoopedBFS}
+LOOPED = ("interleaved", "interleaved-zero-bubble", "looped-bfs")  # several stages per rank
+INTERLEAVED = ("interleaved", "interleaved-zero-bubble")  # m a multiple of pp
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
 @dataclass
 class Layout:
     """How the job is laid out: ``dp * tp * pp`` must be the world size. ``virtual_stages``:
-    stages per pipeline rank (the interleaved schedule's v; default 2 for it, else 1).
+    stages per pipeline rank (the v of the schedules in ``LOOPED``; default 2 for them, else 1).
     ``microbatches``: per step and data-parallel rank. ``dp_replicate`` (with ``fsdp``): the dp
     ranks as that many replicas of ``dp / dp_replicate`` shards each (hybrid sharding).
     ``reshard_after_forward`` (with ``fsdp``): fully_shard's, a bool or the number of ranks N (a
@@ -96,7 +99,7 @@ class Layout:
 
     def __post_init__(self):
         if self.virtual_stages is None:
-            self.virtual_stages = 2 if self.schedule == "interleaved" else 1
+            self.virtual_stages = 2 if self.schedule in LOOPED else 1
 
     @property
     def world_size(self):
@@ -136,12 +139,13 @@ def check_layout(cfg: GPTConfig, layout: Layout, world_size: int, batch_size: Op
                    "sharded over (dp / dp_replicate)")
     if L.schedule not in SCHEDULES:
         bad.append(f"schedule {L.schedule!r} is not one of {sorted(SCHEDULES)}")
-    elif L.virtual_stages > 1 and L.schedule != "interleaved":
-        bad.append(f"{L.virtual_stages} virtual stages per rank need the interleaved schedule, not {L.schedule!r}")
-    if L.schedule == "interleaved" and L.pp < 2:
-        bad.append(f"the interleaved schedule needs at least 2 pipeline ranks (pp={L.pp})")
-    elif L.schedule == "interleaved" and L.microbatches % L.pp:
-        bad.append(f"the interleaved schedule needs micro-batches ({L.microbatches}) a multiple of pp ({L.pp})")
+    elif L.virtual_stages > 1 and L.schedule not in LOOPED:
+        bad.append(f"{L.virtual_stages} virtual stages per rank need one of the schedules {list(LOOPED)}, "
+                   f"not {L.schedule!r}")
+    if L.schedule in LOOPED and L.pp < 2:
+        bad.append(f"the {L.schedule} schedule needs at least 2 pipeline ranks (pp={L.pp})")
+    elif L.schedule in INTERLEAVED and L.microbatches % L.pp:
+        bad.append(f"the {L.schedule} schedule needs micro-batches ({L.microbatches}) a multiple of pp ({L.pp})")
     if L.recompute not in RECOMPUTE:
         bad.append(f"recompute {L.recompute!r} is not one of {RECOMPUTE}")
     if L.dtype not in DTYPES:
@@ -267,7 +271,7 @@ class ParallelGPT:
         self.has_first = any(p.first for p in self.parts)
         self.has_last = any(p.last for p in self.parts)
         cls = SCHEDULES[L.schedule]
-        stages = self.stages if cls is ScheduleInterleaved1F1B else self.stages[0]
+        stages = self.stages if L.schedule in LOOPED else self.stages[0]
         self.schedule = cls(stages, L.microbatches, loss_fn=self._loss)
         # One stage (pp = 1, no virtual stages): nothing to pipeline, so train_step runs the
         # micro-batches itself (``_run_unpipelined``), as Megatron-LM's
