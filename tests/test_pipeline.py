@@ -147,13 +147,20 @@ def _live_activations(ctx, name, m):
     return stats["peak_live"]
 
 
+_KINDS = {"gpipe": "gpipe", "1f1b": "1f1b", "interleaved": "interleaved_1f1b", "zb_h1": "zb_h1",
+          "interleaved_zb": "interleaved_zb", "looped_bfs": "looped_bfs"}
+
+
 @pytest.mark.parametrize("world_size", [2, 4])
 def test_peak_live_activations(world_size):
+    """Micro-batch-stages a rank holds at once (over all its stages), measured in a step: the
+    simulator's count for every schedule (GPipe m, 1F1B p - rank, ZB-H1 p, looped BFS v m, ...)."""
     pool = _pool("torchpar", world_size)
     m = 8
-    assert pool.run(_live_activations, "gpipe", m) == [m] * world_size
-    assert pool.run(_live_activations, "1f1b", m) == [world_size - r for r in range(world_size)]
-    assert max(pool.run(_live_activations, "zb_h1", m)) <= world_size
+    for name in SCHEDULES:
+        v = 2 if name in MULTI_STAGE else 1
+        want = torchpar._C.pipeline_schedule(_KINDS[name], world_size, m, v).simulate()["peak_in_flight"]
+        assert pool.run(_live_activations, name, m) == want, name
 
 
 def _pp_by_dp(ctx, backend):
@@ -166,8 +173,8 @@ def _pp_by_dp(ctx, backend):
 
 def _with_ddp(ctx, backend, name):
     """4 ranks: pipeline pairs {0,1} and {2,3}; data-parallel pairs {0,2} and {1,3}. Every
-    stage a torchpar DDP: armed before its last backward (GPipe, 1F1B, interleaved), or
-    averaged after the step (ZB-H1). Two steps, so that the reducer's state after an armed
+    stage a torchpar DDP: armed before its last backward (GPipe, 1F1B, interleaved, looped BFS),
+    or averaged after the step (the split-backward ZB-H1 and interleaved zero bubble). Two steps, so that the reducer's state after an armed
     step is checked too."""
     torch.set_num_threads(1)
     from torchpar.parallel import DistributedDataParallel as DDP

@@ -18,7 +18,7 @@ def _cases():
         for p in range(1, 7):
             for m in range(1, 13):
                 for v in ([1, 2, 3] if kind in INTERLEAVED + ("looped_bfs",) else [1]):
-                    if kind in INTERLEAVED and (p < 2 or m % p):
+                    if kind in INTERLEAVED and (p < 2 or m % p) or p == 1 and v > 1:
                         continue
                     yield kind, p, m, v
 
@@ -117,6 +117,13 @@ def test_receives_are_posted_before_the_compute_that_precedes_their_use():
                 computes_between = [a for a in acts[i:use] if a[0] in COMPUTE]
                 first_compute = next(j for j, a in enumerate(acts) if a[0] in COMPUTE)
                 assert computes_between or i < first_compute, (kind, p, m, v, rank, name, mb, stage)
+
+
+def test_several_stages_need_several_ranks():
+    with pytest.raises(ValueError, match="looped BFS with 2 stages needs at least 2 pipeline ranks"):
+        _C.pipeline_schedule("looped_bfs", 1, 4, 2)
+    with pytest.raises(ValueError, match="2 stages on 1 pipeline rank"):
+        _C.pipeline_schedule_from_csv("0,F,0,0\n0,F,0,1\n0,B,0,1\n0,B,0,0\n", 1, 1, 2)
 
 
 @pytest.mark.parametrize("kind", INTERLEAVED)

@@ -62,7 +62,7 @@ TORCHPAR_PYBIND(pipeline) {
           return as_value_error([&] { return pp::make_schedule(pp::parse_kind(kind), p, m_, v); });
         },
         py::arg("kind"), py::arg("num_ranks"), py::arg("num_microbatches"), py::arg("stages_per_rank") = 1,
-        "kind: gpipe, 1f1b, interleaved_1f1b or zb_h1.");
+        "kind: gpipe, 1f1b, interleaved_1f1b, zb_h1, interleaved_zb or looped_bfs.");
   m.def("pipeline_schedule_from_csv",
         [](const std::string& text, int p, int m_, int v) {
           return as_value_error([&] { return pp::schedule_from_csv(text, p, m_, v); });

@@ -28,6 +28,8 @@ int parse_int(const std::string& field, int line, const char* what) {
 
 Schedule schedule_from_csv(const std::string& text, int p, int m, int v) {
   TP_CHECK_USAGE(p >= 1 && m >= 1 && v >= 1, "schedule CSV: p, m and v must be >= 1 (got ", p, ", ", m, ", ", v, ")");
+  // Neighbouring stages on one rank would hand off to that rank itself, which no process group does.
+  TP_CHECK_USAGE(p >= 2 || v == 1, "schedule CSV: ", v, " stages on 1 pipeline rank (stages hand off between ranks)");
   Schedule s;
   s.kind = ScheduleKind::Custom;
   s.num_ranks = p;

@@ -63,9 +63,9 @@ Order interleaved(int rank, int p, int m, int v) {
 // Zero bubble (Qi et al. 2023, arXiv:2401.10241 section 3.1): `order` with each backward split
 // into B (input gradient, on the critical path between ranks) and W (weight gradient, local).
 // B goes out at once; rank r holds back its r oldest W's, which then fill the gaps at the end
-// where the unsplit order idles. A held-back W keeps its micro-batch live, so rank r's peak grows
-// by r; in 1F1B and interleaved 1F1B rank r warms up with at least r fewer forwards than rank 0,
-// so no rank's peak passes rank 0's: the busiest rank's memory is the unsplit order's.
+// where the unsplit order idles. A held-back W keeps its micro-batch live, so a rank's peak
+// grows, but not past the unsplit order's busiest rank's (rank 0's, which holds none back):
+// checked by simulation (tests/test_pipeline_schedule.py; a review ran p <= 8, m <= 32, v <= 4).
 // From 1F1B this is ZB-H1: the bubble shrinks from (p-1)(tF+tB+tW) to (p-1)(tF+tB-tW); from
 // interleaved 1F1B, torch's ScheduleInterleavedZeroBubble's kind of schedule, likewise over v.
 Order split_backward(const Order& order, int rank) {
@@ -151,6 +151,9 @@ Schedule make_schedule(ScheduleKind kind, int p, int m, int v) {
   } else if (kind != ScheduleKind::LoopedBFS) {
     TP_CHECK_USAGE(v == 1, "only the interleaved schedules and looped BFS place several stages on a rank; got ",
                    v, " stages per rank");
+  } else {
+    // Its neighbouring stages would hand off to the one rank itself (review finding).
+    TP_CHECK_USAGE(p >= 2 || v == 1, "looped BFS with ", v, " stages needs at least 2 pipeline ranks, got ", p);
   }
   Schedule s;
   s.kind = kind;

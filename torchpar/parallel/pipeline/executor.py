@@ -112,6 +112,7 @@ class Executor:
         self.last_b = {stage: mb for name, mb, stage in actions
                        if name == "B" and stage in self.sync_in_last_backward}
         self.fsdp_last_b = {stage: mb for name, mb, stage in actions if name == "B" and stage in self.fsdp}
+        peak_live = 0  # micro-batch-stages this rank holds at once, over all its stages
         for action in actions:
             self.action = name, mb, stage = action
             if name[0] in "RS":  # RECV_*, SEND_*: queued, posted before the next compute
@@ -122,6 +123,8 @@ class Executor:
             t_wait = self._do[name](mb, stage)  # returns when its inputs had arrived
             t1 = time.perf_counter()
             busy += t1 - t_wait
+            if name == "F":  # only a forward adds one
+                peak_live = max(peak_live, sum(s.live for s in self.s.stages))
             if t_wait - t0 > 2e-5:
                 events.append(("wait", mb, stage, t0 - t_start, t_wait - t_start))
             events.append((name, mb, stage, t_wait - t_start, t1 - t_start))
@@ -131,7 +134,7 @@ class Executor:
         step_time = time.perf_counter() - t_start
         self._remember()
         stats = {"step_time": step_time, "busy": busy, "bubble": 1 - busy / step_time if step_time else 0.0,
-                 "peak_live": max(s.peak_live for s in self.s.stages),
+                 "peak_live": peak_live,
                  "start": t_start}  # time.perf_counter(): one clock for every process of a host
         outputs = _merge(self.outputs) if self.outputs else None
         return outputs, self.losses, stats, self.events

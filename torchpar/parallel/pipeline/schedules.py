@@ -452,7 +452,8 @@ class ScheduleInterleavedZeroBubble(_LoopedSchedule):
     """Interleaved 1F1B with each backward split into B and W (arXiv:2401.10241), rank r holding
     back r W's to fill the cool-down, as ZB-H1 does for 1F1B: interleaved 1F1B's peak memory, a
     third of its bubble when tF = tB = tW. torch's ScheduleInterleavedZeroBubble's place (its
-    ZB1P). n_microbatches must be a multiple of p."""
+    ZB1P). n_microbatches must be a multiple of p. With one stage a rank, ScheduleZeroBubble
+    leaves the same bubble with less memory (1F1B's shorter warm-up)."""
     kind = "interleaved_zb"
 
 

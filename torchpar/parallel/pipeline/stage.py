@@ -164,7 +164,6 @@ class PipelineStage:
         self.next_rank = (stage_index + 1) % self.group_size
         self._mbs = {}
         self.live = 0          # micro-batches whose activations are held now
-        self.peak_live = 0
         self._owners = [m for m in module.modules() if _own_params(m)]
         self._whole_backward = False  # a reentrant checkpoint refused B's autograd.grad (backward_input)
 
@@ -195,7 +194,6 @@ class PipelineStage:
             state.captured = captured
             self._mbs[mb] = state
             self.live += 1
-            self.peak_live = max(self.peak_live, self.live)
         return outputs
 
     def set_loss(self, mb, loss):
@@ -381,4 +379,3 @@ class PipelineStage:
         """Drops every micro-batch's state (after a step, or after a failed one)."""
         self._mbs.clear()
         self.live = 0
-        self.peak_live = 0
