@@ -514,6 +514,29 @@ def _destroy_with_async_work_pending(rank, world_size, init_file):
     return True
 
 
+def _destroy_a_subgroup_a_peer_still_waits_in(rank, world_size, init_file):
+    """Rank 0 issues a collective on a subgroup that rank 1 never joins; both then destroy the
+    subgroup. Rank 1's side is gone, so rank 0's collective fails at once (it waited for the
+    group's timeout before, 2026-11-30; gloo's fails when rank 1 closes its connection)."""
+    _init(rank, world_size, init_file, 30)
+    pair = dist.new_group([0, 1], timeout=timedelta(seconds=30))
+    dist.all_reduce(torch.ones(4), group=pair)
+    work = dist.all_reduce(torch.ones(4), group=pair, async_op=True) if rank == 0 else None
+    start = time.monotonic()
+    dist.destroy_process_group(pair)
+    if work is not None:
+        msg = expect_error(work.wait, "rank 1")
+        assert "has left the group" in msg or "lost the TCP connection" in msg, msg
+    elapsed = time.monotonic() - start
+    dist.destroy_process_group()
+    return elapsed
+
+
+def test_destroying_a_group_fails_a_peers_collective_at_once(transport):
+    elapsed = spawn(_destroy_a_subgroup_a_peer_still_waits_in, 2, timeout=60, env=transport_env(transport))
+    assert max(elapsed) < 10, elapsed  # not the group's 30 s timeout
+
+
 def test_a_failed_group_leaves_other_groups_usable(transport):
     assert spawn(_failure_stays_in_its_group, 3, timeout=60, env=transport_env(transport)) == [True] * 3
 

@@ -54,7 +54,9 @@ struct alignas(64) RankBlock {
   Flag doorbell;  // this rank's progress thread sleeps here; peers bump it
   Flag mapped;    // bumped once by the rank that created the segment, when it is unlinked
   int32_t pid;
-  int32_t reserved;
+  // 1 once this rank's side of the group is gone (destroy_process_group, the end of the job):
+  // a peer still waiting for it fails at once instead of at the timeout.
+  std::atomic<int32_t> left;
   OpDesc desc;
 };
 

@@ -42,6 +42,18 @@ void Monitor::check(int peer) const {
   int pid = blocks_[peer].pid;
   TP_CHECK(pid <= 0 || process_alive(pid), "rank ", name(peer), " (pid ", pid,
            ") has exited; the group cannot continue");
+  TP_CHECK(blocks_[peer].left.load(std::memory_order_acquire) == 0, "rank ", name(peer),
+           " has left the group (destroyed it, e.g. with destroy_process_group) before this operation "
+           "completed; the group cannot continue");
+}
+
+void Monitor::leave() {
+  if (blocks_ == nullptr) return;  // never mapped
+  blocks_[rank_].left.store(1, std::memory_order_release);
+  for (int r = 0; r < size_; ++r) {  // a peer asleep waiting for this rank checks it now
+    blocks_[r].step.wake_all();
+    blocks_[r].doorbell.wake_all();
+  }
 }
 
 void Monitor::abort(const std::string& reason) {

@@ -22,8 +22,12 @@ class Monitor {
   // How member `r` is named in errors.
   int name(int r) const { return names_.empty() ? r : names_[r]; }
 
-  // Throws torchpar::Error if the group was aborted or `peer`'s process has exited.
+  // Throws torchpar::Error if the group was aborted, or `peer`'s process has exited or left
+  // the group.
   void check(int peer) const;
+  // Marks this rank's side of the group as gone (its transport is closing) and wakes every
+  // peer's waits, so that one still waiting for this rank fails at its next check.
+  void leave();
   // Throws if the group was aborted by any rank.
   void check_aborted() const;
   // Records the first failure of the group for every rank and wakes all their waits.
