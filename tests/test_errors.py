@@ -523,11 +523,13 @@ def _destroy_a_subgroup_a_peer_still_waits_in(rank, world_size, init_file):
     dist.all_reduce(torch.ones(4), group=pair)
     work = dist.all_reduce(torch.ones(4), group=pair, async_op=True) if rank == 0 else None
     start = time.monotonic()
-    dist.destroy_process_group(pair)
+    dist.destroy_process_group(pair)  # rank 1 still holds `pair`: destroying it is what says so
     if work is not None:
         msg = expect_error(work.wait, "rank 1")
         assert "has left the group" in msg or "lost the TCP connection" in msg, msg
     elapsed = time.monotonic() - start
+    dist.barrier()  # rank 1 waits here, its `pair` alive, until rank 0's work has failed
+    del pair
     dist.destroy_process_group()
     return elapsed
 

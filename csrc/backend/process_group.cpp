@@ -37,7 +37,12 @@ ProcessGroupTorchpar::~ProcessGroupTorchpar() { shutdown(); }
 
 void ProcessGroupTorchpar::shutdown() {
   if (queue_) queue_->stop();  // runs what was already queued, then exits
-  if (transport_) transport_->p2p().stop();
+  if (transport_) {
+    transport_->p2p().stop();
+    // destroy_process_group calls this: a peer still waiting for this rank (a collective it
+    // never issued) fails now, not when the last reference to the group goes.
+    transport_->leave();
+  }
   if (cuda_) cuda_->shutdown();
 }
 

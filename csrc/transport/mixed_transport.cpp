@@ -121,6 +121,11 @@ void MixedTransport::check_peer(int peer) {
   if (local(peer)) shm_->check_peer(local_index(peer));
 }
 
+void MixedTransport::leave() {
+  if (shm_) shm_->leave();  // this host's peers
+  tcp_->leave();            // the others'
+}
+
 void MixedTransport::abort(const std::string& reason) {
   // This host's ranks stop at once through the segment; the other hosts' when this rank's
   // sockets close (and they read the reason in the store).

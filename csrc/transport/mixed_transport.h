@@ -43,6 +43,7 @@ class MixedTransport final : public Transport {
   shm::ShmTransport* host_transport() { return shm_.get(); }
 
   void abort(const std::string& reason) override;
+  void leave() override;
   std::string abort_reason() override { return tcp_->abort_reason(); }
 
   // Link

@@ -30,6 +30,10 @@ class Transport : public Link {
   // Why another rank aborted the group, if it said so ("" otherwise). May block briefly
   // (a store lookup): call it from a thread that is failing anyway, never the progress one.
   virtual std::string abort_reason() { return ""; }
+  // This rank's side of the group is closing (the backend's shutdown, after its own work
+  // ended): a peer still waiting for this rank fails at once instead of at the timeout. TCP
+  // ends its half of each connection; shared memory marks it in the segment.
+  virtual void leave() {}
 };
 
 }  // namespace torchpar

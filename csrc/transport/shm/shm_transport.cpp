@@ -52,9 +52,7 @@ ShmTransport::ShmTransport(int rank, int size, Rendezvous& rendezvous, const Con
 
 ShmTransport::~ShmTransport() {
   if (p2p_) p2p_->stop();
-  // After the group's own work ended (ProcessGroupTorchpar::shutdown drained its queue): a peer
-  // still waiting for this rank, e.g. in a collective this rank never issued, fails now.
-  monitor_.leave();
+  leave();  // (ProcessGroupTorchpar::shutdown did already, unless this transport is another's part)
 }
 
 P2PEngine& ShmTransport::p2p() {

@@ -39,6 +39,7 @@ class ShmTransport final : public Transport {
   const std::string& segment_name() const { return segment_.name(); }
 
   void abort(const std::string& reason) override;
+  void leave() override { monitor_.leave(); }
 
   // Link
   size_t write_some(int peer, const void* data, size_t n) override;

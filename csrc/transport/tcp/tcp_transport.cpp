@@ -463,6 +463,14 @@ std::string TcpTransport::abort_reason() {
   return "the group was aborted by rank " + std::to_string(notice.rank) + ": " + notice.reason;
 }
 
+void TcpTransport::leave() {
+  // What this rank sent still arrives; then each peer reads the end of the connection, and one
+  // still waiting for this rank fails at once ("lost the TCP connection").
+  for (int peer = 0; peer < size_; ++peer) {
+    if (peer != rank_ && remote_[peer]) ::shutdown(sockets_[peer].get(), SHUT_WR);
+  }
+}
+
 void TcpTransport::abort(const std::string& reason) {
   {
     std::lock_guard<std::mutex> lock(mu_);

@@ -40,6 +40,7 @@ class TcpTransport final : public Transport {
   // Publishes `reason` in the rendezvous (peers read it when their connection to this rank
   // ends) and shuts every connection down, so peers waiting on this rank fail at once.
   void abort(const std::string& reason) override;
+  void leave() override;
   std::string abort_reason() override;
 
   // Link
