@@ -277,11 +277,37 @@ TEST(P2P, ASendWhoseBytesAreOutSurvivesItsPeerLeavingBeforeItCompletes) {
 
 TEST(Collectives, AbsentPeerTimesOut) {
   run_ranks(2, [&](int rank, Transport& t) {
-    if (rank == 1) return;  // never joins the collective
+    if (rank == 1) {  // never joins the collective, but stays in the group past rank 0's timeout
+      std::this_thread::sleep_for(std::chrono::milliseconds(1500));
+      return;
+    }
     float x = 1;
     auto c = comm(t, 0, 300);
     EXPECT_THROW(collectives::allreduce(c, &x, 1, c10::ScalarType::Float, collectives::ReduceOp::kSum),
                  TimeoutError);
+  });
+}
+
+TEST(Collectives, DepartedPeerFailsAtOnce) {
+  // A rank that leaves the group (destroy_process_group) while a peer waits for it in a
+  // collective it never issued: the peer fails naming it, well before its timeout.
+  run_ranks(2, [&](int rank, Transport& t) {
+    if (rank == 1) {
+      t.leave();
+      return;
+    }
+    float x = 1;
+    auto c = comm(t, 0, 20000);
+    auto start = std::chrono::steady_clock::now();
+    try {
+      collectives::allreduce(c, &x, 1, c10::ScalarType::Float, collectives::ReduceOp::kSum);
+      ADD_FAILURE() << "the collective did not fail";
+    } catch (const TimeoutError& e) {
+      ADD_FAILURE() << "timed out instead: " << e.what();
+    } catch (const Error& e) {
+      EXPECT_NE(std::string(e.what()).find("rank 1 has left the group"), std::string::npos) << e.what();
+    }
+    EXPECT_LT(std::chrono::steady_clock::now() - start, std::chrono::seconds(5));
   });
 }
 
