@@ -32,6 +32,16 @@ SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B, "interleaved": Schedu
 MULTI_STAGE = ("interleaved", "interleaved_zb", "looped_bfs")  # two stages per rank here
 
 
+def _stages_per_rank(name):
+    return 2 if name in MULTI_STAGE else 1
+
+
+def _schedule(name, stages, m):
+    """The schedule ``name`` over this rank's ``stages`` (the one-stage kinds take the stage alone)."""
+    cls = SCHEDULES[name]
+    return cls(stages, m, loss_fn=_mse) if name in MULTI_STAGE else cls(stages[0], m, loss_fn=_mse)
+
+
 def _pool(backend, world_size):
     if backend == "torchpar" and not hasattr(torchpar._C, "ProcessGroupTorchpar"):
         pytest.skip("the torchpar backend is not built in this tree")
@@ -63,9 +73,7 @@ def _build(ctx, name, model, m, group=None, stages_per_rank=1):
     n = p * stages_per_rank
     pipe = copy.deepcopy(model)
     stages = [PipelineStage(split(pipe, n, s), s, n, group=group) for s in range(r, n, p)]
-    cls = SCHEDULES[name]
-    sched = cls(stages, m, loss_fn=_mse) if name in MULTI_STAGE else cls(stages[0], m, loss_fn=_mse)
-    return stages, sched
+    return stages, _schedule(name, stages, m)
 
 
 def _reference_grads(model, x, y):
@@ -86,7 +94,7 @@ def _check_grads(stages, ref, n_stages, rtol, atol):
 def _one_step(ctx, name, dtype, m):
     torch.set_num_threads(1)
     dtype = getattr(torch, dtype)
-    v = 2 if name in MULTI_STAGE else 1
+    v = _stages_per_rank(name)
     n_stages = ctx.world_size * v
     model = _model(2 * n_stages, dtype)
     x, y = _data(0, 4 * m, dtype)
@@ -116,7 +124,7 @@ def test_loss_and_gradients_equal_the_whole_model(backend, world_size, dtype, na
 
 def _ten_steps(ctx, name):
     torch.set_num_threads(1)
-    v = 2 if name in MULTI_STAGE else 1
+    v = _stages_per_rank(name)
     n_stages = ctx.world_size * v
     model = _model(2 * n_stages)
     ref = copy.deepcopy(model)
@@ -147,10 +155,6 @@ def _live_activations(ctx, name, m):
     return stats["peak_live"]
 
 
-_KINDS = {"gpipe": "gpipe", "1f1b": "1f1b", "interleaved": "interleaved_1f1b", "zb_h1": "zb_h1",
-          "interleaved_zb": "interleaved_zb", "looped_bfs": "looped_bfs"}
-
-
 @pytest.mark.parametrize("world_size", [2, 4])
 def test_peak_live_activations(world_size):
     """Micro-batch-stages a rank holds at once (over all its stages), measured in a step: the
@@ -158,8 +162,8 @@ def test_peak_live_activations(world_size):
     pool = _pool("torchpar", world_size)
     m = 8
     for name in SCHEDULES:
-        v = 2 if name in MULTI_STAGE else 1
-        want = torchpar._C.pipeline_schedule(_KINDS[name], world_size, m, v).simulate()["peak_in_flight"]
+        schedule = torchpar._C.pipeline_schedule(SCHEDULES[name].kind, world_size, m, _stages_per_rank(name))
+        want = schedule.simulate()["peak_in_flight"]
         assert pool.run(_live_activations, name, m) == want, name
 
 
@@ -174,21 +178,20 @@ def _pp_by_dp(ctx, backend):
 def _with_ddp(ctx, backend, name):
     """4 ranks: pipeline pairs {0,1} and {2,3}; data-parallel pairs {0,2} and {1,3}. Every
     stage a torchpar DDP: armed before its last backward (GPipe, 1F1B, interleaved, looped BFS),
-    or averaged after the step (the split-backward ZB-H1 and interleaved zero bubble). Two steps, so that the reducer's state after an armed
-    step is checked too."""
+    or averaged after the step (the split-backward ZB-H1 and interleaved zero bubble). Two
+    steps, so that the reducer's state after an armed step is checked too."""
     torch.set_num_threads(1)
     from torchpar.parallel import DistributedDataParallel as DDP
     pp, dp = _pp_by_dp(ctx, backend)
     dp_rank = ctx.rank // 2
-    v = 2 if name in MULTI_STAGE else 1
+    v = _stages_per_rank(name)
     n_stages = 2 * v
     model = _model(2 * n_stages)
     pipe = copy.deepcopy(model)
     stages = [PipelineStage(DDP(split(pipe, n_stages, s), process_group=dp, find_unused_parameters=True),
                             s, n_stages, group=pp)
               for s in range(ctx.rank % 2, n_stages, 2)]
-    cls = SCHEDULES[name]
-    sched = cls(stages, 4, loss_fn=_mse) if name in MULTI_STAGE else cls(stages[0], 4, loss_fn=_mse)
+    sched = _schedule(name, stages, 4)
     for step in range(2):
         x, y = _data(step, 16)
         ref, _ = _reference_grads(model, x, y)
@@ -981,7 +984,7 @@ def _with_fsdp(ctx, name, reshard_after_forward=True):
     from torchpar.parallel import fully_shard
     pp, dp = _pp_by_dp(ctx, "torchpar")
     dp_rank = ctx.rank // 2
-    v = 2 if name in MULTI_STAGE else 1
+    v = _stages_per_rank(name)
     n_stages = 2 * v
     model = _model(2 * n_stages)
     ref = copy.deepcopy(model)
@@ -995,8 +998,7 @@ def _with_fsdp(ctx, name, reshard_after_forward=True):
         fully_shard(module, dp)
         stages.append(PipelineStage(module, s, n_stages, group=pp))
         opts.append(torch.optim.SGD(module.parameters(), lr=0.1))
-    cls = SCHEDULES[name]
-    sched = cls(stages, 4, loss_fn=_mse) if name in MULTI_STAGE else cls(stages[0], 4, loss_fn=_mse)
+    sched = _schedule(name, stages, 4)
     units = sum(len(list(st.submod)) for st in stages)  # the layers; the roots hold no parameter
     for step in range(2):
         x, y = _data(step, 16)

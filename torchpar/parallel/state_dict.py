@@ -357,8 +357,9 @@ def _holdings(model):
         dims = next((d for cls, d in _SPLIT.items() if isinstance(module, cls)), {})
         if dims and module.tp > 1:
             for name, dim in dims.items():
-                if getattr(module, name, None) is not None:
-                    split[fqn(prefix, name)] = (_Positions(module, dim), getattr(module, name))
+                p = getattr(module, name, None)
+                if p is not None:
+                    split[fqn(prefix, name)] = (_Positions(module, dim), p)
         if isinstance(module, FSDPModule):
             units.append((prefix, module._fsdp))
     # (unit group's ranks, layer group's ranks): the grid, asked for once. Keyed by ranks, not
